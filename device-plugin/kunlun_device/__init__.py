@@ -1,0 +1,1 @@
+"""kunlun_device package."""

@@ -1,0 +1,1 @@
+"""kunlun_operator package."""
