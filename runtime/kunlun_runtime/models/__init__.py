@@ -1,0 +1,1 @@
+"""Model loading: HF-format directories, GGUF import, the embedded default model, architectures."""
