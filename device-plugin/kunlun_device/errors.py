@@ -1,0 +1,67 @@
+"""Errors of `kunlun_device`: one hierarchy, each naming what went wrong and where.
+
+Invariant: unparseable tool output is never turned into zeros; it raises `XpuParseError`, which
+quotes the offending line. One bad card never takes a servicer down: callers catch `XpuError`.
+"""
+
+from __future__ import annotations
+
+
+class XpuError(Exception):
+    """Base class of every error raised by `kunlun_device`."""
+
+
+class XpuToolMissingError(XpuError):
+    """The `xpu-smi` command does not exist or is not executable."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__(f"xpu-smi not found or not executable: {command!r}")
+        self.command = command
+
+
+class XpuToolFailedError(XpuError):
+    """`xpu-smi` ran but exited non-zero, timed out, or wrote no output."""
+
+    def __init__(self, argv: list[str], reason: str) -> None:
+        super().__init__(f"{' '.join(argv)}: {reason}")
+        self.argv = argv
+        self.reason = reason
+
+
+class XpuParseError(XpuError):
+    """Output of `xpu-smi` (or a version file) that this package cannot read.
+
+    Attributes:
+        source: which output was being parsed (e.g. ``xpu-smi -q --id=3``).
+        line_number: 1-based line number in that output, or None when the whole output is at fault.
+        line: the offending line, verbatim.
+    """
+
+    def __init__(self, source: str, line_number: int | None, line: str, reason: str) -> None:
+        where = f"line {line_number}" if line_number is not None else "output"
+        super().__init__(f"{source}: {reason} at {where}: {line!r}")
+        self.source = source
+        self.line_number = line_number
+        self.line = line
+        self.reason = reason
+
+
+class UnknownDeviceError(XpuError):
+    """A device id that this node does not have (e.g. in an `Allocate` request)."""
+
+    def __init__(self, device_ids: list[str]) -> None:
+        super().__init__(f"unknown device ids: {', '.join(sorted(device_ids))}")
+        self.device_ids = sorted(device_ids)
+
+
+class AllocationError(XpuError):
+    """A preferred-allocation request that cannot be satisfied (size larger than available)."""
+
+
+class ConfigError(XpuError):
+    """A bad command-line value or policy, naming the flag or field."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason

@@ -1,0 +1,36 @@
+"""Names that the device plugin shares with the rest of the system (the operator imports these).
+
+Invariant: these strings are the contract with Kubernetes objects already in clusters; change them
+only together with the operator and the chart.
+"""
+
+from __future__ import annotations
+
+#: The extended resource that the device plugin advertises to kubelet.
+RESOURCE_NAME = "kunlunxin.com/xpu"
+
+#: Prefix of every node label that the labeler owns (and the only labels it ever touches).
+LABEL_PREFIX = "kunlun.dev/xpu."
+
+LABEL_PRESENT = "kunlun.dev/xpu.present"
+LABEL_PRODUCT = "kunlun.dev/xpu.product"
+LABEL_COUNT = "kunlun.dev/xpu.count"
+LABEL_DRIVER_VERSION = "kunlun.dev/xpu.driver-version"
+LABEL_FIRMWARE_VERSION = "kunlun.dev/xpu.firmware-version"
+LABEL_KML_VERSION = "kunlun.dev/xpu.kml-version"
+
+#: Every label key the labeler manages, in a stable order.
+ALL_LABELS: tuple[str, ...] = (
+    LABEL_PRESENT,
+    LABEL_PRODUCT,
+    LABEL_COUNT,
+    LABEL_DRIVER_VERSION,
+    LABEL_FIRMWARE_VERSION,
+    LABEL_KML_VERSION,
+)
+
+#: Environment variable that `Allocate` sets to the comma-separated host indices of the cards.
+VISIBLE_DEVICES_ENV = "XPU_VISIBLE_DEVICES"
+
+#: Control device node handed to every container that gets at least one card.
+CONTROL_DEVICE = "/dev/xpuctrl"
