@@ -1,0 +1,238 @@
+{{/*
+Names, labels and selectors shared by every template. All helpers are prefixed with the chart
+name so that they cannot collide with a parent chart's.
+*/}}
+
+{{/* Chart name, overridable. */}}
+{{- define "kunlun-inference.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Fully qualified prefix: release + chart name, unless the release already contains it. */}}
+{{- define "kunlun-inference.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Component names. */}}
+{{- define "kunlun-inference.operator.fullname" -}}
+{{- printf "%s-operator" (include "kunlun-inference.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "kunlun-inference.devicePlugin.fullname" -}}
+{{- printf "%s-device-plugin" (include "kunlun-inference.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "kunlun-inference.webhook.fullname" -}}
+{{- printf "%s-webhook" (include "kunlun-inference.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- define "kunlun-inference.compatibility.fullname" -}}
+{{- printf "%s-compatibility" (include "kunlun-inference.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* ServiceAccount of the operator. */}}
+{{- define "kunlun-inference.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create -}}
+{{- default (include "kunlun-inference.operator.fullname" .) .Values.operator.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.operator.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Common labels on every object. */}}
+{{- define "kunlun-inference.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "kunlun-inference.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kunlun-inference
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component: call with (dict "ctx" $ "component" "operator"). */}}
+{{- define "kunlun-inference.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kunlun-inference.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Full labels of one component: common labels + component. */}}
+{{- define "kunlun-inference.componentLabels" -}}
+{{ include "kunlun-inference.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Image reference: call with (dict "ctx" $ "image" .Values.operator.image). */}}
+{{- define "kunlun-inference.image" -}}
+{{- $tag := default .ctx.Chart.AppVersion .image.tag -}}
+{{- printf "%s/%s:%s" .ctx.Values.global.imageRegistry .image.repository $tag -}}
+{{- end -}}
+
+{{/* Image pull secrets block for a pod spec. */}}
+{{- define "kunlun-inference.imagePullSecrets" -}}
+{{- with .Values.global.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels of monitoring objects: component labels + monitoring.labels. */}}
+{{- define "kunlun-inference.monitoringLabels" -}}
+{{ include "kunlun-inference.componentLabels" . }}
+{{- with .ctx.Values.monitoring.labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Restricted-profile container security context shared by operator containers. */}}
+{{- define "kunlun-inference.restrictedSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* URL path of the operator's validating webhook handler (kopf serves one path per handler id). */}}
+{{- define "kunlun-inference.webhook.path" -}}
+/validate-kis
+{{- end -}}
+
+{{/* Command-line arguments of the operator container (flags documented in docs/operator.md). */}}
+{{- define "kunlun-inference.operator.args" -}}
+- run
+- --peering={{ .Values.operator.peering.name }}
+- --liveness=http://0.0.0.0:{{ .Values.operator.health.port }}/healthz
+- --metrics-port={{ .Values.operator.metrics.port }}
+- --log-level={{ .Values.operator.logLevel }}
+{{- if .Values.operator.watchNamespaces }}
+{{- range .Values.operator.watchNamespaces }}
+- --namespace={{ . }}
+{{- end }}
+{{- else }}
+- --all-namespaces
+{{- end }}
+{{- if .Values.compatibility.enabled }}
+- --compatibility-configmap={{ .Release.Namespace }}/{{ include "kunlun-inference.compatibility.fullname" . }}
+{{- end }}
+- --default-runtime-image={{ include "kunlun-inference.image" (dict "ctx" . "image" .Values.runtime.image) }}
+{{- if .Values.operator.webhook.enabled }}
+- --webhook-port={{ .Values.operator.webhook.port }}
+- --webhook-cert-dir=/etc/kunlun-operator/webhook
+{{- end }}
+{{- with .Values.operator.extraArgs }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The operator's ClusterRole rules (one rule per API group and verb set; table in docs/chart.md). */}}
+{{- define "kunlun-inference.operator.rules" -}}
+- apiGroups: ["serving.kunlun.dev"]
+  resources: ["kunluninferenceservices"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["serving.kunlun.dev"]
+  resources: ["kunluninferenceservices/status"]
+  verbs: ["patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["servicemonitors", "prometheusrules"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end -}}
+
+{{/* Arguments of one device-plugin container: (dict "ctx" $ "command" "plugin|labeler|exporter"). */}}
+{{- define "kunlun-inference.devicePlugin.args" -}}
+{{- $v := .ctx.Values.devicePlugin -}}
+- {{ .command }}
+- --xpu-smi={{ $v.xpuSmi }}
+- --dev-root=/host
+{{- if eq .command "plugin" }}
+- --kubelet-dir=/var/lib/kubelet/device-plugins
+{{- else if eq .command "labeler" }}
+- --interval={{ $v.labeler.intervalSeconds }}
+{{- else if eq .command "exporter" }}
+- --port={{ $v.exporter.port }}
+- --pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock
+{{- end }}
+{{- end -}}
+
+{{/* Volume mounts of one device-plugin container. */}}
+{{- define "kunlun-inference.devicePlugin.mounts" -}}
+- {name: host-dev, mountPath: /host/dev, readOnly: true}
+- {name: host-sys, mountPath: /host/sys, readOnly: true}
+{{- if .ctx.Values.devicePlugin.hostPaths.xpuSmi }}
+- {name: xpu-smi, mountPath: {{ .ctx.Values.devicePlugin.xpuSmi }}, readOnly: true}
+{{- end }}
+{{- if eq .command "plugin" }}
+- {name: device-plugins, mountPath: /var/lib/kubelet/device-plugins}
+{{- else if eq .command "exporter" }}
+- {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/*
+Security context of one device-plugin container. The plugin writes its socket into kubelet's
+root-owned directory and runs xpu-smi against /dev/xpuctrl, so it runs as root and privileged;
+the exporter needs xpu-smi too. The labeler only reads versions and talks to the API server.
+*/}}
+{{- define "kunlun-inference.devicePlugin.securityContext" -}}
+{{- if eq .command "labeler" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 10001
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- else -}}
+privileged: true
+runAsUser: 0
+readOnlyRootFilesystem: true
+{{- end -}}
+{{- end -}}
+
+{{/* The labeler's ClusterRole rules. */}}
+{{- define "kunlun-inference.labeler.rules" -}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "patch"]
+{{- end -}}
