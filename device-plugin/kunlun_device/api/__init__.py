@@ -1,0 +1,1 @@
+"""Kubelet gRPC APIs (device plugin v1beta1, PodResources v1): generated code, do not edit."""
