@@ -1,0 +1,93 @@
+"""Engine configuration: every knob of the engine, validated once.
+
+Each field has a CLI flag of the same name (``max_num_seqs`` → ``--max-num-seqs``); names follow
+vLLM where they overlap. Nothing here touches torch or the model files: the model-dependent checks
+(``max_model_len`` against the model, KV budget against one sequence) happen where the model is known.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kunlun_runtime.errors import ConfigError
+
+DTYPES = frozenset({"auto", "float32", "bfloat16", "float16"})
+QUANTIZATIONS = frozenset({"int8"})
+DEVICES = frozenset({"auto", "cpu", "cuda", "kunlun"})
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str | int, *, field_name: str = "kv_cache_memory") -> int:
+    """Parse a memory size: a byte count or a number with a unit (``4GiB``, ``512MiB``, ``2G``).
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, G) powers of 1000.
+    Raises ConfigError naming ``field_name`` for anything else.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _MEMORY_RE.match(text)
+        if not match:
+            raise ConfigError(f"{field_name}: cannot parse memory size {text!r} (e.g. 2GiB)", field=field_name)
+        number, unit = match.group(1), (match.group(2) or "").lower()
+        base = 1024 if "i" in unit else 1000
+        scale = base ** "bkmgt".index(unit[0]) if unit else 1
+        value = int(float(number) * scale)
+    if value <= 0:
+        raise ConfigError(f"{field_name}: must be positive, got {text!r}", field=field_name)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """All engine options. Construct with keywords, then call ``validate()`` (``LLM`` does)."""
+
+    model: str | None = None  # HF-format directory; None = the embedded default model
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto = bfloat16 where the platform supports it
+    device: str = "auto"
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    enable_prefix_caching: bool = True
+    max_preemptions: int = 3  # the seed's third lesson: a request preempted this often is protected
+    priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
+    kv_block_skew: bool = True  # the seed's second lesson: skew block starts across cache sets
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    seed: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> EngineConfig:
+        """Check every field on its own; return self. Raises ConfigError naming the field."""
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check(self.device in DEVICES, "device", f"must be one of {sorted(DEVICES)}, got {self.device!r}")
+        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory", "must be positive")
+        _check(self.max_preemptions >= 0, "max_preemptions", f"must be >= 0, got {self.max_preemptions}")
+        _check(self.priority_aging_steps >= 1, "priority_aging_steps", "must be >= 1")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _check(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {sorted(QUANTIZATIONS)} or unset, got {self.quantization!r}",
+        )
+        if self.max_model_len is not None:
+            _check(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+        return self
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {message}", field=field_name)

@@ -1,0 +1,309 @@
+"""``LLMEngine``: add requests, ``step()`` them forward (schedule → run → sample → update).
+
+The engine owns the request lifecycle: validation at the door (clear errors, nothing admitted
+that cannot finish), incremental detokenization, stop conditions, and returning every KV block
+when a request finishes or is aborted. It is single-threaded; ``AsyncEngine`` drives it for the
+server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.detokenizer import IncrementalDetokenizer
+from kunlun_runtime.errors import ConfigError, InvalidRequestError
+from kunlun_runtime.kv.block_pool import BlockPool
+from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
+from kunlun_runtime.kv.kv_manager import KVManager
+from kunlun_runtime.model_runner import ModelRunner
+from kunlun_runtime.models.loader import load_model
+from kunlun_runtime.models.model_config import load_model_config
+from kunlun_runtime.outputs import CompletionOutput, RequestOutput, RequestTimes
+from kunlun_runtime.platforms import Platform, detect
+from kunlun_runtime.request import Request, RequestStatus
+from kunlun_runtime.sampling import Sampler, make_logprob
+from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
+from kunlun_runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory: the given path, or the embedded default model (converted once)."""
+    if model is None:
+        from kunlun_runtime.models.default_model import resolve_default_model
+
+        return resolve_default_model()
+    return Path(model)
+
+
+def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
+    if name == "auto":
+        return platform.default_dtype()
+    dtype = _DTYPES[name]
+    if dtype not in platform.supported_dtypes():
+        raise ConfigError(f"dtype: {name} is not supported on {platform.name}", field="dtype")
+    return dtype
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    times: RequestTimes
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.validate()
+        self.platform = detect(config.device)
+        self.device = self.platform.device()
+        self.dtype = resolve_dtype(config.dtype, self.platform)
+        self.model_dir = resolve_model_dir(config.model)
+        model_config = load_model_config(self.model_dir)
+        self.max_model_len = self._resolve_max_model_len(model_config)
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.served_model_name = config.served_model_name or (
+            config.model.rstrip("/").split("/")[-1] if config.model else "SmolLM2-135M-Instruct"
+        )
+        spec = KVCacheSpec(
+            num_layers=model_config.num_layers,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            block_size=config.block_size,
+            dtype=self.dtype,
+        )
+        probe = KVCache(spec, 1, torch.device("meta"), **self._layout_args())
+        num_blocks = plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, self.max_model_len)
+        self.kv_cache = KVCache(spec, num_blocks, self.device, **self._layout_args())
+        self.block_pool = BlockPool(num_blocks)
+        self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_preemptions=config.max_preemptions,
+                priority_aging_steps=config.priority_aging_steps,
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.eos_token_ids = model_config.eos_token_ids
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self.num_generation_tokens_total = 0
+        self.num_prompt_tokens_total = 0
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d (%.1f MiB)",
+            self.model_dir, self.dtype, self.device, self.max_model_len, num_blocks, self.kv_cache.nbytes / 2**20,
+        )
+
+    def _layout_args(self) -> dict:
+        return {
+            "cache_line_bytes": self.platform.cache_line_bytes,
+            "cache_num_sets": self.platform.cache_num_sets,
+            "skew": self.config.kv_block_skew,
+        }
+
+    def _resolve_max_model_len(self, model_config) -> int:  # noqa: ANN001
+        limit = model_config.max_position_embeddings
+        window = model_config.sliding_window
+        wanted = self.config.max_model_len
+        if window is not None and wanted is not None and wanted > window:
+            raise ConfigError(
+                f"max_model_len: {wanted} exceeds the sliding window ({window}) of {model_config.architecture}; "
+                "sliding-window attention beyond the window is not supported",
+                field="max_model_len",
+            )
+        if wanted is not None and wanted > limit:
+            raise ConfigError(
+                f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})",
+                field="max_model_len",
+            )
+        return wanted or (min(limit, window) if window else limit)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises InvalidRequestError naming the field."""
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already running", field="request_id")
+        prompt_text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt: must not be empty", field="prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt: token ids out of range: {bad[:5]}", field="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"has {len(token_ids)} tokens (at least one token must be left to generate)",
+                field="prompt",
+            )
+        limit = self.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, len(token_ids) + params.max_tokens)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            max_total_tokens=limit,
+            arrival_time=arrival_time or time.monotonic(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        self._tracked[request_id] = _Tracked(request, prompt_text, detokenizer, RequestTimes(request.arrival_time))
+        self.scheduler.add(request)
+        return request
+
+    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("prompt: must be a string or a list of token ids", field="prompt")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and return its blocks; None if it is unknown or already done."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        return self._finish(tracked, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns an output for every request that progressed or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for item in sched.scheduled:
+            times = self._tracked[item.request.request_id].times
+            times.scheduled = times.scheduled or now
+        tables = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
+        logits = self.runner.execute(sched, tables)
+        for item in sched.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_computed_blocks(item.request)
+        for request_id, (first_pos, rows) in logits.prompt_logits.items():
+            self._record_prompt_logprobs(self._tracked[request_id].request, first_pos, rows)
+        requests = [self._tracked[rid].request for rid in logits.sample_request_ids]
+        sampled = self.sampler.sample(logits.sample_logits, requests) if requests else []
+        now = time.monotonic()
+        outputs = []
+        for request, (token_id, logprob) in zip(requests, sampled, strict=True):
+            outputs.append(self._append_token(self._tracked[request.request_id], token_id, logprob, now))
+        return outputs
+
+    def _record_prompt_logprobs(self, request: Request, first_pos: int, rows: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(rows, dim=-1)
+        if first_pos == 0:
+            request.prompt_logprobs.append(None)
+        for offset in range(rows.shape[0]):
+            next_token = request.prompt_token_ids[first_pos + offset + 1]
+            request.prompt_logprobs.append(make_logprob(logprobs[offset], next_token, request.params.prompt_logprobs))
+
+    def _append_token(self, tracked: _Tracked, token_id: int, logprob, now: float) -> RequestOutput:  # noqa: ANN001
+        request = tracked.request
+        request.output_token_ids.append(token_id)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        self.num_generation_tokens_total += 1
+        if tracked.times.first_token is None:
+            tracked.times.first_token = now
+            self.num_prompt_tokens_total += len(request.prompt_token_ids)
+        tracked.times.last_token = now
+        tracked.detokenizer.add(token_id)
+        status = self._check_stop(tracked, token_id)
+        if status is not None:
+            return self._finish(tracked, status, new_token_ids=[token_id])
+        return self._output(tracked, new_token_ids=[token_id])
+
+    def _check_stop(self, tracked: _Tracked, token_id: int) -> RequestStatus | None:
+        request, params = tracked.request, tracked.request.params
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            text = tracked.detokenizer.text
+            for stop in params.stop:
+                index = text.find(stop, max(0, len(tracked.text) - len(stop)))
+                if index != -1:
+                    request.stop_reason = stop
+                    tracked.text = text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+                    return RequestStatus.FINISHED_STOPPED
+        if request.num_tokens >= request.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        # Hold back what could still become the start of a stop string.
+        hold = max((len(s) - 1 for s in params.stop), default=0)
+        text = tracked.detokenizer.text
+        tracked.text = text[: len(text) - hold] if hold else text
+        return None
+
+    def _finish(self, tracked: _Tracked, status: RequestStatus, new_token_ids: list[int] = ()) -> RequestOutput:
+        request = tracked.request
+        self.scheduler.finish(request, status)
+        self.sampler.forget(request.request_id)
+        if not isinstance(request.stop_reason, str):  # a stop string already cut the text
+            tracked.detokenizer.flush()
+            tracked.text = tracked.detokenizer.text
+        tracked.finish_reason = status.value
+        tracked.times.finished = time.monotonic()
+        del self._tracked[request.request_id]
+        return self._output(tracked, new_token_ids=list(new_token_ids))
+
+    def _output(self, tracked: _Tracked, new_token_ids: list[int]) -> RequestOutput:
+        request = tracked.request
+        logprobs = list(request.output_logprobs) if request.params.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=tracked.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=tracked.finish_reason is not None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.wants_prompt_logprobs else None,
+            num_cached_tokens=request.num_cached_prompt_tokens,
+            times=tracked.times,
+            new_token_ids=new_token_ids,
+        )

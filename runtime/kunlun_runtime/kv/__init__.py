@@ -1,0 +1,1 @@
+"""KV cache: block layout, block pool with prefix reuse, per-request block tables, cache tensors."""

@@ -1,0 +1,85 @@
+"""Per-request block tables on top of the block pool, with prefix reuse.
+
+The manager answers three questions for the scheduler: which cached blocks a request's prefix
+can reuse, whether its next tokens fit (allocating if so), and when to return its blocks. It
+never holds a block for a request it was not asked about, so ``free`` returns every block.
+"""
+
+from __future__ import annotations
+
+from kunlun_runtime.kv.block_pool import Block, BlockPool
+from kunlun_runtime.kv.prefix_hash import hash_full_blocks
+from kunlun_runtime.request import Request
+
+
+class KVManager:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # tokens found there
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """Cached blocks matching the request's leading full blocks (its last token is always
+        computed, so that the step produces logits for it)."""
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+            return []
+        tokens = request.all_token_ids
+        hashes = hash_full_blocks(tokens[: len(tokens) - 1], self.block_size, request.cache_salt)
+        hits: list[Block] = []
+        for block_hash in hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_prefix_queries += len(tokens)
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached: list[Block] = (), reserve_tokens: int = 0
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens (plus ``reserve_tokens`` held for later)
+        after the request's computed ones and the ``cached`` prefix blocks. Returns False, changing
+        nothing, when the pool cannot provide them."""
+        blocks = self._blocks.get(request.request_id, [])
+        total_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens + reserve_tokens
+        num_needed = max(0, -(-total_tokens // self.block_size) - len(blocks) - len(cached))
+        num_reviving = sum(1 for block in cached if block.ref_count == 0)
+        if num_needed + num_reviving > self.pool.num_free:
+            return False
+        self.pool.touch(list(cached))
+        self._blocks[request.request_id] = blocks + list(cached) + self.pool.allocate(num_needed)
+        return True
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self._blocks.get(request_id, [])]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Hash and register the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        known = self._hashes.get(request.request_id, [])
+        if num_full <= len(known):
+            return
+        tokens = request.all_token_ids[: num_full * self.block_size]
+        hashes = hash_full_blocks(tokens, self.block_size, request.cache_salt, known)
+        for block, block_hash in zip(blocks[len(known) : num_full], hashes[len(known) :], strict=True):
+            self.pool.cache(block, block_hash)
+        self._hashes[request.request_id] = hashes
+
+    def free(self, request: Request) -> None:
+        """Return all of the request's blocks (tail first, so the shared head stays cached longest)."""
+        blocks = self._blocks.pop(request.request_id, [])
+        self._hashes.pop(request.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._blocks

@@ -1,0 +1,1 @@
+"""Model building blocks: normalisation, rotary embedding, paged attention, linear layers."""

@@ -1,0 +1,97 @@
+"""Paged attention: write this step's K/V into the block pool, attend over each sequence's blocks.
+
+One batch mixes prefill chunks and decodes. Queries of all sequences are flattened into [T, ...];
+for attention they are scattered into a padded [B, max_query_len] layout, each sequence's K/V is
+gathered block-wise from its block table, and one fused scaled-dot-product-attention call per
+layer computes QKᵀ → scale → mask → softmax → ·V (no per-sequence Python loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step tensors shared by every layer (built once per step by the model runner)."""
+
+    slot_block_ids: torch.Tensor  # [T] block holding each new token's K/V
+    slot_offsets: torch.Tensor  # [T] offset of that token inside its block
+    block_tables: torch.Tensor  # [B, max_blocks] block ids per sequence (padded with 0)
+    query_padded_index: torch.Tensor  # [T] row of each token in the padded [B * max_query_len] layout
+    attn_mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size] True = may attend
+    max_query_len: int
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+) -> AttentionMetadata:
+    """Metadata for a batch: sequence b computes ``query_lens[b]`` new tokens and has
+    ``context_lens[b]`` tokens in KV after this step (new ones included)."""
+    num_seqs = len(query_lens)
+    max_q = max(query_lens)
+    max_blocks = max(len(table) for table in block_tables)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
+    tables = torch.zeros((num_seqs, max_blocks), dtype=torch.int64)
+    for row, table in enumerate(block_tables):
+        tables[row, : len(table)] = torch.tensor(table, dtype=torch.int64)
+
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    index_in_seq = torch.arange(int(q_lens.sum())) - starts[seq_of_token]
+    positions = (ctx_lens - q_lens)[seq_of_token] + index_in_seq
+    slot_block_ids = tables[seq_of_token, positions // block_size]
+
+    # Query i of sequence b sits at absolute position ctx_b - q_b + i and sees keys j <= that.
+    query_pos = (ctx_lens - q_lens).unsqueeze(1) + torch.arange(max_q).unsqueeze(0)  # [B, max_q]
+    key_pos = torch.arange(max_blocks * block_size)
+    mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)
+    if sliding_window is not None:
+        mask &= key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1) - sliding_window
+    # Padding query rows attend to key 0 only, so softmax never sees an all-masked row.
+    is_pad = torch.arange(max_q).unsqueeze(0) >= q_lens.unsqueeze(1)
+    mask[is_pad] = key_pos == 0
+    return AttentionMetadata(
+        slot_block_ids=slot_block_ids.to(device),
+        slot_offsets=(positions % block_size).to(device),
+        block_tables=tables.to(device),
+        query_padded_index=(seq_of_token * max_q + index_in_seq).to(device),
+        attn_mask=mask.unsqueeze(1).to(device),
+        max_query_len=max_q,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] → attention output [T, H * D]; stores k/v in the pool."""
+    k_blocks[meta.slot_block_ids, meta.slot_offsets] = k
+    v_blocks[meta.slot_block_ids, meta.slot_offsets] = v
+
+    num_seqs, max_blocks = meta.block_tables.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    keys = k_blocks[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
+    values = v_blocks[meta.block_tables].flatten(1, 2).transpose(1, 2)
+    padded = q.new_zeros((num_seqs * meta.max_query_len, num_heads, head_dim))
+    padded[meta.query_padded_index] = q
+    queries = padded.view(num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_heads != keys.shape[1]
+    )
+    out = out.transpose(1, 2).reshape(num_seqs * meta.max_query_len, num_heads * head_dim)
+    return out[meta.query_padded_index]

@@ -1,0 +1,109 @@
+"""The offline API, vLLM-compatible in shape: ``LLM(...).generate(prompts, params)`` and ``chat``.
+
+``n > 1`` is served as n engine requests sharing the prompt (the prefix cache shares its blocks);
+their outputs are merged into one ``RequestOutput`` per prompt, in prompt order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
+from typing import Any
+
+from kunlun_runtime.config import EngineConfig, parse_memory
+from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.outputs import RequestOutput
+from kunlun_runtime.sampling_params import SamplingParams
+
+_CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """``options`` are EngineConfig fields (``dtype``, ``block_size``, ``max_model_len``, ...);
+        ``kv_cache_memory`` accepts a size string such as ``"2GiB"``."""
+        if "kv_cache_memory" in options:
+            options["kv_cache_memory_bytes"] = parse_memory(options.pop("kv_cache_memory"))
+        unknown = set(options) - _CONFIG_FIELDS
+        if unknown:
+            raise TypeError(f"LLM() got unknown options: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._per_prompt(sampling_params, len(prompts))
+        groups: list[list[str]] = []
+        try:
+            for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                base = f"offline-{next(self._ids)}"
+                ids = []
+                for child in range(params.n):
+                    child_params = replace(params, n=1)
+                    if params.seed is not None:
+                        child_params.seed = params.seed + child
+                    request_id = f"{base}-{child}"
+                    self.engine.add_request(
+                        request_id, prompt, child_params, priority=priority[index] if priority else 0
+                    )
+                    ids.append(request_id)
+                groups.append(ids)
+            finished = self._run(on_output)
+        except BaseException:
+            for ids in groups:
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+            raise
+        return [self._merge([finished[i] for i in ids]) for ids in groups]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.engine.tokenizer.encode_chat(c)} for c in conversations]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def _per_prompt(self, params, count: int) -> list[SamplingParams]:  # noqa: ANN001
+        if params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
+        return list(params)
+
+    def _run(self, on_output: Callable[[RequestOutput], None] | None) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if on_output is not None:
+                    on_output(output)
+                if output.finished:
+                    finished[output.request_id] = output
+        return finished
+
+    @staticmethod
+    def _merge(children: list[RequestOutput]) -> RequestOutput:
+        first = children[0]
+        outputs = []
+        for index, child in enumerate(children):
+            outputs.append(replace(child.outputs[0], index=index))
+        return replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=outputs)

@@ -1,0 +1,82 @@
+"""Build a ``DecoderModel`` from a HF-format directory: config, weights, fused projections.
+
+HF weight names are mapped onto ours (q/k/v → ``qkv_proj``, gate/up → ``gate_up_proj``); a
+missing weight is an error naming it; a tied checkpoint without ``lm_head.weight`` shares the
+embedding. Weights are cast once to the serving dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from kunlun_runtime.errors import ModelLoadError
+from kunlun_runtime.layers.rotary import RotaryEmbedding
+from kunlun_runtime.models.decoder import DecoderModel
+from kunlun_runtime.models.model_config import ModelConfig, load_model_config
+from kunlun_runtime.models.weights import iter_weights
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> tuple[DecoderModel, ModelConfig]:
+    """Load ``model_dir`` into a DecoderModel on ``device`` in ``dtype``.
+
+    Raises ModelLoadError for an unsupported architecture, a missing/truncated file or weight.
+    """
+    config = load_model_config(model_dir)
+    with torch.device("meta"):
+        model = DecoderModel(config, max_positions)
+    params = dict(model.named_parameters())
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_weights(model_dir):
+        if _IGNORED.search(name):
+            continue
+        match = _LAYER_RE.match(name)
+        if match:
+            layer, proj, kind = match.groups()
+            fused, index = _FUSED[proj]
+            parts.setdefault(f"layers.{layer}.{fused}.{kind}", {})[index] = tensor
+            continue
+        ours = name.removeprefix("model.")
+        if ours not in params:
+            raise ModelLoadError(f"{model_dir}: unexpected weight {name!r} for {config.architecture}")
+        state[ours] = tensor
+    for name, pieces in parts.items():
+        expected = 3 if "qkv" in name else 2
+        if len(pieces) != expected:
+            raise ModelLoadError(f"{model_dir}: incomplete projection weights for {name}")
+        state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
+    if "lm_head.weight" not in state and "embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise ModelLoadError(f"{model_dir}: missing weights {missing[:5]}{' …' if len(missing) > 5 else ''}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ModelLoadError(
+                f"{model_dir}: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+            )
+    converted: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
+    for name in params:
+        source = state[name]
+        if id(source) not in converted:
+            converted[id(source)] = source.to(device=device, dtype=dtype).contiguous()
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner._parameters[attr] = torch.nn.Parameter(converted[id(source)], requires_grad=False)
+    model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
+    return model.requires_grad_(False).eval(), config

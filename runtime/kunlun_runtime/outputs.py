@@ -1,0 +1,46 @@
+"""What the engine hands back: per-request outputs, shaped like vLLM's RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kunlun_runtime.request import TokenLogprob
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Wall-clock timestamps (time.monotonic) of a request's milestones."""
+
+    arrival: float
+    scheduled: float | None = None  # first admitted to a step
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+    times: RequestTimes | None = None
+    new_token_ids: list[int] = field(default_factory=list)  # generated in the step that produced this
