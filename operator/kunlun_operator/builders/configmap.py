@@ -1,0 +1,81 @@
+"""The runtime's ConfigMap: the effective engine configuration, and its hash.
+
+Owns: the mapping from the spec to the runtime's vLLM-named flags (``runtime_flags``), used both
+for the ConfigMap and for the container's arguments, so the two can never disagree. The hash of the
+ConfigMap's data goes on the pod template: a configuration change rolls the pods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from kunlun_operator import names
+from kunlun_operator.builders.common import build_metadata, header
+from kunlun_operator.matrix import parse_bytes
+from kunlun_operator.spec import InferenceSpec, ServiceRef
+
+CONFIG_KEY = "config.yaml"
+
+
+def runtime_flags(spec: InferenceSpec, model_path: str) -> list[tuple[str, Any]]:
+    """``(flag, value)`` pairs of ``kunlun-runtime serve``; value None means a bare switch."""
+    rt = spec.runtime
+    flags: list[tuple[str, Any]] = [
+        ("--model", model_path),
+        ("--served-model-name", spec.model.name),
+        ("--port", names.RUNTIME_PORT),
+        ("--dtype", rt.dtype),
+        ("--tensor-parallel-size", rt.tensor_parallel_size),
+    ]
+    optional = [
+        ("--quantization", rt.quantization),
+        ("--max-model-len", rt.max_model_len),
+        ("--max-num-seqs", rt.max_num_seqs),
+        ("--max-num-batched-tokens", rt.max_num_batched_tokens),
+        ("--block-size", rt.block_size),
+        (
+            "--kv-cache-memory",
+            None
+            if rt.kv_cache_memory is None
+            else parse_bytes(rt.kv_cache_memory, "spec.runtime.kvCacheMemory"),
+        ),
+    ]
+    flags += [(flag, value) for flag, value in optional if value is not None]
+    if rt.enable_prefix_caching:
+        flags.append(("--enable-prefix-caching", None))
+    return flags
+
+
+def runtime_args(spec: InferenceSpec, model_path: str) -> list[str]:
+    """The container arguments: ``serve`` then the flags, then ``spec.runtime.extraArgs``."""
+    args = ["serve"]
+    for flag, value in runtime_flags(spec, model_path):
+        args += [flag] if value is None else [flag, str(value)]
+    return args + list(spec.runtime.extra_args)
+
+
+def build_config_data(spec: InferenceSpec, model_path: str) -> dict[str, str]:
+    config: dict[str, Any] = {
+        flag.removeprefix("--"): (True if value is None else value)
+        for flag, value in runtime_flags(spec, model_path)
+    }
+    if spec.runtime.extra_args:
+        config["extra-args"] = list(spec.runtime.extra_args)
+    return {CONFIG_KEY: yaml.safe_dump(config, sort_keys=False)}
+
+
+def config_hash(data: dict[str, str]) -> str:
+    """A short stable hash of the ConfigMap's data."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_configmap(ref: ServiceRef, spec: InferenceSpec, model_path: str) -> dict[str, Any]:
+    return {
+        **header(names.CONFIGMAP),
+        "metadata": build_metadata(ref, names.CONFIGMAP),
+        "data": build_config_data(spec, model_path),
+    }

@@ -1,0 +1,255 @@
+"""The Deployment of the runtime: version lock, device requests, probes, draining, rollout.
+
+Owns: the pod template. Under ``Strict`` the pods require nodes whose labels carry the locked
+driver/firmware/KML versions, and an init container re-checks them on the node with
+``kunlun-runtime preflight`` before the model loads. The startup probe's budget grows with the
+model's size so a loading model is never killed; readiness and liveness start after it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from kunlun_operator import names
+from kunlun_operator.builders.common import build_metadata, header
+from kunlun_operator.builders.configmap import runtime_args
+from kunlun_operator.feasibility import startup_budget_seconds
+from kunlun_operator.spec import InferenceSpec, ServiceRef
+
+RUN_AS_USER = 1000
+STARTUP_PERIOD_SECONDS = 10
+DRAIN_SECONDS = 15  # preStop: let endpoints drop the pod before the runtime gets SIGTERM
+TERMINATION_GRACE_SECONDS = 90  # drain + finishing in-flight generations
+MODEL_VOLUME = "model"
+MODEL_IMAGE_MOUNT = "/model-image"  # image volumes: the image's root; the model is under models/
+RESTRICTED_CONTAINER = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
+}
+
+
+def model_path(spec: InferenceSpec, *, image_volumes: bool) -> str:
+    """Where the runtime finds the model inside its container."""
+    source = spec.model.source
+    if source.kind == "pvc" and source.path:
+        return f"{names.MODEL_MOUNT_PATH}/{source.path.strip('/')}"
+    if source.kind == "image" and image_volumes:
+        return f"{MODEL_IMAGE_MOUNT}/models"
+    return names.MODEL_MOUNT_PATH
+
+
+def version_lock_terms(spec: InferenceSpec) -> list[dict[str, Any]]:
+    """Node-selector requirements on the labeler's version labels (Strict only)."""
+    v = spec.versions
+    return [
+        {"key": names.LABEL_DRIVER_VERSION, "operator": "In", "values": [v.driver]},
+        {"key": names.LABEL_FIRMWARE_VERSION, "operator": "In", "values": [v.firmware]},
+        {"key": names.LABEL_KML_VERSION, "operator": "In", "values": [v.kml]},
+    ]
+
+
+def build_affinity(spec: InferenceSpec) -> dict[str, Any] | None:
+    """The user's affinity with the version lock ANDed into every required node-selector term."""
+    affinity = copy.deepcopy(dict(spec.scheduling.affinity or {}))
+    if spec.versions.policy != "Strict":
+        return affinity or None
+    lock = version_lock_terms(spec)
+    required = affinity.setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {}
+    )
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchExpressions": [*term.get("matchExpressions", []), *lock]} for term in terms
+    ]
+    return affinity
+
+
+def _resources(spec: InferenceSpec) -> dict[str, Any]:
+    xpus = str(spec.resources.xpus)
+    requests: dict[str, str] = {names.RESOURCE_NAME: xpus}
+    limits: dict[str, str] = {names.RESOURCE_NAME: xpus}
+    if spec.resources.cpu is not None:
+        requests["cpu"] = spec.resources.cpu
+    if spec.resources.memory is not None:
+        requests["memory"] = limits["memory"] = spec.resources.memory
+    return {"requests": requests, "limits": limits}
+
+
+def _probe(period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": names.HEALTH_PATH, "port": names.RUNTIME_PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _runtime_container(spec: InferenceSpec, image: str, path: str) -> dict[str, Any]:
+    mounts = [
+        {
+            "name": MODEL_VOLUME,
+            "mountPath": MODEL_IMAGE_MOUNT if path.startswith(MODEL_IMAGE_MOUNT) else names.MODEL_MOUNT_PATH,
+            "readOnly": True,
+        },
+        {"name": "config", "mountPath": names.CONFIG_MOUNT_PATH, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    env = [{"name": "HOME", "value": "/tmp"}, *(dict(e) for e in spec.runtime.env)]
+    return {
+        "name": "runtime",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kunlun-runtime"],
+        "args": runtime_args(spec, path),
+        "ports": [{"name": names.RUNTIME_PORT_NAME, "containerPort": names.RUNTIME_PORT, "protocol": "TCP"}],
+        "env": env,
+        "resources": _resources(spec),
+        "startupProbe": _probe(
+            STARTUP_PERIOD_SECONDS, math.ceil(startup_budget_seconds(spec) / STARTUP_PERIOD_SECONDS)
+        ),
+        "readinessProbe": _probe(5, 3),
+        "livenessProbe": _probe(15, 4),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(DRAIN_SECONDS)]}}},
+        "securityContext": dict(RESTRICTED_CONTAINER),
+        "volumeMounts": mounts,
+    }
+
+
+def _init_containers(spec: InferenceSpec, image: str, *, image_volumes: bool) -> list[dict[str, Any]]:
+    inits = []
+    source = spec.model.source
+    if source.kind == "image" and not image_volumes:
+        inits.append(
+            {
+                "name": "model-fetch",
+                "image": source.reference,
+                "imagePullPolicy": source.pull_policy,
+                "command": ["sh", "-c", f"cp -a /models/. {names.MODEL_MOUNT_PATH}/"],
+                "securityContext": dict(RESTRICTED_CONTAINER),
+                "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": names.MODEL_MOUNT_PATH}],
+            }
+        )
+    if spec.versions.policy == "Strict":
+        v = spec.versions
+        xpus = str(spec.resources.xpus)
+        inits.append(
+            {
+                "name": "preflight",
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["kunlun-runtime"],
+                "args": [
+                    "preflight",
+                    "--expect-driver",
+                    v.driver,
+                    "--expect-firmware",
+                    v.firmware,
+                    "--expect-kml",
+                    v.kml,
+                ],
+                "resources": {"requests": {names.RESOURCE_NAME: xpus}, "limits": {names.RESOURCE_NAME: xpus}},
+                "securityContext": dict(RESTRICTED_CONTAINER),
+            }
+        )
+    return inits
+
+
+def _model_volume(spec: InferenceSpec, *, image_volumes: bool) -> dict[str, Any]:
+    source = spec.model.source
+    if source.kind == "pvc":
+        return {
+            "name": MODEL_VOLUME,
+            "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True},
+        }
+    if source.kind == "hostPath":
+        return {"name": MODEL_VOLUME, "hostPath": {"path": source.path, "type": "Directory"}}
+    if image_volumes:
+        return {
+            "name": MODEL_VOLUME,
+            "image": {"reference": source.reference, "pullPolicy": source.pull_policy},
+        }
+    return {"name": MODEL_VOLUME, "emptyDir": {}}
+
+
+def build_pod_spec(
+    ref: ServiceRef, spec: InferenceSpec, image: str, *, image_volumes: bool
+) -> dict[str, Any]:
+    path = model_path(spec, image_volumes=image_volumes)
+    node_selector = {names.LABEL_PRESENT: "true", **spec.scheduling.node_selector}
+    if spec.resources.xpu_product:
+        node_selector[names.LABEL_PRODUCT] = spec.resources.xpu_product
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "nodeSelector": node_selector,
+        "tolerations": [
+            {"key": names.RESOURCE_NAME, "operator": "Exists", "effect": "NoSchedule"},
+            *(dict(t) for t in spec.scheduling.tolerations),
+        ],
+    }
+    affinity = build_affinity(spec)
+    if affinity:
+        pod["affinity"] = affinity
+    if spec.scheduling.priority_class_name:
+        pod["priorityClassName"] = spec.scheduling.priority_class_name
+    inits = _init_containers(spec, image, image_volumes=image_volumes)
+    if inits:
+        pod["initContainers"] = inits
+    pod["containers"] = [_runtime_container(spec, image, path)]
+    pod["volumes"] = [
+        _model_volume(spec, image_volumes=image_volumes),
+        {"name": "config", "configMap": {"name": names.owned_name(ref.name, names.CONFIGMAP)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
+    return pod
+
+
+def build_deployment(
+    ref: ServiceRef,
+    spec: InferenceSpec,
+    *,
+    image: str,
+    config_hash: str,
+    image_volumes: bool,
+    replicas: int | None,
+) -> dict[str, Any]:
+    """The runtime Deployment; ``replicas`` None leaves the count to the HPA."""
+    deploy_spec: dict[str, Any] = {}
+    if replicas is not None:
+        deploy_spec["replicas"] = replicas
+    deploy_spec.update(
+        {
+            "selector": {"matchLabels": names.selector_labels(ref.name)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": spec.max_surge, "maxUnavailable": spec.max_unavailable},
+            },
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": startup_budget_seconds(spec) + 300,
+            "template": {
+                "metadata": {
+                    "labels": names.common_labels(ref.name),
+                    "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash},
+                },
+                "spec": build_pod_spec(ref, spec, image, image_volumes=image_volumes),
+            },
+        }
+    )
+    return {
+        **header(names.DEPLOYMENT),
+        "metadata": build_metadata(ref, names.DEPLOYMENT),
+        "spec": deploy_spec,
+    }

@@ -1,0 +1,33 @@
+"""The Service in front of the runtime pods (OpenAI API and /metrics on port ``http``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kunlun_operator import names
+from kunlun_operator.builders.common import build_metadata, header
+from kunlun_operator.spec import InferenceSpec, ServiceRef
+
+
+def build_service(ref: ServiceRef, spec: InferenceSpec) -> dict[str, Any]:
+    return {
+        **header(names.SERVICE),
+        "metadata": build_metadata(ref, names.SERVICE, annotations=spec.service.annotations),
+        "spec": {
+            "type": spec.service.type,
+            "selector": names.selector_labels(ref.name),
+            "ports": [
+                {
+                    "name": names.RUNTIME_PORT_NAME,
+                    "port": spec.service.port,
+                    "targetPort": names.RUNTIME_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def endpoint_url(ref: ServiceRef, spec: InferenceSpec) -> str:
+    """The in-cluster base URL of the OpenAI-compatible API."""
+    return f"http://{ref.name}.{ref.namespace}.svc:{spec.service.port}/v1"

@@ -1,0 +1,90 @@
+"""Does a model fit its XPUs? Weights plus the KV cache of one full-length sequence, in bytes.
+
+Owns: the memory estimate the admission webhook reports (with its numbers) and the startup-probe
+budget that grows with model size. Pure; a rough, documented estimate, not a profiler:
+weights = parameters × bytes per parameter (2 for 16-bit, 4 for float32, 1 for int8/w8a8);
+KV cache = 2 × layers × KV heads × head dim × 2 bytes × maxModelLen; usable memory = 90 % of
+xpus × card memory (the rest is activations, the runtime and fragmentation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kunlun_operator.spec import InferenceSpec
+
+GiB = 2**30
+USABLE_FRACTION = 0.9
+#: Startup budget: a fixed part for the process and the XPU runtime, plus load time per GiB.
+STARTUP_BASE_SECONDS = 300
+STARTUP_SECONDS_PER_GIB = 20
+STARTUP_UNKNOWN_SIZE_SECONDS = 900
+STARTUP_MAX_SECONDS = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    weights_bytes: int
+    kv_cache_bytes: int | None  # None when the architecture or maxModelLen is unknown
+    available_bytes: int
+    card_memory_bytes: int
+    num_xpus: int
+
+    @property
+    def required_bytes(self) -> int:
+        return self.weights_bytes + (self.kv_cache_bytes or 0)
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.available_bytes
+
+    def describe(self) -> str:
+        kv = (
+            "not estimated (set model.architecture and runtime.maxModelLen)"
+            if self.kv_cache_bytes is None
+            else f"{self.kv_cache_bytes / GiB:.1f} GiB"
+        )
+        return (
+            f"weights {self.weights_bytes / GiB:.1f} GiB + KV cache {kv} = "
+            f"{self.required_bytes / GiB:.1f} GiB; available {self.available_bytes / GiB:.1f} GiB "
+            f"({USABLE_FRACTION:.0%} of {self.num_xpus} × {self.card_memory_bytes / GiB:.0f} GiB)"
+        )
+
+
+def bytes_per_parameter(spec: InferenceSpec) -> float:
+    if spec.runtime.quantization in ("int8", "w8a8"):
+        return 1.0
+    return 4.0 if spec.runtime.dtype == "float32" else 2.0
+
+
+def weights_bytes(spec: InferenceSpec) -> int | None:
+    if spec.model.num_parameters is None:
+        return None
+    return int(spec.model.num_parameters * bytes_per_parameter(spec))
+
+
+def estimate_memory(spec: InferenceSpec, card_memory_bytes: int) -> MemoryEstimate | None:
+    """The estimate for ``spec`` on cards of ``card_memory_bytes``; None without ``model.parameters``."""
+    weights = weights_bytes(spec)
+    if weights is None:
+        return None
+    arch, max_len = spec.model.architecture, spec.runtime.max_model_len
+    kv = (
+        None
+        if arch is None or max_len is None
+        else 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2 * max_len
+    )
+    num_xpus = spec.resources.xpus
+    return MemoryEstimate(
+        weights, kv, int(num_xpus * card_memory_bytes * USABLE_FRACTION), card_memory_bytes, num_xpus
+    )
+
+
+def startup_budget_seconds(spec: InferenceSpec) -> int:
+    """How long a replica may take to load before the startup probe gives up."""
+    if spec.runtime.startup_timeout_seconds is not None:
+        return spec.runtime.startup_timeout_seconds
+    weights = weights_bytes(spec)
+    if weights is None:
+        return STARTUP_UNKNOWN_SIZE_SECONDS
+    return min(STARTUP_MAX_SECONDS, STARTUP_BASE_SECONDS + round(STARTUP_SECONDS_PER_GIB * weights / GiB))

@@ -1,0 +1,118 @@
+"""Names the operator shares with the cluster: API group, label and annotation keys, ports.
+
+Invariant: these strings are a contract with objects already in clusters (and with the chart and
+the device plugin's labeler); change them only together with those. The node label keys come from
+``kunlun_device.labels`` so that the labeler and the version lock can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kunlun_device.labels import (
+    LABEL_COUNT,
+    LABEL_DRIVER_VERSION,
+    LABEL_FIRMWARE_VERSION,
+    LABEL_KML_VERSION,
+    LABEL_PRESENT,
+    LABEL_PRODUCT,
+    RESOURCE_NAME,
+)
+
+__all__ = [
+    "LABEL_COUNT",
+    "LABEL_DRIVER_VERSION",
+    "LABEL_FIRMWARE_VERSION",
+    "LABEL_KML_VERSION",
+    "LABEL_PRESENT",
+    "LABEL_PRODUCT",
+    "RESOURCE_NAME",
+]
+
+GROUP = "serving.kunlun.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "KunlunInferenceService"
+PLURAL = "kunluninferenceservices"
+
+#: The Prometheus Operator's API group (ServiceMonitor, PrometheusRule), discovered at run time.
+MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
+
+#: The container image used when ``spec.runtime.image`` is not set (``--default-runtime-image``).
+DEFAULT_RUNTIME_IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
+
+#: The runtime's HTTP port (OpenAI API, /health, /metrics): DESIGN.md §6.
+RUNTIME_PORT = 8000
+RUNTIME_PORT_NAME = "http"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+
+#: Where the model and the runtime config are mounted inside the runtime container.
+MODEL_MOUNT_PATH = "/models"
+CONFIG_MOUNT_PATH = "/etc/kunlun-runtime"
+
+# Labels on every owned object; the first two also select the runtime pods.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+APP_NAME = "kunlun-runtime"
+MANAGER = "kunlun-operator"
+
+# Annotations the operator writes on what it owns.
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+ANNOTATION_LAST_APPLIED = f"{GROUP}/last-applied"
+FINALIZER = f"{GROUP}/finalizer"
+
+
+def selector_labels(instance: str) -> dict[str, str]:
+    """The labels that select the runtime pods of one KunlunInferenceService."""
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: instance}
+
+
+def common_labels(instance: str) -> dict[str, str]:
+    """The labels on every object the operator owns for one KunlunInferenceService."""
+    return {
+        **selector_labels(instance),
+        LABEL_COMPONENT: "inference",
+        LABEL_PART_OF: "kunlun-inference",
+        LABEL_MANAGED_BY: MANAGER,
+    }
+
+
+def selector_string(instance: str) -> str:
+    """``status.selector``: the pod selector in label-selector string form (scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(instance).items()))
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One API kind the operator owns: where it lives in the API and how it is addressed."""
+
+    api_version: str  # "apps/v1", "v1"
+    kind: str  # "Deployment"
+    plural: str  # "deployments"
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+
+CONFIGMAP = Kind("v1", "ConfigMap", "configmaps")
+SERVICE = Kind("v1", "Service", "services")
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
+PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+HPA = Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers")
+SERVICE_MONITOR = Kind(MONITORING_GROUP_VERSION, "ServiceMonitor", "servicemonitors")
+PROMETHEUS_RULE = Kind(MONITORING_GROUP_VERSION, "PrometheusRule", "prometheusrules")
+KIS = Kind(API_VERSION, KIND, PLURAL)
+
+#: Every kind the operator may own, in the order it applies them (config before its consumers).
+OWNED_KINDS: tuple[Kind, ...] = (CONFIGMAP, SERVICE, DEPLOYMENT, PDB, HPA, SERVICE_MONITOR, PROMETHEUS_RULE)
+MONITORING_KINDS = frozenset({SERVICE_MONITOR, PROMETHEUS_RULE})
+
+
+def owned_name(instance: str, kind: Kind) -> str:
+    """The name of the object of ``kind`` owned by the service ``instance`` (deterministic)."""
+    return f"{instance}-config" if kind == CONFIGMAP else instance

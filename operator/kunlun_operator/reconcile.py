@@ -1,0 +1,274 @@
+"""Reconcile as a pure function: (custom resource, cluster facts) → objects, status, events.
+
+Owns: which objects exist for a service and what they contain, which must be absent, the status
+and the events a user would look for. Must not talk to the API or read the clock (``now`` comes
+in). Invariant: the same input gives the same plan, so a restarted operator converges to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kunlun_operator import names
+from kunlun_operator.builders.configmap import build_configmap, config_hash
+from kunlun_operator.builders.deployment import build_deployment, model_path
+from kunlun_operator.builders.hpa import build_hpa
+from kunlun_operator.builders.pdb import build_pdb
+from kunlun_operator.builders.prometheusrule import build_prometheusrule
+from kunlun_operator.builders.service import build_service, endpoint_url
+from kunlun_operator.builders.servicemonitor import build_servicemonitor
+from kunlun_operator.errors import SpecError
+from kunlun_operator.matrix import Matrix, check_versions
+from kunlun_operator.nodes import NodeFacts, assess_nodes, version_mismatches
+from kunlun_operator.spec import InferenceSpec, ServiceRef, parse_spec
+from kunlun_operator.status import (
+    FAILED,
+    READY,
+    Condition,
+    DeploymentFacts,
+    condition_status,
+    decide_phase,
+    merge_conditions,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PodFacts:
+    name: str
+    node_name: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterFacts:
+    """Everything the operator read from the cluster for one reconcile."""
+
+    nodes: tuple[NodeFacts, ...]
+    matrix: Matrix
+    default_image: str = names.DEFAULT_RUNTIME_IMAGE
+    monitoring_plurals: frozenset[str] = frozenset()  # served monitoring.coreos.com/v1 plurals
+    deployment: DeploymentFacts | None = None
+    pods: tuple[PodFacts, ...] = ()
+    pvc_exists: bool | None = None  # None: not a PVC source, or not looked up
+    image_volumes: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    apply: tuple[dict[str, Any], ...]  # desired objects, in apply order
+    delete: tuple[names.Kind, ...]  # owned kinds that must not exist
+    status: dict[str, Any]
+    events: tuple[Event, ...] = field(default=())
+
+
+def reconcile(
+    ref: ServiceRef,
+    raw_spec: Mapping[str, Any] | None,
+    previous_status: Mapping[str, Any] | None,
+    facts: ClusterFacts,
+    *,
+    now: str,
+) -> Plan:
+    """The plan for one KunlunInferenceService. Never raises on bad input: a bad spec is a plan."""
+    previous = previous_status or {}
+    try:
+        spec = parse_spec(raw_spec)
+    except SpecError as error:
+        return _failed_plan(ref, previous, error, now)
+    image = spec.runtime.image or facts.default_image
+    problems = [] if spec.versions.policy == "Off" else check_versions(facts.matrix, image, spec.versions)
+    if problems and spec.versions.policy == "Strict":
+        return _failed_plan(ref, previous, problems[0], now)
+
+    objects, absent = desired_objects(ref, spec, facts, image)
+    report = assess_nodes(facts.nodes, spec)
+    desired = _desired_replicas(spec, facts.deployment)
+    ready = facts.deployment.ready_replicas if facts.deployment else 0
+    phase, reason, message = decide_phase(
+        facts.deployment,
+        desired,
+        num_compatible_nodes=len(report.compatible_node_names),
+        locked=spec.versions.policy != "Off",
+    )
+    conditions = [
+        Condition("Ready", str(phase == READY), reason, message),
+        Condition("Progressing", str(phase == "Progressing"), reason, message),
+        _versions_condition(spec, facts, problems),
+        Condition("DevicesAvailable", str(bool(report.compatible_node_names)), report.reason, report.message),
+        _model_condition(spec, facts, ready),
+    ]
+    status = {
+        "phase": phase,
+        "replicas": facts.deployment.replicas if facts.deployment else 0,
+        "readyReplicas": ready,
+        "ready": f"{ready}/{desired}",
+        "selector": names.selector_string(ref.name),
+        "endpoint": endpoint_url(ref, spec),
+        "observedGeneration": ref.generation,
+        "compatibleNodes": len(report.compatible_node_names),
+        "conditions": merge_conditions(
+            conditions, previous.get("conditions") or [], now=now, generation=ref.generation
+        ),
+    }
+    if previous.get("lastFailure"):
+        status["lastFailure"] = previous["lastFailure"]
+    events = _transition_events(previous, status)
+    return Plan(apply=tuple(objects), delete=tuple(absent), status=status, events=events)
+
+
+def desired_objects(
+    ref: ServiceRef, spec: InferenceSpec, facts: ClusterFacts, image: str
+) -> tuple[list[dict[str, Any]], list[names.Kind]]:
+    """The owned objects to apply (in order) and the owned kinds that must be absent."""
+    path = model_path(spec, image_volumes=facts.image_volumes)
+    configmap = build_configmap(ref, spec, path)
+    replicas = (
+        None
+        if spec.autoscaling.enabled and facts.deployment is not None
+        else (spec.autoscaling.min_replicas if spec.autoscaling.enabled else spec.replicas)
+    )
+    objects = [
+        configmap,
+        build_service(ref, spec),
+        build_deployment(
+            ref,
+            spec,
+            image=image,
+            config_hash=config_hash(configmap["data"]),
+            image_volumes=facts.image_volumes,
+            replicas=replicas,
+        ),
+        build_pdb(ref, spec),
+    ]
+    absent = []
+    if spec.autoscaling.enabled:
+        objects.append(build_hpa(ref, spec))
+    else:
+        absent.append(names.HPA)
+    for kind, wanted, build in (
+        (names.SERVICE_MONITOR, spec.monitoring.service_monitor, build_servicemonitor),
+        (names.PROMETHEUS_RULE, spec.monitoring.prometheus_rule, build_prometheusrule),
+    ):
+        if kind.plural not in facts.monitoring_plurals:
+            continue  # the Prometheus Operator is not installed: skipped silently
+        if wanted:
+            objects.append(build(ref, spec))
+        else:
+            absent.append(kind)
+    return objects, absent
+
+
+def _desired_replicas(spec: InferenceSpec, deployment: DeploymentFacts | None) -> int:
+    if not spec.autoscaling.enabled:
+        return spec.replicas
+    if deployment is not None and deployment.spec_replicas is not None:
+        return deployment.spec_replicas
+    return spec.autoscaling.min_replicas
+
+
+def _versions_condition(spec: InferenceSpec, facts: ClusterFacts, problems: list[SpecError]) -> Condition:
+    v = spec.versions
+    if v.policy == "Off":
+        return Condition(
+            "VersionsCompatible", "Unknown", "PolicyOff", "versions are not checked (policy Off)"
+        )
+    if problems:
+        text = "; ".join(str(p) for p in problems)
+        return Condition("VersionsCompatible", "False", "UnsupportedVersions", text)
+    locked = f"driver {v.driver}, firmware {v.firmware}, kml {v.kml}"
+    if v.policy == "Strict":
+        return Condition(
+            "VersionsCompatible",
+            "True",
+            "VersionsLocked",
+            f"pods require nodes with {locked} (node affinity + preflight)",
+        )
+    by_name = {n.name: n for n in facts.nodes}
+    mismatched = []
+    for pod in facts.pods:
+        node = by_name.get(pod.node_name or "")
+        if node is not None and version_mismatches(node, v):
+            mismatched.append(f"{pod.name} on {node.name}: {', '.join(version_mismatches(node, v))}")
+    if mismatched:
+        text = "; ".join(sorted(mismatched))
+        return Condition("VersionsCompatible", "False", "PodsOnMismatchedNodes", text)
+    return Condition("VersionsCompatible", "True", "VersionsMatch", f"every scheduled pod runs on {locked}")
+
+
+def _model_condition(spec: InferenceSpec, facts: ClusterFacts, ready: int) -> Condition:
+    if ready > 0:
+        return Condition(
+            "ModelAvailable", "True", "ModelLoaded", f"{spec.model.name} is served by {ready} replica(s)"
+        )
+    source = spec.model.source
+    if source.kind == "pvc" and facts.pvc_exists is False:
+        return Condition(
+            "ModelAvailable",
+            "False",
+            "PVCNotFound",
+            f"PersistentVolumeClaim {source.claim_name} does not exist",
+        )
+    return Condition("ModelAvailable", "Unknown", "NotLoadedYet", "no replica has loaded the model yet")
+
+
+def _failed_plan(ref: ServiceRef, previous: Mapping[str, Any], error: SpecError, now: str) -> Plan:
+    message = str(error)
+    failure = {"reason": error.reason, "message": message, "time": now}
+    same = (previous.get("lastFailure") or {}).get("message") == message
+    if same:
+        failure["time"] = previous["lastFailure"].get("time", now)
+    conditions = [
+        Condition("Ready", "False", error.reason, message),
+        Condition("Progressing", "False", error.reason, message),
+        Condition(
+            "VersionsCompatible",
+            "False" if error.reason == "UnsupportedVersions" else "Unknown",
+            error.reason,
+            message,
+        ),
+        Condition("DevicesAvailable", "Unknown", error.reason, "not evaluated: the spec is invalid"),
+        Condition("ModelAvailable", "Unknown", error.reason, "not evaluated: the spec is invalid"),
+    ]
+    status = {
+        "phase": FAILED,
+        "observedGeneration": ref.generation,
+        "selector": names.selector_string(ref.name),
+        "lastFailure": failure,
+        "conditions": merge_conditions(
+            conditions, previous.get("conditions") or [], now=now, generation=ref.generation
+        ),
+    }
+    for key in ("replicas", "readyReplicas", "ready", "endpoint", "compatibleNodes"):
+        if key in previous:
+            status[key] = previous[key]
+    events = () if same else (Event("Warning", error.reason, message),)
+    return Plan(apply=(), delete=(), status=status, events=events)
+
+
+_TRANSITIONS = {
+    ("Ready", "True"): ("Normal", "Ready"),
+    ("DevicesAvailable", "False"): ("Warning", None),
+    ("VersionsCompatible", "False"): ("Warning", None),
+    ("ModelAvailable", "False"): ("Warning", None),
+}
+
+
+def _transition_events(previous: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[Event, ...]:
+    """One event per condition that just entered a state a user would look for."""
+    before = previous.get("conditions") or []
+    events = []
+    for cond in status["conditions"]:
+        rule = _TRANSITIONS.get((cond["type"], cond["status"]))
+        if rule is None or condition_status(before, cond["type"]) == cond["status"]:
+            continue
+        type_, reason = rule
+        events.append(Event(type_, reason or cond["reason"], cond["message"]))
+    return tuple(events)

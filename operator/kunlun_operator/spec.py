@@ -1,0 +1,399 @@
+"""Parse a KunlunInferenceService into frozen dataclasses.
+
+Owns: the spec's Python shape and its defaults (the same defaults the CRD declares, so an object
+that skipped API-server defaulting parses identically), and the cross-field checks the CRD's CEL
+rules also make. Must not talk to the API. Invariant: every ``SpecError`` names the field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kunlun_operator.errors import SpecError
+from kunlun_operator.spec_fields import (
+    read_bool,
+    read_int,
+    read_int_or_str,
+    read_list,
+    read_obj,
+    read_str,
+    read_string_map,
+)
+
+POLICIES = ("Strict", "Warn", "Off")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("int8", "w8a8")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+METRICS = ("requestsWaiting", "requestsRunning", "kvCacheUsage")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+#: The autoscaling target used when ``spec.autoscaling.target`` is not set, per metric.
+DEFAULT_TARGETS = {"requestsWaiting": 4.0, "requestsRunning": 16.0, "kvCacheUsage": 0.8}
+_PARAMETERS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([MB])$")
+_VERSION = re.compile(r"^[0-9A-Za-z]([0-9A-Za-z._-]{0,61}[0-9A-Za-z])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+_INTERVAL = re.compile(r"^[0-9]+(ms|s|m|h)$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    kind: str  # "pvc" | "hostPath" | "image"
+    claim_name: str | None = None  # pvc
+    path: str = ""  # pvc: sub-path inside the claim; hostPath: the host directory
+    reference: str | None = None  # image
+    pull_policy: str = "IfNotPresent"  # image
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str  # the served model name
+    source: ModelSource
+    num_parameters: int | None = None  # from "7B" / "135M"
+    architecture: Architecture | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSpec:
+    image: str | None = None  # None: the operator's --default-runtime-image
+    dtype: str = "auto"
+    quantization: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    kv_cache_memory: str | None = None
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool | None = None
+    extra_args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    startup_timeout_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VersionsSpec:
+    driver: str | None
+    firmware: str | None
+    kml: str | None
+    policy: str = "Strict"
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcesSpec:
+    xpus: int = 1
+    cpu: str | None = None
+    memory: str | None = None
+    xpu_product: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    metric: str = "requestsWaiting"
+    target: float | None = None
+
+    @property
+    def effective_target(self) -> float:
+        return self.target if self.target is not None else DEFAULT_TARGETS[self.metric]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingSpec:
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    type: str = "ClusterIP"
+    port: int = 8000
+    annotations: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MonitoringSpec:
+    service_monitor: bool = True
+    prometheus_rule: bool = True
+    interval: str = "30s"
+    labels: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceSpec:
+    """The whole ``spec`` of a KunlunInferenceService, defaults applied."""
+
+    model: ModelSpec
+    runtime: RuntimeSpec
+    versions: VersionsSpec
+    resources: ResourcesSpec
+    replicas: int
+    autoscaling: AutoscalingSpec
+    scheduling: SchedulingSpec
+    service: ServiceSpec
+    monitoring: MonitoringSpec
+    max_surge: int | str = 1
+    max_unavailable: int | str = 0
+    disruption_max_unavailable: int | str = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceRef:
+    """The identity of one KunlunInferenceService (what owner references and events need)."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+
+
+# --- parsing -----------------------------------------------------------------------------------------
+
+
+def parse_service_ref(body: Mapping[str, Any]) -> ServiceRef:
+    """The identity of the custom resource ``body`` (its ``metadata``)."""
+    meta = body.get("metadata") or {}
+    return ServiceRef(
+        name=meta["name"],
+        namespace=meta.get("namespace") or "default",
+        uid=meta.get("uid", ""),
+        generation=int(meta.get("generation") or 0),
+    )
+
+
+def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
+    """Parse ``spec`` of a KunlunInferenceService, applying the CRD's defaults.
+
+    Raises:
+        SpecError: a field is missing, of the wrong type, out of bounds, or inconsistent with
+            another; ``field`` is its path (``spec.autoscaling.maxReplicas``).
+    """
+    if not isinstance(spec, Mapping):
+        raise SpecError("spec", "is required")
+    p = "spec"
+    model = _parse_model(read_obj(spec, "model", p, required=True))
+    runtime = _parse_runtime(read_obj(spec, "runtime", p))
+    versions = _parse_versions(read_obj(spec, "versions", p, required=True))
+    resources = _parse_resources(read_obj(spec, "resources", p))
+    autoscaling = _parse_autoscaling(read_obj(spec, "autoscaling", p))
+    rollout = read_obj(spec, "rollout", p)
+    max_surge = read_int_or_str(rollout, "maxSurge", "spec.rollout", 1)
+    max_unavailable = read_int_or_str(rollout, "maxUnavailable", "spec.rollout", 0)
+    if max_surge in (0, "0%") and max_unavailable in (0, "0%"):
+        raise SpecError("spec.rollout", "maxSurge and maxUnavailable cannot both be 0")
+    if resources.xpus % runtime.tensor_parallel_size:
+        raise SpecError(
+            "spec.resources.xpus",
+            f"{resources.xpus} is not a multiple of "
+            f"spec.runtime.tensorParallelSize ({runtime.tensor_parallel_size})",
+        )
+    return InferenceSpec(
+        model=model,
+        runtime=runtime,
+        versions=versions,
+        resources=resources,
+        replicas=read_int(spec, "replicas", p, minimum=0, default=1),
+        autoscaling=autoscaling,
+        scheduling=_parse_scheduling(read_obj(spec, "scheduling", p)),
+        service=_parse_service(read_obj(spec, "service", p)),
+        monitoring=_parse_monitoring(read_obj(spec, "monitoring", p)),
+        max_surge=max_surge,
+        max_unavailable=max_unavailable,
+        disruption_max_unavailable=read_int_or_str(
+            read_obj(spec, "disruption", p), "maxUnavailable", "spec.disruption", 1
+        ),
+    )
+
+
+def parse_parameters(text: str, field: str) -> int:
+    """``"7B"`` → 7_000_000_000; ``"135M"`` → 135_000_000."""
+    match = _PARAMETERS.match(text)
+    if not match:
+        raise SpecError(field, f"{text!r} must look like '7B' or '135M'")
+    return int(float(match.group(1)) * (1e9 if match.group(2) == "B" else 1e6))
+
+
+def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
+    p = "spec.model"
+    source = read_obj(model, "source", p, required=True)
+    kinds = [k for k in ("pvc", "hostPath", "image") if source.get(k) is not None]
+    if len(kinds) != 1:
+        raise SpecError(
+            f"{p}.source", f"exactly one of pvc, hostPath, image must be set; got {kinds or 'none'}"
+        )
+    kind = kinds[0]
+    sp = f"{p}.source.{kind}"
+    body = read_obj(source, kind, f"{p}.source")
+    if kind == "pvc":
+        parsed = ModelSource(
+            kind,
+            claim_name=read_str(body, "claimName", sp, required=True),
+            path=read_str(body, "path", sp, default="") or "",
+        )
+        if parsed.path.startswith("/") or ".." in parsed.path.split("/"):
+            raise SpecError(f"{sp}.path", f"must be relative inside the claim, got {parsed.path!r}")
+    elif kind == "hostPath":
+        parsed = ModelSource(kind, path=read_str(body, "path", sp, required=True, pattern=re.compile(r"^/")))
+    else:
+        parsed = ModelSource(
+            kind,
+            reference=read_str(body, "reference", sp, required=True),
+            pull_policy=read_str(body, "pullPolicy", sp, choices=PULL_POLICIES, default="IfNotPresent"),
+        )
+    parameters = read_str(model, "parameters", p)
+    arch = read_obj(model, "architecture", p)
+    ap = f"{p}.architecture"
+    return ModelSpec(
+        name=read_str(model, "name", p, required=True),
+        source=parsed,
+        num_parameters=parse_parameters(parameters, f"{p}.parameters") if parameters else None,
+        architecture=Architecture(
+            num_layers=read_int(arch, "numLayers", ap, minimum=1) or _missing(f"{ap}.numLayers"),
+            num_kv_heads=read_int(arch, "numKVHeads", ap, minimum=1) or _missing(f"{ap}.numKVHeads"),
+            head_dim=read_int(arch, "headDim", ap, minimum=1) or _missing(f"{ap}.headDim"),
+        )
+        if arch
+        else None,
+    )
+
+
+def _missing(field: str) -> int:
+    raise SpecError(field, "is required")
+
+
+def _parse_runtime(rt: Mapping[str, Any]) -> RuntimeSpec:
+    p = "spec.runtime"
+    args = read_list(rt, "extraArgs", p)
+    for i, arg in enumerate(args):
+        if not isinstance(arg, str):
+            raise SpecError(f"{p}.extraArgs[{i}]", f"must be a string, got {arg!r}")
+    env = read_list(rt, "env", p)
+    for i, var in enumerate(env):
+        if not isinstance(var, Mapping) or not isinstance(var.get("name"), str) or not var["name"]:
+            raise SpecError(f"{p}.env[{i}].name", "is required")
+    block_size = read_int(rt, "blockSize", p)
+    if block_size is not None and block_size not in BLOCK_SIZES:
+        raise SpecError(
+            f"{p}.blockSize", f"must be one of {', '.join(map(str, BLOCK_SIZES))}; got {block_size}"
+        )
+    kv = rt.get("kvCacheMemory")
+    if kv is not None and not (isinstance(kv, str) and _QUANTITY.match(kv)):
+        raise SpecError(f"{p}.kvCacheMemory", f"must be a quantity like '20Gi', got {kv!r}")
+    return RuntimeSpec(
+        image=read_str(rt, "image", p),
+        dtype=read_str(rt, "dtype", p, choices=DTYPES, default="auto"),
+        quantization=read_str(rt, "quantization", p, choices=QUANTIZATIONS),
+        max_model_len=read_int(rt, "maxModelLen", p, minimum=1),
+        max_num_seqs=read_int(rt, "maxNumSeqs", p, minimum=1),
+        max_num_batched_tokens=read_int(rt, "maxNumBatchedTokens", p, minimum=1),
+        block_size=block_size,
+        kv_cache_memory=kv,
+        tensor_parallel_size=read_int(rt, "tensorParallelSize", p, minimum=1, maximum=16, default=1),
+        enable_prefix_caching=read_bool(rt, "enablePrefixCaching", p, None),
+        extra_args=tuple(args),
+        env=tuple(dict(v) for v in env),
+        startup_timeout_seconds=read_int(rt, "startupTimeoutSeconds", p, minimum=30),
+    )
+
+
+def _parse_versions(v: Mapping[str, Any]) -> VersionsSpec:
+    p = "spec.versions"
+    policy = read_str(v, "policy", p, choices=POLICIES, default="Strict")
+    required = policy != "Off"
+    return VersionsSpec(
+        driver=read_str(v, "driver", p, required=required, pattern=_VERSION),
+        firmware=read_str(v, "firmware", p, required=required, pattern=_VERSION),
+        kml=read_str(v, "kml", p, required=required, pattern=_VERSION),
+        policy=policy,
+    )
+
+
+def _parse_resources(r: Mapping[str, Any]) -> ResourcesSpec:
+    p = "spec.resources"
+    quantities = {}
+    for key in ("cpu", "memory"):
+        value = r.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | str)):
+            raise SpecError(f"{p}.{key}", f"must be a quantity, got {value!r}")
+        quantities[key] = None if value is None else str(value)
+    return ResourcesSpec(
+        xpus=read_int(r, "xpus", p, minimum=1, maximum=16, default=1),
+        cpu=quantities["cpu"],
+        memory=quantities["memory"],
+        xpu_product=read_str(r, "xpuProduct", p, pattern=_VERSION),
+    )
+
+
+def _parse_autoscaling(a: Mapping[str, Any]) -> AutoscalingSpec:
+    p = "spec.autoscaling"
+    parsed = AutoscalingSpec(
+        enabled=read_bool(a, "enabled", p, False),
+        min_replicas=read_int(a, "minReplicas", p, minimum=1, default=1),
+        max_replicas=read_int(a, "maxReplicas", p, minimum=1),
+        metric=read_str(a, "metric", p, choices=METRICS, default="requestsWaiting"),
+        target=_number(a, "target", p),
+    )
+    if parsed.enabled and parsed.max_replicas is None:
+        raise SpecError(f"{p}.maxReplicas", "is required when autoscaling is enabled")
+    if parsed.max_replicas is not None and parsed.min_replicas > parsed.max_replicas:
+        raise SpecError(
+            f"{p}.minReplicas", f"{parsed.min_replicas} exceeds maxReplicas ({parsed.max_replicas})"
+        )
+    if parsed.metric == "kvCacheUsage" and parsed.target is not None and parsed.target > 1:
+        raise SpecError(f"{p}.target", f"kvCacheUsage is a ratio in (0, 1]; got {parsed.target}")
+    return parsed
+
+
+def _number(data: Mapping[str, Any], key: str, path: str) -> float | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise SpecError(f"{path}.{key}", f"must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _parse_scheduling(s: Mapping[str, Any]) -> SchedulingSpec:
+    p = "spec.scheduling"
+    tolerations = read_list(s, "tolerations", p)
+    for i, tol in enumerate(tolerations):
+        if not isinstance(tol, Mapping):
+            raise SpecError(f"{p}.tolerations[{i}]", "must be an object")
+    affinity = read_obj(s, "affinity", p)
+    return SchedulingSpec(
+        node_selector=read_string_map(s, "nodeSelector", p),
+        tolerations=tuple(dict(t) for t in tolerations),
+        affinity=dict(affinity) if affinity else None,
+        priority_class_name=read_str(s, "priorityClassName", p),
+    )
+
+
+def _parse_service(s: Mapping[str, Any]) -> ServiceSpec:
+    p = "spec.service"
+    return ServiceSpec(
+        type=read_str(s, "type", p, choices=SERVICE_TYPES, default="ClusterIP"),
+        port=read_int(s, "port", p, minimum=1, maximum=65535, default=8000),
+        annotations=read_string_map(s, "annotations", p) or None,
+    )
+
+
+def _parse_monitoring(m: Mapping[str, Any]) -> MonitoringSpec:
+    p = "spec.monitoring"
+    return MonitoringSpec(
+        service_monitor=read_bool(m, "serviceMonitor", p, True),
+        prometheus_rule=read_bool(m, "prometheusRule", p, True),
+        interval=read_str(m, "interval", p, pattern=_INTERVAL, default="30s"),
+        labels=read_string_map(m, "labels", p) or None,
+    )

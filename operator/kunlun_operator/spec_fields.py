@@ -1,0 +1,105 @@
+"""Typed readers of custom-resource fields; every error they raise names the field's path.
+
+Owns: the small checks every field needs (type, bounds, enum, pattern). Used by ``spec`` only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from kunlun_operator.errors import SpecError
+
+
+def read_obj(data: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> Mapping[str, Any]:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise SpecError(f"{path}.{key}", "is required")
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{path}.{key}", f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def read_str(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    required: bool = False,
+    choices: tuple[str, ...] | None = None,
+    pattern: re.Pattern[str] | None = None,
+    default: str | None = None,
+) -> str | None:
+    value = data.get(key, default)
+    field = f"{path}.{key}"
+    if value is None:
+        if required:
+            raise SpecError(field, "is required")
+        return None
+    if not isinstance(value, str) or (required and not value):
+        raise SpecError(field, f"must be a non-empty string, got {value!r}")
+    if choices is not None and value not in choices:
+        raise SpecError(field, f"must be one of {', '.join(choices)}; got {value!r}")
+    if pattern is not None and not pattern.match(value):
+        raise SpecError(field, f"{value!r} does not match {pattern.pattern}")
+    return value
+
+
+def read_int(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    default: int | None = None,
+) -> int | None:
+    value = data.get(key, default)
+    field = f"{path}.{key}"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(field, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SpecError(field, f"must be ≥ {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(field, f"must be ≤ {maximum}, got {value}")
+    return value
+
+
+def read_bool(data: Mapping[str, Any], key: str, path: str, default: bool | None) -> bool | None:
+    value = data.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise SpecError(f"{path}.{key}", f"must be true or false, got {value!r}")
+    return value
+
+
+def read_int_or_str(data: Mapping[str, Any], key: str, path: str, default: int | str) -> int | str:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise SpecError(f"{path}.{key}", f"must be an integer or a percentage, got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise SpecError(f"{path}.{key}", f"must be ≥ 0, got {value}")
+    if isinstance(value, str) and not re.match(r"^[0-9]+%$", value):
+        raise SpecError(f"{path}.{key}", f"must be an integer or a percentage like '25%', got {value!r}")
+    return value
+
+
+def read_string_map(data: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
+    value = read_obj(data, key, path)
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise SpecError(f"{path}.{key}.{k}", f"must be a string, got {v!r}")
+    return dict(value)
+
+
+def read_list(data: Mapping[str, Any], key: str, path: str) -> list[Any]:
+    value = data.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise SpecError(f"{path}.{key}", f"must be a list, got {type(value).__name__}")
+    return value
