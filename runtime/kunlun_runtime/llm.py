@@ -31,6 +31,14 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over an already built EngineConfig (the CLI's path)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
     @property
     def tokenizer(self):  # noqa: ANN201
         return self.engine.tokenizer

@@ -1,0 +1,176 @@
+"""Golden (numerical-equivalence) runs: the engine's paged path against HF ``transformers`` in FP32.
+
+The same token ids go through both; forward hooks capture every layer's output (embedding, each
+decoder layer, final norm, logits) and the report gives, per layer, the max absolute and relative
+error, the tolerance and pass/fail, and names the first layer that diverges — the seed's first
+lesson: a "harmless" numerical substitution showed up only many layers later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
+from kunlun_runtime.layers.attention import build_attention_metadata
+from kunlun_runtime.models.decoder import DecoderModel
+
+# Tolerances on max |ours - reference| relative to max |reference| per layer, by engine dtype.
+# FP32: the acceptance bound of the golden tests (1e-5). BF16/INT8: measured bounds (see README).
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerError:
+    name: str
+    max_abs_err: float
+    max_rel_err: float  # max_abs_err / max |reference|
+    tolerance: float
+    passed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GoldenReport:
+    model: str
+    dtype: str
+    num_tokens: int
+    layers: tuple[LayerError, ...]
+    first_divergent_layer: str | None
+    passed: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def layer_names(num_layers: int) -> list[str]:
+    return ["embed_tokens", *(f"layers.{i}" for i in range(num_layers)), "norm", "logits"]
+
+
+def _hook_outputs(modules: dict[str, torch.nn.Module], store: dict[str, list[torch.Tensor]]) -> list:
+    handles = []
+    for name, module in modules.items():
+
+        def hook(_module, _inputs, output, name=name) -> None:  # noqa: ANN001
+            tensor = output[0] if isinstance(output, tuple) else output
+            store.setdefault(name, []).append(tensor.detach().float().reshape(-1, tensor.shape[-1]))
+
+        handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+@torch.inference_mode()
+def capture_engine(
+    model: DecoderModel, token_ids: Sequence[int], block_size: int = 16, chunk_size: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Run ``token_ids`` through the engine model's paged path (prefilled in chunks of
+    ``chunk_size`` tokens if given) in a fresh KV cache; return each layer's output [T, ...]."""
+    config = model.config
+    device = next(model.parameters()).device
+    dtype = model.embed_tokens.weight.dtype
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    num_blocks = -(-len(token_ids) // block_size)
+    cache = KVCache(spec, num_blocks, device, cache_line_bytes=64, cache_num_sets=64, skew=True)
+    # Reverse block order: the paged path must not depend on blocks being contiguous.
+    table = list(reversed(range(num_blocks)))
+    modules = {"embed_tokens": model.embed_tokens, "norm": model.norm}
+    modules.update({f"layers.{i}": layer for i, layer in enumerate(model.layers)})
+    store: dict[str, list[torch.Tensor]] = {}
+    handles = _hook_outputs(modules, store)
+    logits = []
+    try:
+        step = chunk_size or len(token_ids)
+        for start in range(0, len(token_ids), step):
+            chunk = list(token_ids[start : start + step])
+            meta = build_attention_metadata([len(chunk)], [start + len(chunk)], [table], block_size, device)
+            hidden = model(
+                torch.tensor(chunk, device=device),
+                torch.arange(start, start + len(chunk), device=device),
+                cache,
+                meta,
+            )
+            logits.append(model.compute_logits(hidden))
+    finally:
+        for handle in handles:
+            handle.remove()
+    captured = {name: torch.cat(parts) for name, parts in store.items()}
+    captured["logits"] = torch.cat(logits)
+    return captured
+
+
+@torch.inference_mode()
+def capture_reference(model_dir: Path, token_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The same layers from HF ``transformers`` in FP32 (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    reference.eval()
+    inner = reference.model
+    modules = {"embed_tokens": inner.embed_tokens, "norm": inner.norm}
+    modules.update({f"layers.{i}": layer for i, layer in enumerate(inner.layers)})
+    store: dict[str, list[torch.Tensor]] = {}
+    handles = _hook_outputs(modules, store)
+    try:
+        out = reference(torch.tensor([list(token_ids)]), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    captured = {name: parts[0] for name, parts in store.items()}
+    captured["logits"] = out.logits[0].float()
+    return captured
+
+
+def compare(
+    ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], names: list[str], tolerance: float
+) -> tuple[LayerError, ...]:
+    rows = []
+    for name in names:
+        diff = (ours[name] - reference[name]).abs().max().item()
+        scale = max(reference[name].abs().max().item(), 1e-30)
+        rel = diff / scale
+        rows.append(LayerError(name, diff, rel, tolerance, bool(rel <= tolerance)))
+    return tuple(rows)
+
+
+def run_golden(
+    model: DecoderModel,
+    model_dir: Path,
+    token_ids: Sequence[int],
+    *,
+    tolerance: float | None = None,
+    block_size: int = 16,
+    chunk_size: int | None = None,
+) -> GoldenReport:
+    """Compare ``model`` (the engine's, in its own dtype) with the FP32 reference on ``token_ids``."""
+    dtype = model.embed_tokens.weight.dtype
+    tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
+    names = layer_names(model.config.num_layers)
+    ours = capture_engine(model, token_ids, block_size=block_size, chunk_size=chunk_size)
+    reference = capture_reference(model_dir, token_ids)
+    layers = compare(ours, reference, names, tolerance)
+    first = next((layer.name for layer in layers if not layer.passed), None)
+    return GoldenReport(
+        model=str(model_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        num_tokens=len(token_ids),
+        layers=layers,
+        first_divergent_layer=first,
+        passed=first is None,
+    )
+
+
+def format_report(report: GoldenReport) -> str:
+    lines = [
+        f"golden: {report.model} dtype={report.dtype} tokens={report.num_tokens} (reference: HF transformers FP32)",
+        f"{'layer':<16}{'max_abs_err':>14}{'max_rel_err':>14}{'tolerance':>12}  result",
+    ]
+    for layer in report.layers:
+        lines.append(
+            f"{layer.name:<16}{layer.max_abs_err:>14.3e}{layer.max_rel_err:>14.3e}{layer.tolerance:>12.1e}  "
+            f"{'pass' if layer.passed else 'FAIL'}"
+        )
+    verdict = "PASSED" if report.passed else f"FAILED: first divergent layer: {report.first_divergent_layer}"
+    lines.append(verdict)
+    return "\n".join(lines)
