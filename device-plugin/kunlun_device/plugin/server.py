@@ -1,0 +1,173 @@
+"""`PluginServer`: the device plugin's life on a node — serve, register, watch health and kubelet.
+
+Start-up discovers the cards once, serves `DevicePlugin` on `<kubelet-dir>/<socket-name>` and
+registers `kunlunxin.com/xpu` with kubelet. Two threads then run until `stop()`:
+- health: every `health_interval_seconds` one `HealthMonitor.poll()`, published to `DeviceStates`
+  (which wakes every open `ListAndWatch`);
+- kubelet watch: when `kubelet.sock` is recreated (kubelet restarted) or the plugin's own socket
+  vanished, the gRPC server is restarted on a fresh socket and registration is repeated; a failed
+  registration is retried on the next tick.
+
+Invariant: at most one gRPC server is live; `registrations` counts successful `Register` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from kunlun_device.api import deviceplugin_v1beta1_pb2 as pb
+from kunlun_device.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from kunlun_device.errors import XpuError
+from kunlun_device.labels import RESOURCE_NAME
+from kunlun_device.plugin.placement import build_placement
+from kunlun_device.plugin.servicer import DevicePluginServicer
+from kunlun_device.plugin.states import DeviceStates
+from kunlun_device.xpu.health import HealthPolicy
+from kunlun_device.xpu.model import Topology
+from kunlun_device.xpu.monitor import HealthMonitor
+from kunlun_device.xpu.source import XpuSource
+
+logger = logging.getLogger(__name__)
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_ctime_ns
+
+
+class PluginServer:
+    """One device plugin instance for one node."""
+
+    def __init__(
+        self,
+        source: XpuSource,
+        kubelet_dir: str | os.PathLike[str],
+        socket_name: str = "kunlun-xpu.sock",
+        policy: HealthPolicy | None = None,
+        health_interval_seconds: float = 10.0,
+        watch_interval_seconds: float = 1.0,
+    ) -> None:
+        self.source = source
+        self.kubelet_dir = Path(kubelet_dir)
+        self.socket_name = socket_name
+        self.policy = policy or HealthPolicy()
+        self.health_interval_seconds = health_interval_seconds
+        self.watch_interval_seconds = watch_interval_seconds
+        self.registrations = 0
+        self._registered = False
+        self._stop = threading.Event()
+        self._server: grpc.Server | None = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def socket_path(self) -> Path:
+        return self.kubelet_dir / self.socket_name
+
+    def start(self) -> None:
+        """Discover, serve, register, and start the health and kubelet-watch threads.
+
+        Raises:
+            XpuError: discovery failed (no tool, unreadable output).
+        """
+        devices = self.source.list_devices()
+        topology: Topology | None = None
+        if devices:
+            try:
+                topology = self.source.topology()
+            except XpuError as exc:
+                logger.warning("no card topology, placing by NUMA node only: %s", exc)
+        self.devices = devices
+        self.placement = build_placement(devices, topology)
+        self.monitor = HealthMonitor(self.source, devices, self.policy)
+        self.states = DeviceStates(self.monitor.poll().states)
+        logger.info("discovered %d cards: %s", len(devices), [d.uuid for d in devices])
+        self._serve()
+        self._kubelet_identity = _identity(self.kubelet_dir / KUBELET_SOCKET)
+        self._register()
+        for target, name in ((self._health_loop, "health"), (self._watch_loop, "kubelet-watch")):
+            thread = threading.Thread(target=target, name=f"kunlun-plugin-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop the threads and the gRPC server and remove the plugin's socket."""
+        self._stop.set()
+        self.states.close()
+        for thread in self._threads:
+            thread.join()
+        self._shutdown_server()
+
+    def wait(self) -> None:
+        """Block until `stop()` is called from another thread (or a signal handler)."""
+        self._stop.wait()
+
+    def _serve(self) -> None:
+        self.socket_path.unlink(missing_ok=True)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kunlun-plugin-rpc")
+        )
+        control = self.source.control_node_present()
+        servicer = DevicePluginServicer(self.devices, self.placement, self.states, control)
+        pb_grpc.add_DevicePluginServicer_to_server(servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        server.start()
+        self._server = server
+        logger.info("serving %s on %s", RESOURCE_NAME, self.socket_path)
+
+    def _shutdown_server(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None).wait()
+            self._server = None
+        self.socket_path.unlink(missing_ok=True)
+
+    def _register(self) -> bool:
+        kubelet = self.kubelet_dir / KUBELET_SOCKET
+        request = pb.RegisterRequest(
+            version=API_VERSION,
+            endpoint=self.socket_name,
+            resource_name=RESOURCE_NAME,
+            options=pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True),
+        )
+        try:
+            with grpc.insecure_channel(f"unix://{kubelet}") as channel:
+                pb_grpc.RegistrationStub(channel).Register(request, timeout=5)
+        except grpc.RpcError as exc:
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            logger.warning("registration with kubelet at %s failed: %s", kubelet, details)
+            self._registered = False
+            return False
+        self.registrations += 1
+        self._registered = True
+        logger.info("registered %s with kubelet (%s)", RESOURCE_NAME, kubelet)
+        return True
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.health_interval_seconds):
+            snapshot = self.monitor.poll()
+            self.states.publish(snapshot.states)
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(self.watch_interval_seconds):
+            identity = _identity(self.kubelet_dir / KUBELET_SOCKET)
+            if identity is None:
+                continue  # kubelet is down; wait for its socket to come back
+            restarted = identity != self._kubelet_identity
+            if restarted or not self.socket_path.exists():
+                logger.info("kubelet socket recreated or plugin socket gone: serving and registering again")
+                self._kubelet_identity = identity
+                self._shutdown_server()
+                self._serve()
+                self._register()
+            elif not self._registered:
+                self._register()
