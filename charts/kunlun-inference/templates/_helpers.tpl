@@ -79,7 +79,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Image pull secrets block for a pod spec. */}}
 {{- define "kunlun-inference.imagePullSecrets" -}}
-{{- with .Values.global.imagePullSecrets }}
+{{- with .Values.global.imagePullSecrets -}}
 imagePullSecrets:
 {{- range . }}
   - name: {{ . }}
@@ -178,12 +178,19 @@ seccompProfile:
   verbs: ["get", "list", "watch", "patch"]
 {{- end -}}
 
-{{/* Arguments of one device-plugin container: (dict "ctx" $ "command" "plugin|labeler|exporter"). */}}
+{{/* Arguments of one device-plugin container: (dict "ctx" $ "command" "plugin|labeler|exporter"). Flags: docs/device-plugin.md. */}}
 {{- define "kunlun-inference.devicePlugin.args" -}}
 {{- $v := .ctx.Values.devicePlugin -}}
 - {{ .command }}
 - --xpu-smi={{ $v.xpuSmi }}
 - --dev-root=/host
+- --log-level={{ $v.logLevel }}
+{{- if ne .command "labeler" }}
+- --health-interval={{ $v.health.intervalSeconds }}
+- --recovery-seconds={{ $v.health.recoverySeconds }}
+- --temperature-warn-celsius={{ $v.health.temperatureWarnCelsius }}
+- --temperature-critical-celsius={{ $v.health.temperatureCriticalCelsius }}
+{{- end }}
 {{- if eq .command "plugin" }}
 - --kubelet-dir=/var/lib/kubelet/device-plugins
 {{- else if eq .command "labeler" }}
@@ -194,10 +201,11 @@ seccompProfile:
 {{- end }}
 {{- end -}}
 
-{{/* Volume mounts of one device-plugin container. */}}
+{{/* Volume mounts of one device-plugin container (host paths: docs/device-plugin.md). */}}
 {{- define "kunlun-inference.devicePlugin.mounts" -}}
-- {name: host-dev, mountPath: /host/dev, readOnly: true}
+- {name: host-dev, mountPath: /host/dev}
 - {name: host-sys, mountPath: /host/sys, readOnly: true}
+- {name: kunlun-home, mountPath: /host/usr/local/xpu, readOnly: true}
 {{- if .ctx.Values.devicePlugin.hostPaths.xpuSmi }}
 - {name: xpu-smi, mountPath: {{ .ctx.Values.devicePlugin.xpuSmi }}, readOnly: true}
 {{- end }}
@@ -209,27 +217,16 @@ seccompProfile:
 {{- end -}}
 
 {{/*
-Security context of one device-plugin container. The plugin writes its socket into kubelet's
-root-owned directory and runs xpu-smi against /dev/xpuctrl, so it runs as root and privileged;
-the exporter needs xpu-smi too. The labeler only reads versions and talks to the API server.
+Security context of the device-plugin containers. xpu-smi opens /dev/xpu* and /dev/xpuctrl (all
+three commands run it) and the plugin writes its socket into kubelet's root-owned directory, so
+they run privileged as root, as GPU device plugins do. The root filesystem stays read-only.
 */}}
 {{- define "kunlun-inference.devicePlugin.securityContext" -}}
-{{- if eq .command "labeler" -}}
-allowPrivilegeEscalation: false
-readOnlyRootFilesystem: true
-runAsNonRoot: true
-runAsUser: 10001
-capabilities:
-  drop: ["ALL"]
-seccompProfile:
-  type: RuntimeDefault
-{{- else -}}
 privileged: true
 runAsUser: 0
+runAsNonRoot: false
 readOnlyRootFilesystem: true
 {{- end -}}
-{{- end -}}
-
 {{/* The labeler's ClusterRole rules. */}}
 {{- define "kunlun-inference.labeler.rules" -}}
 - apiGroups: [""]

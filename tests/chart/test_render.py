@@ -1,0 +1,52 @@
+"""The chart lints strictly and renders valid Kubernetes objects for every ci values set.
+
+`helm lint --strict` per values set; every rendered built-in object (CRDs included) validated with
+`kubernetes-validate --strict` for Kubernetes 1.28 and 1.31, batched into one call per version.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.chart.tools import CHART, REPO, Rendered, ci_values_files, helm
+
+KUBERNETES_VERSIONS = ("1.28.0", "1.31.0")
+# Kinds whose schemas ship with their operators, not with Kubernetes: checked elsewhere
+# (PrometheusRule by promtool, the rest by the assertions in test_templates.py).
+NON_CORE_KINDS = {"ClusterKopfPeering", "PrometheusRule", "ServiceMonitor"}
+
+
+@pytest.mark.parametrize("values_file", ci_values_files(), ids=lambda p: p.stem)
+def test_helm_lint_strict_passes(values_file: Path) -> None:
+    proc = helm("lint", "--strict", str(CHART), "--values", str(values_file), check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+def test_ci_values_sets_cover_monitoring_ha_and_node_selectors() -> None:
+    assert {p.stem for p in ci_values_files()} >= {
+        "default-values", "monitoring-values", "ha-values", "nodeselector-values"}
+
+
+@pytest.mark.parametrize("kube_version", KUBERNETES_VERSIONS)
+def test_rendered_objects_pass_kubernetes_validate_strict(
+        rendered_sets: dict[str, Rendered], kube_version: str, tmp_path: Path) -> None:
+    files, expected = [], 0
+    for stem, rendered in rendered_sets.items():
+        path = tmp_path / f"{stem}.yaml"
+        path.write_text(rendered.text)
+        files.append(str(path))
+        expected += sum(1 for d in rendered.docs if d["kind"] not in NON_CORE_KINDS)
+    proc = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "kubernetes-validate"), "--strict", "-k", kube_version, *files],
+        capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    failures = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert proc.returncode == 0 and not failures, out
+    unknown = {m.group(1) for m in re.finditer(r"Couldn't find schema for kind (\w+)", out)}
+    assert unknown <= NON_CORE_KINDS, f"kinds with no Kubernetes schema: {unknown - NON_CORE_KINDS}"
+    assert len(re.findall(r"^INFO .* passed for resource", out, re.M)) == expected, out
