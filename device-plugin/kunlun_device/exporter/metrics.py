@@ -1,0 +1,130 @@
+"""Prometheus metric families for the cards of one node, built from the exporter's last state.
+
+Per-card metrics carry `device` (xpu<index>), `uuid`, `node` and the holder's `namespace`, `pod`,
+`container` (empty strings when no pod holds the card). See docs/device-plugin.md for the list.
+
+Invariant: a reading that is not available (N/A, or xpu-smi failed this round) is left out, never
+exported as 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kunlun_device.exporter.podresources import Holder
+from kunlun_device.xpu.health_tracker import HealthState
+from kunlun_device.xpu.model import CardTelemetry, Versions, XpuDevice
+from kunlun_device.xpu.monitor import HealthSnapshot
+
+CARD_LABELS = ["device", "uuid", "node", "namespace", "pod", "container"]
+ID_LABELS = ["device", "uuid", "node"]
+INFO_LABELS = [*ID_LABELS, "product", "driver_version", "runtime_version", "firmware_version", "kml_version"]
+NO_HOLDER = Holder("", "", "")
+
+
+@dataclass(frozen=True, slots=True)
+class ExporterState:
+    """Everything one scrape reports."""
+
+    node: str
+    devices: tuple[XpuDevice, ...]
+    versions: Versions
+    snapshot: HealthSnapshot
+    holders: dict[str, Holder]
+    transitions_total: dict[tuple[int, HealthState], int]
+    tool_errors_total: int
+
+
+_READINGS: tuple[tuple[str, str, Callable[[CardTelemetry], float | None]], ...] = (
+    ("kunlun_xpu_utilization_ratio", "XPU utilisation (0-1)", lambda c: c.utilization_ratio),
+    ("kunlun_xpu_memory_used_bytes", "Device memory in use", lambda c: c.memory_used_bytes),
+    ("kunlun_xpu_memory_total_bytes", "Device memory size", lambda c: c.memory_total_bytes),
+    ("kunlun_xpu_temperature_celsius", "Chip temperature", lambda c: c.temperature_celsius),
+    ("kunlun_xpu_power_watts", "Power draw", lambda c: c.power_watts),
+)
+
+
+def build_metrics(state: ExporterState) -> list[Metric]:
+    """All metric families of one scrape."""
+    ids = {d.index: [f"xpu{d.index}", d.uuid, state.node] for d in state.devices}
+    labels = {}
+    for d in state.devices:
+        holder = state.holders.get(d.uuid, NO_HOLDER)
+        labels[d.index] = [*ids[d.index], holder.namespace, holder.pod, holder.container]
+    readings = {c.index: c for c in state.snapshot.table.cards} if state.snapshot.table else {}
+    families: list[Metric] = []
+    for name, documentation, read in _READINGS:
+        family = GaugeMetricFamily(name, documentation, labels=CARD_LABELS)
+        for index, card in sorted(readings.items()):
+            value = read(card)
+            if index in labels and value is not None:
+                family.add_metric(labels[index], value)
+        families.append(family)
+    ecc = CounterMetricFamily(
+        "kunlun_xpu_ecc_errors", "Volatile uncorrectable ECC errors (reset with the card)", labels=CARD_LABELS
+    )
+    for index, card in sorted(readings.items()):
+        if index in labels and card.ecc_uncorrectable_errors is not None:
+            ecc.add_metric(labels[index], card.ecc_uncorrectable_errors)
+    healthy = GaugeMetricFamily(
+        "kunlun_xpu_healthy", "1 when the card is Healthy, 0 when Unhealthy", labels=CARD_LABELS
+    )
+    for index, value in sorted(state.snapshot.states.items()):
+        healthy.add_metric(labels[index], 1.0 if value is HealthState.HEALTHY else 0.0)
+    families += [ecc, healthy, *_node_families(state, ids)]
+    return families
+
+
+def _node_families(state: ExporterState, ids: dict[int, list[str]]) -> Iterator[Metric]:
+    versions = state.versions
+    info = GaugeMetricFamily("kunlun_xpu_info", "Card identity and software versions", labels=INFO_LABELS)
+    for d in state.devices:
+        firmware = d.firmware_version or ""
+        info.add_metric(
+            [
+                *ids[d.index],
+                d.product,
+                versions.driver or "",
+                versions.runtime or "",
+                firmware,
+                versions.kml or "",
+            ],
+            1,
+        )
+    yield info
+    transitions = CounterMetricFamily(
+        "kunlun_xpu_health_transitions",
+        "Health state changes, by the state entered",
+        labels=[*ID_LABELS, "state"],
+    )
+    for (index, after), count in sorted(state.transitions_total.items()):
+        transitions.add_metric([*ids[index], str(after)], count)
+    yield transitions
+    finding = GaugeMetricFamily(
+        "kunlun_xpu_health_finding",
+        "1 for each failing health check",
+        labels=[*ID_LABELS, "check", "severity"],
+    )
+    for index, found in sorted(state.snapshot.findings.items()):
+        for f in found:
+            finding.add_metric([*ids[index], str(f.check), str(f.severity)], 1)
+    yield finding
+    tool = CounterMetricFamily("kunlun_xpu_tool_errors", "Failed xpu-smi calls", labels=["node"])
+    tool.add_metric([state.node], state.tool_errors_total)
+    yield tool
+
+
+class StateCollector(Collector):
+    """A prometheus_client collector reporting whatever state `current()` returns (None: nothing)."""
+
+    def __init__(self, current: Callable[[], ExporterState | None]) -> None:
+        self._current = current
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._current()
+        if state is not None:
+            yield from build_metrics(state)
