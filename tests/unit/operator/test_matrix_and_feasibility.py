@@ -1,0 +1,84 @@
+"""The compatibility matrix, the memory feasibility estimate and the startup budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kunlun_operator.feasibility import GiB, estimate_memory, startup_budget_seconds
+from kunlun_operator.matrix import as_dict, check_versions, load_default_matrix, parse_matrix, runtime_version
+from kunlun_operator.spec import VersionsSpec, parse_spec
+from tests.unit.operator.factories import make_raw_spec
+
+VERSIONS_YAML = Path(__file__).resolve().parents[3] / "versions.yaml"
+
+
+@pytest.mark.skipif(not VERSIONS_YAML.exists(), reason="versions.yaml not in this checkout")
+def test_the_packaged_matrix_equals_the_release_versions() -> None:
+    with VERSIONS_YAML.open() as f:
+        release = yaml.safe_load(f)["compatibility"]
+    assert as_dict(load_default_matrix())["entries"] == [
+        {"runtime": str(e["runtime"]), **{k: sorted(map(str, e[k])) for k in ("driver", "firmware", "kml")}}
+        for e in release
+    ]
+
+
+def test_versions_are_checked_per_component_against_the_image_tag() -> None:
+    matrix = parse_matrix(
+        "entries:\n- {runtime: '0.1.*', driver: [a, b], firmware: [f], kml: [k]}\n", source="t"
+    )
+    assert check_versions(matrix, "reg:5000/x/rt:0.1.7", VersionsSpec("b", "f", "k")) == []
+    problems = check_versions(matrix, "rt:0.1.0", VersionsSpec("c", "f", "z"))
+    assert [(p.field, p.reason) for p in problems] == [
+        ("spec.versions.driver", "UnsupportedVersions"),
+        ("spec.versions.kml", "UnsupportedVersions"),
+    ]
+    assert [p.field for p in check_versions(matrix, "rt:0.2.0", VersionsSpec("a", "f", "k"))] == [
+        "spec.runtime.image"
+    ]
+    assert [p.field for p in check_versions(matrix, "rt@sha256:00", VersionsSpec("a", "f", "k"))] == [
+        "spec.runtime.image"
+    ]
+    assert runtime_version("localhost:5000/rt") is None
+
+
+def test_malformed_matrix_names_the_entry() -> None:
+    with pytest.raises(ValueError, match=r"cm/matrix.yaml: entries\[0\].kml must be a non-empty list"):
+        parse_matrix("entries:\n- {runtime: x, driver: [a], firmware: [b]}\n", source="cm/matrix.yaml")
+
+
+def test_memory_estimate_of_a_7b_model_with_its_kv_cache() -> None:
+    spec = parse_spec(
+        make_raw_spec(
+            model={
+                "name": "m",
+                "source": {"hostPath": {"path": "/m"}},
+                "parameters": "7B",
+                "architecture": {"numLayers": 32, "numKVHeads": 32, "headDim": 128},
+            },
+            runtime={"maxModelLen": 32768},
+        )
+    )
+    estimate = estimate_memory(spec, 32 * GiB)
+    assert estimate.weights_bytes == 14_000_000_000
+    assert estimate.kv_cache_bytes == 2 * 32 * 32 * 128 * 2 * 32768  # 16 GiB
+    assert estimate.available_bytes == int(32 * GiB * 0.9)
+    assert not estimate.fits
+    assert estimate.describe() == (
+        "weights 13.0 GiB + KV cache 16.0 GiB = 29.0 GiB; available 28.8 GiB (90% of 1 × 32 GiB)"
+    )
+    assert estimate_memory(parse_spec(make_raw_spec()), 32 * GiB) is None
+
+
+def test_startup_budget_grows_with_model_size() -> None:
+    def budget(**model: str) -> int:
+        return startup_budget_seconds(
+            parse_spec(make_raw_spec(model={"name": "m", "source": {"hostPath": {"path": "/m"}}, **model}))
+        )
+
+    assert budget() == 900
+    assert budget(parameters="135M") == 305  # 0.25 GiB of bf16 weights
+    assert budget(parameters="7B") == 561
+    assert budget(parameters="405B") == 3600

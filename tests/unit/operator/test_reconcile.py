@@ -1,0 +1,172 @@
+"""The pure reconcile: which objects, which status, which events, for which facts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kunlun_operator import names
+from kunlun_operator.reconcile import PodFacts, reconcile
+from kunlun_operator.status import DeploymentFacts
+from tests.unit.operator.factories import NOW, make_facts, make_node, make_raw_spec, make_ref
+
+LATER = "2026-01-01T00:05:00Z"
+
+
+def _conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def _deployment(ready: int, *, desired: int = 1, reason: str = "ReplicaSetUpdated") -> DeploymentFacts:
+    return DeploymentFacts(
+        spec_replicas=desired,
+        replicas=desired,
+        ready_replicas=ready,
+        updated_replicas=desired,
+        generation=2,
+        observed_generation=2,
+        progressing_status="True",
+        progressing_reason=reason,
+    )
+
+
+def test_new_service_plans_its_objects_and_is_pending() -> None:
+    plan = reconcile(make_ref(), make_raw_spec(), None, make_facts(), now=NOW)
+    assert [o["kind"] for o in plan.apply] == ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget"]
+    assert plan.delete == (names.HPA,)
+    assert plan.status["phase"] == "Pending"
+    assert plan.status["ready"] == "0/1"
+    assert plan.status["endpoint"] == "http://qwen.ml.svc:8000/v1"
+    assert plan.status["selector"] == "app.kubernetes.io/instance=qwen,app.kubernetes.io/name=kunlun-runtime"
+    assert plan.status["compatibleNodes"] == 1
+    assert _conditions(plan.status) == {
+        "Ready": ("False", "DeploymentNotCreated"),
+        "Progressing": ("False", "DeploymentNotCreated"),
+        "VersionsCompatible": ("True", "VersionsLocked"),
+        "DevicesAvailable": ("True", "CompatibleNodesFound"),
+        "ModelAvailable": ("Unknown", "NotLoadedYet"),
+    }
+    assert plan.events == ()
+
+
+def test_phase_follows_the_deployment() -> None:
+    def phase(deployment: DeploymentFacts) -> str:
+        return reconcile(
+            make_ref(), make_raw_spec(), None, make_facts(deployment=deployment), now=NOW
+        ).status["phase"]
+
+    assert phase(_deployment(0)) == "Progressing"
+    assert phase(_deployment(1)) == "Ready"
+    assert phase(_deployment(0, reason="NewReplicaSetAvailable")) == "Degraded"
+    assert phase(_deployment(0, reason="ProgressDeadlineExceeded")) == "Degraded"
+
+
+def test_ready_transition_emits_one_event_and_keeps_transition_times() -> None:
+    first = reconcile(make_ref(), make_raw_spec(), None, make_facts(deployment=_deployment(0)), now=NOW)
+    ready = reconcile(
+        make_ref(), make_raw_spec(), first.status, make_facts(deployment=_deployment(1)), now=LATER
+    )
+    again = reconcile(
+        make_ref(), make_raw_spec(), ready.status, make_facts(deployment=_deployment(1)), now=LATER
+    )
+    assert [(e.type, e.reason) for e in ready.events] == [("Normal", "Ready")]
+    assert again.events == ()
+    times = {c["type"]: c["lastTransitionTime"] for c in ready.status["conditions"]}
+    assert times == {
+        "Ready": LATER,
+        "Progressing": LATER,
+        "VersionsCompatible": NOW,
+        "DevicesAvailable": NOW,
+        "ModelAvailable": LATER,
+    }
+    assert ready.status["ready"] == "1/1"
+
+
+def test_no_compatible_nodes_lists_what_the_kunlun_nodes_have() -> None:
+    nodes = (make_node("a", driver="5.0.20"), make_node("b", driver="5.0.20"), make_node("c", kunlun=False))
+    plan = reconcile(
+        make_ref(), make_raw_spec(), None, make_facts(nodes=nodes, deployment=_deployment(0)), now=NOW
+    )
+    devices = next(c for c in plan.status["conditions"] if c["type"] == "DevicesAvailable")
+    assert devices["status"] == "False" and devices["reason"] == "NoCompatibleNodes"
+    assert devices["message"] == (
+        "no Kunlun node matches driver=5.0.21 firmware=1.3.8 kml=3.2.0 xpus>=1; Kunlun nodes have: "
+        "driver=5.0.20 firmware=1.3.8 kml=3.2.0 product=P800 xpus=8 (2 nodes)"
+    )
+    assert plan.status["phase"] == "Pending" and plan.status["compatibleNodes"] == 0
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "NoCompatibleNodes")]
+
+
+def test_no_kunlun_nodes_at_all() -> None:
+    plan = reconcile(make_ref(), make_raw_spec(), None, make_facts(nodes=()), now=NOW)
+    assert _conditions(plan.status)["DevicesAvailable"] == ("False", "NoKunlunNodes")
+
+
+def test_warn_policy_reports_pods_on_mismatching_nodes() -> None:
+    raw = make_raw_spec(versions={"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0", "policy": "Warn"})
+    nodes = (make_node("good"), make_node("old", kml="3.1.0"))
+    pods = (PodFacts("qwen-1", "good"), PodFacts("qwen-2", "old"), PodFacts("qwen-3", None))
+    plan = reconcile(make_ref(), raw, None, make_facts(nodes=nodes, pods=pods), now=NOW)
+    versions = next(c for c in plan.status["conditions"] if c["type"] == "VersionsCompatible")
+    assert (versions["status"], versions["reason"]) == ("False", "PodsOnMismatchedNodes")
+    assert versions["message"] == "qwen-2 on old: kml 3.1.0 (want 3.2.0)"
+    assert [(e.type, e.reason, e.message) for e in plan.events] == [
+        ("Warning", "PodsOnMismatchedNodes", "qwen-2 on old: kml 3.1.0 (want 3.2.0)")
+    ]
+    assert "affinity" not in plan.apply[2]["spec"]["template"]["spec"]
+
+
+def test_unsupported_versions_fail_under_strict_and_only_warn_under_warn() -> None:
+    strict = make_raw_spec(versions={"driver": "9.9.9", "firmware": "1.3.8", "kml": "3.2.0"})
+    plan = reconcile(make_ref(), strict, None, make_facts(), now=NOW)
+    assert plan.apply == () and plan.delete == ()
+    assert plan.status["phase"] == "Failed"
+    assert plan.status["lastFailure"] == {
+        "reason": "UnsupportedVersions",
+        "time": NOW,
+        "message": "spec.versions.driver: driver 9.9.9 is not supported by runtime 0.1.0 (supported: 5.0.21)",
+    }
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "UnsupportedVersions")]
+    again = reconcile(make_ref(), strict, plan.status, make_facts(), now=LATER)
+    assert again.events == () and again.status["lastFailure"]["time"] == NOW
+
+    warn = make_raw_spec(versions={"driver": "9.9.9", "firmware": "1.3.8", "kml": "3.2.0", "policy": "Warn"})
+    plan = reconcile(make_ref(), warn, None, make_facts(), now=NOW)
+    assert len(plan.apply) == 4
+    assert _conditions(plan.status)["VersionsCompatible"] == ("False", "UnsupportedVersions")
+
+
+def test_invalid_spec_is_a_failed_plan_naming_the_field() -> None:
+    plan = reconcile(make_ref(), make_raw_spec(resources={"xpus": 0}), None, make_facts(), now=NOW)
+    assert plan.apply == ()
+    assert plan.status["phase"] == "Failed"
+    assert plan.status["lastFailure"]["message"] == "spec.resources.xpus: must be ≥ 1, got 0"
+
+
+def test_autoscaling_leaves_existing_replicas_to_the_hpa() -> None:
+    raw = make_raw_spec(autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 5})
+    fresh = reconcile(make_ref(), raw, None, make_facts(), now=NOW)
+    assert fresh.apply[2]["spec"]["replicas"] == 2
+    assert [o["kind"] for o in fresh.apply][-1] == "HorizontalPodAutoscaler" and fresh.delete == ()
+    running = reconcile(make_ref(), raw, None, make_facts(deployment=_deployment(3, desired=4)), now=NOW)
+    assert "replicas" not in running.apply[2]["spec"]
+    assert running.status["ready"] == "3/4"
+
+
+def test_monitoring_objects_only_when_the_prometheus_operator_is_served() -> None:
+    served = frozenset({"servicemonitors", "prometheusrules"})
+    with_crds = reconcile(make_ref(), make_raw_spec(), None, make_facts(monitoring_plurals=served), now=NOW)
+    assert [o["kind"] for o in with_crds.apply][-2:] == ["ServiceMonitor", "PrometheusRule"]
+    disabled = reconcile(
+        make_ref(),
+        make_raw_spec(monitoring={"prometheusRule": False}),
+        None,
+        make_facts(monitoring_plurals=served),
+        now=NOW,
+    )
+    assert disabled.delete == (names.HPA, names.PROMETHEUS_RULE)
+    assert [o["kind"] for o in disabled.apply][-1] == "ServiceMonitor"
+
+
+def test_missing_pvc_is_reported() -> None:
+    plan = reconcile(make_ref(), make_raw_spec(), None, make_facts(pvc_exists=False), now=NOW)
+    assert _conditions(plan.status)["ModelAvailable"] == ("False", "PVCNotFound")
