@@ -1,8 +1,170 @@
-"""Console entry point `kunlun-device-plugin` (placeholder until its issue lands)."""
+"""Console entry point `kunlun-device-plugin plugin|labeler|exporter` (see docs/device-plugin.md).
 
+Parses flags, builds the `XpuSource` and the component, runs it until SIGTERM/SIGINT.
+Exit status: 0 after a clean stop, 1 when the hardware or the API failed at start, 2 on bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
 import sys
+import threading
+from collections.abc import Sequence
+
+from kunlun_device.errors import ConfigError, XpuError
+from kunlun_device.xpu.health import HealthPolicy, parse_severities
+from kunlun_device.xpu.source import DEFAULT_KML_VERSION_FILE, XpuSource
+
+logger = logging.getLogger("kunlun_device")
 
 
-def main() -> int:
-    print("kunlun-device-plugin: not yet available", file=sys.stderr)
-    return 2
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return value
+
+
+def _common(health: bool) -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--xpu-smi", default="xpu-smi", metavar="PATH", help="the xpu-smi command")
+    parent.add_argument("--dev-root", default="/", metavar="DIR", help="where the host's dev/ and sys/ are")
+    parent.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="default: $NODE_NAME")
+    parent.add_argument("--kml-version-file", default=DEFAULT_KML_VERSION_FILE, metavar="PATH")
+    parent.add_argument("--xpu-smi-timeout", type=_positive, default=10.0, metavar="SECONDS")
+    parent.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    if health:
+        parent.add_argument("--health-interval", type=_positive, default=10.0, metavar="SECONDS")
+        parent.add_argument("--recovery-seconds", type=float, default=60.0, metavar="SECONDS")
+        parent.add_argument("--temperature-warn-celsius", type=float, default=85.0, metavar="C")
+        parent.add_argument("--temperature-critical-celsius", type=float, default=95.0, metavar="C")
+        parent.add_argument("--health-policy", default="", metavar="CHECK=SEVERITY,...")
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kunlun-device-plugin", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    plugin = commands.add_parser("plugin", parents=[_common(True)], help="kubelet device plugin")
+    plugin.add_argument("--kubelet-dir", default="/var/lib/kubelet/device-plugins", metavar="DIR")
+    plugin.add_argument("--socket-name", default="kunlun-xpu.sock", metavar="NAME")
+    labeler = commands.add_parser("labeler", parents=[_common(False)], help="node labeler")
+    labeler.add_argument("--interval", type=_positive, default=300.0, metavar="SECONDS")
+    labeler.add_argument("--once", action="store_true", help="label once and exit")
+    labeler.add_argument("--kubeconfig", default=None, metavar="PATH")
+    labeler.add_argument("--max-backoff-seconds", type=_positive, default=300.0, metavar="SECONDS")
+    exporter = commands.add_parser("exporter", parents=[_common(True)], help="Prometheus exporter")
+    exporter.add_argument("--listen-address", default="0.0.0.0", metavar="ADDR")
+    exporter.add_argument("--port", type=int, default=9400)
+    exporter.add_argument(
+        "--pod-resources-socket", default="/var/lib/kubelet/pod-resources/kubelet.sock", metavar="PATH"
+    )
+    return parser
+
+
+def _source(args: argparse.Namespace) -> XpuSource:
+    kml = args.kml_version_file or None
+    return XpuSource(args.xpu_smi, args.dev_root, kml_version_file=kml, timeout_seconds=args.xpu_smi_timeout)
+
+
+def _policy(args: argparse.Namespace) -> HealthPolicy:
+    if args.recovery_seconds < 0:
+        raise ConfigError("--recovery-seconds", "must be >= 0")
+    if args.temperature_warn_celsius > args.temperature_critical_celsius:
+        raise ConfigError("--temperature-warn-celsius", "must not exceed --temperature-critical-celsius")
+    return HealthPolicy(
+        severities=parse_severities(args.health_policy),
+        temperature_warn_celsius=args.temperature_warn_celsius,
+        temperature_critical_celsius=args.temperature_critical_celsius,
+        recovery_seconds=args.recovery_seconds,
+    )
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
+def run_plugin(args: argparse.Namespace) -> int:
+    from kunlun_device.plugin import PluginServer
+
+    server = PluginServer(
+        _source(args), args.kubelet_dir, args.socket_name, _policy(args), args.health_interval
+    )
+    server.start()
+    stop = _stop_on_signals()
+    stop.wait()
+    server.stop()
+    return 0
+
+
+def run_exporter(args: argparse.Namespace) -> int:
+    from kunlun_device.exporter import Exporter
+
+    node = args.node_name or socket.gethostname()
+    exporter = Exporter(
+        _source(args), node, _policy(args), args.health_interval, args.pod_resources_socket or None
+    )
+    exporter.start()
+    exporter.serve(args.listen_address, args.port)
+    stop = _stop_on_signals()
+    stop.wait()
+    exporter.stop()
+    return 0
+
+
+def run_labeler(args: argparse.Namespace) -> int:
+    from kubernetes import client, config
+
+    from kunlun_device.labeler import NodeLabeler
+
+    if not args.node_name:
+        raise ConfigError("--node-name", "required (or set NODE_NAME)")
+    if args.kubeconfig:
+        config.load_kube_config(config_file=args.kubeconfig)
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    labeler = NodeLabeler(client.CoreV1Api(), args.node_name, _source(args))
+    if args.once:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            labeler.apply()
+        except (ApiException, HTTPError) as exc:
+            logger.error("labelling node %s failed: %s", args.node_name, exc)
+            return 1
+        return 0
+    stop = _stop_on_signals()
+    labeler.run(stop, args.interval, args.max_backoff_seconds)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runners = {"plugin": run_plugin, "labeler": run_labeler, "exporter": run_exporter}
+    try:
+        return runners[args.command](args)
+    except ConfigError as exc:
+        print(f"kunlun-device-plugin {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except XpuError as exc:
+        logger.error("%s: %s", args.command, exc)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""`kunlun-device-plugin` as a process: flags, start-up against fixture hosts, clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kunlun_device.cli import main
+from tests.integration.device.fake_kubelet import FakeKubelet, poll_until, short_tempdir
+from tests.unit.device.hosts import FIXTURES
+
+P800 = FIXTURES / "p800-8"
+COMMON = ["--xpu-smi", str(P800 / "xpu-smi"), "--dev-root", str(P800 / "root")]
+
+
+def spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kunlun_device.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def stop(process: subprocess.Popen[str]) -> tuple[int, str]:
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=30)
+    return process.returncode, output
+
+
+def test_plugin_process_registers_and_stops_cleanly() -> None:
+    with short_tempdir() as kubelet_dir:
+        kubelet = FakeKubelet(kubelet_dir)
+        kubelet.start()
+        process = spawn("plugin", *COMMON, "--kubelet-dir", str(kubelet_dir), "--health-interval", "0.2")
+        try:
+            request = kubelet.next_registration(timeout_seconds=30)
+        finally:
+            code, output = stop(process)
+            kubelet.stop()
+        assert (request.resource_name, request.endpoint) == ("kunlunxin.com/xpu", "kunlun-xpu.sock")
+        assert code == 0, output
+        assert "registered kunlunxin.com/xpu with kubelet" in output
+        assert not (kubelet_dir / "kunlun-xpu.sock").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_exporter_process_serves_metrics() -> None:
+    port = free_port()
+    process = spawn(
+        "exporter", *COMMON, "--node-name", "node-a", "--listen-address", "127.0.0.1", "--port", str(port),
+        "--pod-resources-socket", "",
+    )  # fmt: skip
+    body: list[str] = []
+
+    def scraped() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                body.append(response.read().decode())
+        except OSError:
+            return process.poll() is not None  # stop polling if the process died
+        return True
+
+    try:
+        assert poll_until(scraped, timeout_seconds=30)
+    finally:
+        code, output = stop(process)
+    assert code == 0, output
+    families = {f.name: f for f in text_string_to_metric_families(body[0])}
+    healthy = [s for s in families["kunlun_xpu_healthy"].samples]
+    assert [(s.labels["device"], s.labels["node"], s.value) for s in healthy] == [
+        (f"xpu{i}", "node-a", 1.0) for i in range(8)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["plugin", "--health-policy", "ecc=warn"],
+            "kunlun-device-plugin plugin: --health-policy: unknown check",
+        ),
+        (["labeler", "--once", "--node-name", ""], "kunlun-device-plugin labeler: --node-name: required"),
+        (
+            ["exporter", "--temperature-warn-celsius", "99"],
+            "kunlun-device-plugin exporter: --temperature-warn-celsius: must not exceed",
+        ),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, *COMMON]) == 2
+    assert capsys.readouterr().err.startswith(message)
+
+
+def test_argparse_rejects_non_positive_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["plugin", "--health-interval", "0"])
+    assert caught.value.code == 2
+    assert "argument --health-interval: must be > 0: '0'" in capsys.readouterr().err
+
+
+def test_missing_tool_exits_1(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    argv = ["plugin", "--xpu-smi", str(tmp_path / "xpu-smi"), "--kubelet-dir", str(tmp_path)]
+    assert main(argv) == 1
+    assert f"plugin: xpu-smi not found or not executable: '{tmp_path / 'xpu-smi'}'" in caplog.text
