@@ -21,7 +21,7 @@ from kunlun_runtime.models.decoder import DecoderModel
 # Tolerances on the relative error per layer (max over tokens of max |ours - reference| divided by
 # that token's max |reference|), by engine dtype.
 # FP32: the acceptance bound of the golden tests (1e-5). BF16/INT8: measured bounds (see README).
-TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-1, torch.float16: 2e-2}
 
 
 @dataclass(frozen=True, slots=True)
