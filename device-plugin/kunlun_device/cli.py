@@ -13,7 +13,8 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from kunlun_device.errors import ConfigError, XpuError
 from kunlun_device.xpu.health import HealthPolicy, parse_severities
@@ -87,11 +88,18 @@ def _policy(args: argparse.Namespace) -> HealthPolicy:
     )
 
 
-def _stop_on_signals() -> threading.Event:
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by SIGTERM/SIGINT while the block runs; the previous handlers come back after."""
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    return stop
+    previous = {
+        signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run_plugin(args: argparse.Namespace) -> int:
@@ -100,10 +108,10 @@ def run_plugin(args: argparse.Namespace) -> int:
     server = PluginServer(
         _source(args), args.kubelet_dir, args.socket_name, _policy(args), args.health_interval
     )
-    server.start()
-    stop = _stop_on_signals()
-    stop.wait()
-    server.stop()
+    with _stop_on_signals() as stop:
+        server.start()
+        stop.wait()
+        server.stop()
     return 0
 
 
@@ -114,11 +122,11 @@ def run_exporter(args: argparse.Namespace) -> int:
     exporter = Exporter(
         _source(args), node, _policy(args), args.health_interval, args.pod_resources_socket or None
     )
-    exporter.start()
-    exporter.serve(args.listen_address, args.port)
-    stop = _stop_on_signals()
-    stop.wait()
-    exporter.stop()
+    with _stop_on_signals() as stop:
+        exporter.start()
+        exporter.serve(args.listen_address, args.port)
+        stop.wait()
+        exporter.stop()
     return 0
 
 
@@ -147,8 +155,8 @@ def run_labeler(args: argparse.Namespace) -> int:
             logger.error("labelling node %s failed: %s", args.node_name, exc)
             return 1
         return 0
-    stop = _stop_on_signals()
-    labeler.run(stop, args.interval, args.max_backoff_seconds)
+    with _stop_on_signals() as stop:
+        labeler.run(stop, args.interval, args.max_backoff_seconds)
     return 0
 
 
