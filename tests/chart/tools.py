@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,8 +75,10 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def render(*values_files: Path, sets: tuple[str, ...] = (), include_crds: bool = False) -> Rendered:
-    """`helm template` the chart with the given values files and --set expressions."""
+def render(*values_files: Path, sets: tuple[str, ...] = (), overrides: dict | None = None,
+           include_crds: bool = False) -> Rendered:
+    """`helm template` the chart with the given values files, --set expressions and, last, the
+    `overrides` mapping (passed as a values file, so that floats stay floats)."""
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
     for path in values_files:
         args += ["--values", str(path)]
@@ -83,7 +86,12 @@ def render(*values_files: Path, sets: tuple[str, ...] = (), include_crds: bool =
         args += ["--set", expr]
     if include_crds:
         args.append("--include-crds")
-    text = helm(*args).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        if overrides is not None:
+            path = Path(tmp) / "overrides.yaml"
+            path.write_text(yaml.safe_dump(overrides))
+            args += ["--values", str(path)]
+        text = helm(*args).stdout
     docs = tuple(d for d in yaml.safe_load_all(text) if d)
     return Rendered(text=text, docs=docs)
 

@@ -138,7 +138,10 @@ seccompProfile:
 {{- end }}
 {{- end -}}
 
-{{/* The operator's ClusterRole rules (one rule per API group and verb set; table in docs/chart.md). */}}
+{{/*
+The operator's ClusterRole rules: one rule per row of the API-call table in docs/operator.md
+(machine-readable: kunlun_operator/api_calls.yaml); tests/chart/test_rbac.py keeps them equal.
+*/}}
 {{- define "kunlun-inference.operator.rules" -}}
 - apiGroups: ["serving.kunlun.dev"]
   resources: ["kunluninferenceservices"]
@@ -160,18 +163,21 @@ seccompProfile:
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors", "prometheusrules"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["get", "list", "watch"]
-- apiGroups: ["", "events.k8s.io"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
+- apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
-  verbs: ["list", "watch"]
-- apiGroups: [""]
-  resources: ["namespaces"]
   verbs: ["list", "watch"]
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]

@@ -1,0 +1,132 @@
+"""The chart's ClusterRoles grant exactly the API calls the operator and the labeler make.
+
+Sources of the calls, best first: the operator's machine-readable `kunlun_operator/api_calls.yaml`
+(kept complete by the operator's integration test, which records the fake API server's request
+log), else the API-call tables in docs/operator.md and docs/device-plugin.md that the components
+document as their RBAC contract. Each check skips, naming what is missing, until its source exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.chart.tools import REPO, Rendered
+
+Grant = tuple[str, str, str]  # (api group, resource, verb)
+OPERATOR_API_CALLS = REPO / "operator" / "kunlun_operator" / "api_calls.yaml"
+OPERATOR_DOC = REPO / "docs" / "operator.md"
+DEVICE_DOC = REPO / "docs" / "device-plugin.md"
+
+
+def grants_of_rules(rules: list[dict]) -> set[Grant]:
+    """Every (group, resource, verb) a list of PolicyRules grants; wildcards are refused."""
+    out = set()
+    for rule in rules:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], f"wildcard in {rule}"
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        out |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return out
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _names(cell: str) -> list[str]:
+    """`serving.kunlun.dev` / `""` / `services`, `configmaps` / get, list → bare names."""
+    found = re.findall(r"`([^`]*)`", cell)
+    names = found if found else [w.strip() for w in cell.split(",")]
+    return ["" if n in {'""', "core"} else n for n in names]
+
+
+def table_after(text: str, heading: str) -> list[dict[str, str]]:
+    """The first Markdown table after the heading that contains `heading`, as row dicts."""
+    section = text[text.index(heading):]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    start = section.splitlines().index(lines[0])
+    block = []
+    for ln in section.splitlines()[start:]:
+        if not ln.startswith("|"):
+            break
+        block.append(ln)
+    header = [c.lower() for c in _cells(block[0])]
+    return [dict(zip(header, _cells(ln), strict=True)) for ln in block[2:]]
+
+
+def operator_calls() -> set[Grant]:
+    if OPERATOR_API_CALLS.is_file():
+        return calls_from_api_calls_yaml(yaml.safe_load(OPERATOR_API_CALLS.read_text()))
+    if not OPERATOR_DOC.is_file():
+        pytest.skip(f"neither {OPERATOR_API_CALLS} nor {OPERATOR_DOC} exists yet: "
+                    "no record of the operator's calls")
+    rows = table_after(OPERATOR_DOC.read_text(), "Kubernetes API calls")
+    return {(g, r, v) for row in rows for g in _names(row["api group"])
+            for r in _names(row["resource"]) for v in _names(row["verbs"])}
+
+
+def calls_from_api_calls_yaml(data: object) -> set[Grant]:
+    """Accept the operator's record: a list (or `calls:` list) of entries with a group, one or more
+    resources and verbs, under the usual spellings."""
+    entries = data.get("calls", data.get("rules", data)) if isinstance(data, dict) else data
+    assert isinstance(entries, list), f"{OPERATOR_API_CALLS}: expected a list of calls"
+    out = set()
+    for e in entries:
+        groups = e.get("apiGroups", [e.get("apiGroup", e.get("group", ""))])
+        resources = e.get("resources", [e.get("resource")])
+        verbs = e.get("verbs", [e.get("verb")])
+        out |= {("" if g in {None, "core"} else g, r, v) for g in groups for r in resources for v in verbs}
+    return out
+
+
+def labeler_calls() -> set[Grant]:
+    if not DEVICE_DOC.is_file():
+        pytest.skip(f"{DEVICE_DOC} does not exist yet: no record of the labeler's calls")
+    rows = table_after(DEVICE_DOC.read_text(), "Kubernetes API calls")
+    # The labeler talks to the core API only (/api/v1/nodes/...): group "".
+    assert all(row["call"].split("`")[1].split()[1].startswith("/api/v1/") for row in rows)
+    return {("", r, v) for row in rows for r in _names(row["resource"]) for v in _names(row["verb"])}
+
+
+def test_operator_cluster_role_is_exactly_its_api_calls(default_render: Rendered) -> None:
+    role = default_render.one("ClusterRole", "-operator")
+    granted, needed = grants_of_rules(role["rules"]), operator_calls()
+    assert needed - granted == set(), "calls the operator makes that the chart does not grant"
+    assert granted - needed == set(), "grants nobody needs (least privilege)"
+
+
+def test_labeler_cluster_role_is_exactly_its_api_calls(default_render: Rendered) -> None:
+    role = default_render.one("ClusterRole", "-device-plugin")
+    assert grants_of_rules(role["rules"]) == labeler_calls()
+
+
+def test_roles_are_bound_to_the_service_accounts_the_pods_run_as(default_render: Rendered) -> None:
+    for suffix, workload in (("-operator", "Deployment"), ("-device-plugin", "DaemonSet")):
+        binding = default_render.one("ClusterRoleBinding", suffix)
+        pod_sa = default_render.one(workload, suffix)["spec"]["template"]["spec"]["serviceAccountName"]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                      "name": default_render.one("ClusterRole", suffix)["metadata"]["name"]}
+        subject = {"kind": "ServiceAccount", "name": pod_sa, "namespace": "kunlun-system"}
+        assert binding["subjects"] == [subject]
+        default_render.one("ServiceAccount", suffix)
+
+
+def test_doc_table_parser_reads_groups_resources_and_verbs(tmp_path: Path) -> None:
+    text = ("## Kubernetes API calls\n\n| API group | resource | verbs | why |\n| --- | --- | --- | --- |\n"
+            "| `\"\"` | `services`, `configmaps` | get, patch | x |\n| `apps` | `deployments` | list | y |\n")
+    rows = table_after(text, "Kubernetes API calls")
+    got = {(g, r, v) for row in rows for g in _names(row["api group"])
+           for r in _names(row["resource"]) for v in _names(row["verbs"])}
+    assert got == {("", "services", "get"), ("", "services", "patch"), ("", "configmaps", "get"),
+                   ("", "configmaps", "patch"), ("apps", "deployments", "list")}
+
+
+def test_rbac_table_in_docs_chart_md_lists_the_rendered_operator_rules(default_render: Rendered) -> None:
+    doc = (REPO / "docs" / "chart.md").read_text()
+    rows = table_after(doc, "Operator ClusterRole")
+    documented = {(g, r, v) for row in rows for g in _names(row["api group"])
+                  for r in _names(row["resource"]) for v in _names(row["verbs"])}
+    assert documented == grants_of_rules(default_render.one("ClusterRole", "-operator")["rules"])
