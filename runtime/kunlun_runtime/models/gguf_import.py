@@ -94,7 +94,7 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 def _shortest_float32(value: float) -> float:
     """A float32 metadata value as the short decimal it was written from (1e-05, not 9.99e-06)."""
-    return float(repr(np.float32(value)).removeprefix("np.float32(").removesuffix(")"))
+    return float(str(np.float32(value)))
 
 
 def read_hparams(metadata: dict[str, Any]) -> LlamaHparams:
@@ -130,7 +130,7 @@ def read_hparams(metadata: dict[str, Any]) -> LlamaHparams:
         max_position_embeddings=need("context_length"),
         rms_norm_eps=_shortest_float32(need("attention.layer_norm_rms_epsilon")),
         rope_theta=_shortest_float32(metadata.get("llama.rope.freq_base", 10000.0)),
-        rope_scaling_factor=metadata["llama.rope.scaling.factor"] if scaling == "linear" else None,
+        rope_scaling_factor=float(need("rope.scaling.factor")) if scaling == "linear" else None,
     )
 
 

@@ -68,6 +68,13 @@ def test_config_json_describes_the_llama_and_its_token_ids(tmp_path: Path) -> No
     )  # fmt: skip
 
 
+def test_linear_rope_scaling_is_carried_into_both_config_dialects(tmp_path: Path) -> None:
+    out, _ = make_imported(tmp_path, TinyLlama(rope_scaling=("linear", 4.0)))
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    assert config["rope_parameters"] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+
+
 def test_f32_weights_come_back_exactly_with_q_and_k_rows_unpermuted(tmp_path: Path) -> None:
     out, weights = make_imported(tmp_path, TinyLlama(tied=False))
     tensors = load_file(out / "model.safetensors")
@@ -171,8 +178,10 @@ def test_progress_bar_goes_to_stderr_only_when_asked(
          "GGUF tokenizer model 'llama' (tokenizer.ggml.model) is not supported"),
         (TinyLlama(pre_tokenizer="mystery"),
          "GGUF pre-tokenizer 'mystery' (tokenizer.ggml.pre) is not supported"),
+        (TinyLlama(rope_scaling=("yarn", 4.0)),
+         "GGUF rope scaling 'yarn' is not supported; supported: 'none', 'linear'"),
     ],
-    ids=["architecture", "tensor-type", "tokenizer-model", "pre-tokenizer"],
+    ids=["architecture", "tensor-type", "tokenizer-model", "pre-tokenizer", "rope-scaling"],
 )
 def test_unsupported_gguf_is_refused_by_name_and_leaves_nothing(
     tmp_path: Path, spec: TinyLlama, message: str
