@@ -1,8 +1,132 @@
-"""Console entry point `kunlun-operator` (placeholder until its issue lands)."""
+"""Console entry point ``kunlun-operator``: ``kunlun-operator run [flags]`` (flags in docs/operator.md).
 
+Owns: flag parsing, logging setup, wiring the API client, controller, metrics server, webhook
+server and kopf registry together, and handing control to kopf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
 import sys
+from pathlib import Path
+
+import kopf
+
+from kunlun_operator import names
+from kunlun_operator.controller import Controller, ControllerConfig
+from kunlun_operator.handlers import LoopConfig, build_registry, post_event
+from kunlun_operator.kube import KubeClient, load_config
+from kunlun_operator.metrics import OperatorMetrics
+
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 
-def main() -> int:
-    print("kunlun-operator: not yet available", file=sys.stderr)
-    return 2
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kunlun-operator", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="reconcile KunlunInferenceServices until stopped")
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", action="append", default=[], help="a namespace to serve (repeatable)")
+    scope.add_argument("--all-namespaces", action="store_true", help="serve every namespace (the default)")
+    run.add_argument("--peering", default="kunlun-operator", help="kopf cluster-wide peering name (HA)")
+    run.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    run.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="liveness endpoint URL")
+    run.add_argument("--metrics-port", type=int, default=8080, help="port of /metrics (0: off)")
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--compatibility-configmap",
+        default=None,
+        metavar="NAMESPACE/NAME",
+        help="the compatibility-matrix ConfigMap (default: the matrix in the package)",
+    )
+    run.add_argument("--default-runtime-image", default=names.DEFAULT_RUNTIME_IMAGE)
+    run.add_argument("--webhook-port", type=int, default=9443, help="admission webhook port (0: no webhook)")
+    run.add_argument("--webhook-host", default=None, help="host name the webhook server reports (optional)")
+    run.add_argument(
+        "--webhook-cert-dir",
+        default=None,
+        help="directory with tls.crt and tls.key; without it the webhook speaks plain HTTP",
+    )
+    run.add_argument(
+        "--image-volumes", action="store_true", help="mount image model sources as image volumes"
+    )
+    run.add_argument(
+        "--resync-seconds", type=float, default=300.0, help="periodic reconcile of every service"
+    )
+    run.add_argument("--retry-delay", type=float, default=2.0, help="first retry delay; doubles up to 60 s")
+    run.add_argument(
+        "--watch-timeout", type=float, default=300.0, help="server-side timeout of watch requests"
+    )
+    return parser
+
+
+def _webhook(args: argparse.Namespace) -> kopf.WebhookServer | None:
+    if not args.webhook_port:
+        return None
+    if args.webhook_cert_dir is None:
+        return kopf.WebhookServer(
+            addr="0.0.0.0", port=args.webhook_port, host=args.webhook_host, insecure=True
+        )
+    cert_dir = Path(args.webhook_cert_dir)
+    return kopf.WebhookServer(
+        addr="0.0.0.0",
+        port=args.webhook_port,
+        host=args.webhook_host,
+        certfile=str(cert_dir / "tls.crt"),
+        pkeyfile=str(cert_dir / "tls.key"),
+    )
+
+
+def _matrix_configmap(value: str | None) -> tuple[str, str] | None:
+    if value is None:
+        return None
+    namespace, sep, name = value.partition("/")
+    if not sep or not namespace or not name:
+        raise SystemExit(f"kunlun-operator: --compatibility-configmap must be NAMESPACE/NAME, got {value!r}")
+    return namespace, name
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT, stream=sys.stdout)
+    logging.getLogger("kopf.objects").setLevel(logging.INFO)
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    controller = Controller(
+        KubeClient(load_config()),
+        ControllerConfig(
+            default_image=args.default_runtime_image,
+            matrix_configmap=_matrix_configmap(args.compatibility_configmap),
+            image_volumes=args.image_volumes,
+        ),
+        metrics,
+        post_event,
+    )
+    registry = build_registry(
+        controller,
+        LoopConfig(
+            resync_seconds=args.resync_seconds,
+            retry_delay_seconds=args.retry_delay,
+            watch_timeout_seconds=args.watch_timeout,
+            webhook=_webhook(args),
+        ),
+    )
+    kopf.run(
+        registry=registry,
+        standalone=args.standalone or None,
+        peering_name=None if args.standalone else args.peering,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

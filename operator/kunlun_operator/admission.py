@@ -1,0 +1,74 @@
+"""Admission review of a KunlunInferenceService: parse, compatibility matrix, memory feasibility.
+
+Owns: what the validating webhook denies and what it only warns about. Pure: the matrix comes in.
+Under ``Strict`` an unsupported version combination or a model that cannot fit is denied; under
+``Warn`` and ``Off`` it is a warning. Invariant: a denial always names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kunlun_operator.errors import SpecError
+from kunlun_operator.feasibility import estimate_memory
+from kunlun_operator.matrix import Matrix, check_versions
+from kunlun_operator.spec import InferenceSpec, parse_spec
+
+
+@dataclass(frozen=True, slots=True)
+class Review:
+    denial: SpecError | None = None
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def allowed(self) -> bool:
+        return self.denial is None
+
+
+def review(raw_spec: Mapping[str, Any] | None, matrix: Matrix, default_image: str) -> Review:
+    try:
+        spec = parse_spec(raw_spec)
+    except SpecError as error:
+        return Review(denial=error)
+    strict = spec.versions.policy == "Strict"
+    warnings: list[str] = []
+    if spec.versions.policy != "Off":
+        problems = check_versions(matrix, spec.runtime.image or default_image, spec.versions)
+        if problems and strict:
+            return Review(
+                denial=SpecError(
+                    problems[0].field, "; ".join(str(p) for p in problems), reason=problems[0].reason
+                )
+            )
+        warnings += [str(p) for p in problems]
+    memory = _memory_finding(spec, matrix)
+    if memory is not None:
+        if strict and memory.field == "spec.resources.xpus":
+            return Review(denial=memory, warnings=tuple(warnings))
+        warnings.append(str(memory))
+    return Review(warnings=tuple(warnings))
+
+
+def _memory_finding(spec: InferenceSpec, matrix: Matrix) -> SpecError | None:
+    cards = matrix.card_memory_bytes
+    product = spec.resources.xpu_product
+    if product is not None and product not in cards:
+        return SpecError(
+            "spec.resources.xpuProduct",
+            f"card {product} is not in the matrix's card table; memory feasibility not checked",
+            reason="UnknownProduct",
+        )
+    card_memory = cards[product] if product is not None else max(cards.values(), default=0)
+    if not card_memory:
+        return None
+    estimate = estimate_memory(spec, card_memory)
+    if estimate is None or estimate.fits:
+        return None
+    card = product or "the largest known card"
+    return SpecError(
+        "spec.resources.xpus",
+        f"the model does not fit {spec.resources.xpus} × {card}: {estimate.describe()}",
+        reason="InsufficientMemory",
+    )

@@ -1,0 +1,193 @@
+"""The kopf shell: which events wake which service, the per-service reconcile loop, admission.
+
+Owns: kopf registrations and settings only; the work is in ``Controller`` (one reconcile pass) and
+``admission`` (the webhook's verdict). Each KunlunInferenceService gets one daemon, a level-
+triggered loop: it reconciles, then sleeps until woken (its spec changed, an owned object or a
+Kunlun node changed) or until the resync period passes; a failed pass is retried with doubling
+delays. So one service never has two passes at once, and no trigger is lost while a pass runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from kunlun_operator import admission, names
+from kunlun_operator.controller import Controller
+from kunlun_operator.errors import ApiError
+from kunlun_operator.nodes import NodeFacts
+
+KIS = (names.GROUP, names.VERSION, names.PLURAL)
+WATCHED_OWNED_KINDS = (names.CONFIGMAP, names.SERVICE, names.DEPLOYMENT, names.PDB, names.HPA)
+MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    resync_seconds: float = 300.0
+    retry_delay_seconds: float = 2.0
+    retry_max_seconds: float = 60.0
+    watch_timeout_seconds: float | None = 300.0
+    webhook: kopf.WebhookServer | None = None
+
+    def retry_delay(self, attempt: int) -> float:
+        return min(self.retry_max_seconds, self.retry_delay_seconds * 2 ** (attempt - 1))
+
+
+class Wakers:
+    """One asyncio.Event per service: set means "reconcile me again"."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
+
+    def get(self, namespace: str, name: str) -> asyncio.Event:
+        return self._events.setdefault((namespace, name), asyncio.Event())
+
+    def wake(self, namespace: str, name: str) -> None:
+        self.get(namespace, name).set()
+
+    def wake_all(self) -> None:
+        for event in self._events.values():
+            event.set()
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._events.pop((namespace, name), None)
+
+
+def node_facts(index: Mapping[Any, Any]) -> tuple[NodeFacts, ...]:
+    return tuple(fact for store in index.values() for fact in store)
+
+
+def _kunlun_fingerprint(labels: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (
+        tuple(sorted((k, v) for k, v in labels.items() if k.startswith("kunlun.dev/"))),
+        bool(spec.get("unschedulable")),
+    )
+
+
+async def _sleep_until_woken(wake: asyncio.Event, stopped: Any, seconds: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not stopped and not wake.is_set():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), min(remaining, 1.0))
+
+
+def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(dict(body), type=type_, reason=reason, message=message[:1024])
+
+
+def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorRegistry:
+    """A kopf registry with every handler of the operator, bound to ``controller``."""
+    registry = kopf.OperatorRegistry()
+    wakers = Wakers()
+    generations: dict[tuple[str, str], Any] = {}
+    node_prints: dict[str, tuple[Any, ...]] = {}
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = names.FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=names.GROUP, key="last-handled-configuration"
+        )
+        settings.posting.reporting_component = names.MANAGER
+        settings.posting.level = logging.WARNING  # our own events carry the decisions
+        settings.watching.server_timeout = config.watch_timeout_seconds
+        settings.execution.max_workers = 8
+        settings.admission.server = config.webhook
+
+    @kopf.index("", "v1", "nodes", registry=registry)
+    def kunlun_nodes(
+        name: str, labels: Mapping[str, str], spec: Mapping[str, Any], **_: Any
+    ) -> dict[str, NodeFacts]:
+        return {name: NodeFacts(name, dict(labels), bool(spec.get("unschedulable")))}
+
+    @kopf.daemon(*KIS, registry=registry, cancellation_timeout=10)
+    async def service_loop(
+        namespace: str, name: str, stopped: Any, logger: logging.Logger, kunlun_nodes: kopf.Index, **_: Any
+    ) -> None:
+        wake = wakers.get(namespace, name)
+        attempt = 0
+        while not stopped:
+            wake.clear()
+            try:
+                await asyncio.to_thread(controller.reconcile_key, namespace, name, node_facts(kunlun_nodes))
+                attempt, delay = 0, config.resync_seconds
+            except ApiError as error:
+                attempt += 1
+                delay = config.retry_delay(attempt)
+                logger.warning("reconcile failed (%s); retry %d in %.1fs", error, attempt, delay)
+            await _sleep_until_woken(wake, stopped, delay)
+        wakers.forget(namespace, name)
+
+    @kopf.on.event(*KIS, registry=registry)
+    async def on_service_event(
+        type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any
+    ) -> None:
+        meta = body.get("metadata", {})
+        generation = (meta.get("generation"), bool(meta.get("deletionTimestamp")))
+        if type is not None and generations.get((namespace, name)) != generation:
+            generations[(namespace, name)] = generation  # status writes do not wake the loop
+            wakers.wake(namespace, name)
+        if type == "DELETED":
+            generations.pop((namespace, name), None)
+
+    for kind in WATCHED_OWNED_KINDS:
+        group, _, version = kind.api_version.rpartition("/")
+
+        @kopf.on.event(
+            group, version, kind.plural, labels=MANAGED, registry=registry, id=f"owned-{kind.plural}"
+        )
+        async def on_owned_event(
+            type: str | None, namespace: str, labels: Mapping[str, str], **_: Any
+        ) -> None:
+            if type is not None and names.LABEL_INSTANCE in labels:
+                wakers.wake(namespace, labels[names.LABEL_INSTANCE])
+
+    @kopf.on.event("", "v1", "nodes", registry=registry)
+    async def on_node_event(
+        type: str | None,
+        name: str,
+        labels: Mapping[str, str],
+        spec: Mapping[str, Any],
+        logger: logging.Logger,
+        **_: Any,
+    ) -> None:
+        fingerprint = () if type == "DELETED" else _kunlun_fingerprint(labels, spec)
+        before = node_prints.get(name)
+        node_prints[name] = fingerprint
+        if type is not None and before != fingerprint:
+            logger.info("Kunlun labels of node %s changed; re-checking every service", name)
+            wakers.wake_all()
+
+    @kopf.on.delete(*KIS, registry=registry)
+    def on_service_delete(body: kopf.Body, retry: int, **_: Any) -> None:
+        try:
+            controller.cleanup(dict(body))
+        except ApiError as error:
+            if error.retryable:
+                raise kopf.TemporaryError(str(error), delay=config.retry_delay(retry + 1)) from error
+            raise kopf.PermanentError(str(error)) from error
+
+    if config.webhook is not None:
+
+        @kopf.on.validate(*KIS, id="validate-kis", registry=registry)
+        def validate_kis(spec: Mapping[str, Any], warnings: list[str], **_: Any) -> None:
+            verdict = admission.review(dict(spec), controller.load_matrix(), controller.config.default_image)
+            warnings.extend(verdict.warnings)
+            result = "denied" if not verdict.allowed else "warned" if verdict.warnings else "allowed"
+            controller.metrics.admission_reviews.labels(result=result).inc()
+            if verdict.denial is not None:
+                raise kopf.AdmissionError(str(verdict.denial), code=422)
+
+    return registry

@@ -1,0 +1,151 @@
+"""The operator's Kubernetes API client: plain dicts in and out over the official ``kubernetes`` client.
+
+Owns: URL paths of the kinds the operator touches, merge-patch calls, mapping HTTP failures to
+``ApiError`` (404 on get/delete becomes None/False). Part of the handler layer: the only module
+below ``handlers`` that performs I/O. Every call is logged at debug level with verb and path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kubernetes
+import urllib3
+
+from kunlun_operator import names
+from kunlun_operator.errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+POD = names.Kind("v1", "Pod", "pods")
+PVC = names.Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
+REQUEST_TIMEOUT_SECONDS = 30
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def load_config() -> kubernetes.client.ApiClient:
+    """An API client from the in-cluster service account, else from ``KUBECONFIG``/~/.kube/config."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return kubernetes.client.ApiClient()
+
+
+class KubeClient:
+    """Generic verbs on namespaced kinds; bodies are plain dicts."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self._api = api_client
+
+    @staticmethod
+    def path(
+        kind: names.Kind, namespace: str | None, name: str | None = None, subresource: str | None = None
+    ) -> str:
+        root = "/api/v1" if kind.api_version == "v1" else f"/apis/{kind.api_version}"
+        parts = [root]
+        if namespace is not None:
+            parts.append(f"namespaces/{namespace}")
+        parts.append(kind.plural)
+        if name is not None:
+            parts.append(name)
+        if subresource is not None:
+            parts.append(subresource)
+        return "/".join(parts)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        logger.debug("%s %s", method, path)
+        try:
+            response = self._api.call_api(
+                path,
+                method,
+                query_params=list((query or {}).items()),
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                body=body,
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            )
+        except kubernetes.client.ApiException as e:
+            raise _api_error(e, f"{method} {path}") from None
+        except urllib3.exceptions.HTTPError as e:
+            raise ApiError(0, "ConnectionError", str(e), call=f"{method} {path}") from None
+        data = response.data
+        return json.loads(data) if data else None
+
+    def get(self, kind: names.Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", self.path(kind, namespace, name))
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list(
+        self, kind: names.Kind, namespace: str | None, *, label_selector: str | None = None
+    ) -> list[dict]:
+        query = {"labelSelector": label_selector} if label_selector else None
+        return (self._call("GET", self.path(kind, namespace), query=query) or {}).get("items") or []
+
+    def create(self, kind: names.Kind, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return self._call("POST", self.path(kind, namespace), body=dict(body))
+
+    def patch(
+        self,
+        kind: names.Kind,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        return self._call(
+            "PATCH", self.path(kind, namespace, name, subresource), body=dict(patch), content_type=MERGE_PATCH
+        )
+
+    def delete(self, kind: names.Kind, namespace: str, name: str) -> bool:
+        """Delete (background propagation); False when it was already gone."""
+        try:
+            self._call(
+                "DELETE",
+                self.path(kind, namespace, name),
+                body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+            )
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    def served_plurals(self, group_version: str) -> frozenset[str]:
+        """Plurals the cluster serves in ``group_version`` (discovery); empty when it serves none."""
+        try:
+            doc = self._call("GET", f"/apis/{group_version}")
+        except ApiError as e:
+            if e.status in (404, 503):
+                return frozenset()
+            raise
+        return frozenset(r["name"] for r in (doc or {}).get("resources", []) if "/" not in r["name"])
+
+
+def _api_error(e: kubernetes.client.ApiException, call: str) -> ApiError:
+    message = e.reason or ""
+    try:
+        status = json.loads(e.body or "{}")
+        message = status.get("message") or message
+        reason = status.get("reason") or e.reason or ""
+    except (ValueError, AttributeError):
+        reason = e.reason or ""
+    return ApiError(e.status or 0, reason, message, call=call)

@@ -1,0 +1,63 @@
+"""The operator's own Prometheus metrics (served on ``--metrics-port`` at ``/metrics``).
+
+Owns: metric names and labels (listed in docs/operator.md). A private registry, so tests and
+several operators in one process never collide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kunlun_operator.status import PHASES
+
+
+@dataclass
+class OperatorMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.reconcile_total = Counter(
+            "kunlun_operator_reconcile_total",
+            "Reconciles of KunlunInferenceServices by result.",
+            ["result"],
+            registry=self.registry,
+        )
+        self.reconcile_duration = Histogram(
+            "kunlun_operator_reconcile_duration_seconds",
+            "Duration of one reconcile.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.managed_services = Gauge(
+            "kunlun_operator_managed_services",
+            "KunlunInferenceServices by phase.",
+            ["phase"],
+            registry=self.registry,
+        )
+        self.object_changes = Counter(
+            "kunlun_operator_object_changes_total",
+            "Writes to owned objects.",
+            ["kind", "action"],
+            registry=self.registry,
+        )
+        self.admission_reviews = Counter(
+            "kunlun_operator_admission_reviews_total",
+            "Admission reviews by result.",
+            ["result"],
+            registry=self.registry,
+        )
+        for phase in PHASES:
+            self.managed_services.labels(phase=phase).set(0)
+
+    def set_phases(self, phases: dict[tuple[str, str], str]) -> None:
+        """Publish how many services are in each phase (``phases``: key → phase)."""
+        counts = dict.fromkeys(PHASES, 0)
+        for phase in phases.values():
+            counts[phase] = counts.get(phase, 0) + 1
+        for phase, count in counts.items():
+            self.managed_services.labels(phase=phase).set(count)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
