@@ -28,6 +28,24 @@ def summary(response: pb.ListAndWatchResponse) -> list[tuple[str, str, int]]:
     return [(d.ID[-2:], d.health, d.topology.nodes[0].ID) for d in response.devices]
 
 
+def unhealthy(response: pb.ListAndWatchResponse) -> set[int]:
+    return {int(d.ID[-2:], 16) for d in response.devices if d.health == "Unhealthy"}
+
+
+def updates_until(
+    stream: Iterator[pb.ListAndWatchResponse], wanted: set[int]
+) -> list[pb.ListAndWatchResponse]:
+    """Read updates until the unhealthy set is `wanted` (the stream's own deadline bounds the wait).
+
+    A fixture host switches its files one by one, so an intermediate update may show part of the
+    change; every update must stay within the cards that change.
+    """
+    seen = [next(stream)]
+    while unhealthy(seen[-1]) != wanted:
+        seen.append(next(stream))
+    return seen
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[tuple[Path, FakeKubelet, PluginServer]]:
     host = copy_host("p800-8", tmp_path)
@@ -71,14 +89,18 @@ def test_registers_then_streams_failure_and_recovery(node: tuple[Path, FakeKubel
         logger.info("ListAndWatch #1: %s", summary(first))
 
         use_outputs(host, "p800-failing")  # card 5: uncorrectable ECC; /dev/xpu6 removed
-        failed = next(stream)
+        seen = updates_until(stream, {5, 6})
+        assert all(unhealthy(update) <= {5, 6} for update in seen)
+        failed = seen[-1]
         assert summary(failed) == [
             (f"{i:02x}", "Unhealthy" if i in (5, 6) else "Healthy", i // 4) for i in range(8)
         ]
         logger.info("ListAndWatch #2: %s", summary(failed))
 
         use_outputs(host, "p800-8")
-        recovered = next(stream)
+        seen = updates_until(stream, set())
+        assert all(unhealthy(update) <= {5, 6} for update in seen)
+        recovered = seen[-1]
         assert summary(recovered) == healthy
         logger.info("ListAndWatch #3: %s", summary(recovered))
         stream.cancel()

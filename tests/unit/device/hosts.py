@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -27,11 +28,19 @@ def copy_host(name: str, tmp_path: Path) -> Path:
 
 
 def use_outputs(host: Path, donor: str) -> None:
-    """Make `host` print what fixture host `donor` prints (and have its device nodes)."""
+    """Make `host` print what fixture host `donor` prints (and have its device nodes).
+
+    Each file is replaced atomically, so a concurrent reader sees the old or the new output,
+    never half of one; device nodes are only added or removed where the two hosts differ.
+    """
     source = FIXTURES / donor
     for item in (source / "outputs").iterdir():
-        shutil.copyfile(item, host / "outputs" / item.name)
+        staged = host / "outputs" / f".{item.name}.new"
+        shutil.copyfile(item, staged)
+        os.replace(staged, host / "outputs" / item.name)
+    wanted = {node.name for node in (source / "root" / "dev").glob("*")}
     for node in (host / "root" / "dev").iterdir():
-        node.unlink()
-    for node in (source / "root" / "dev").glob("*"):
-        (host / "root" / "dev" / node.name).touch()
+        if node.name not in wanted:
+            node.unlink()
+    for name in wanted:
+        (host / "root" / "dev" / name).touch()
