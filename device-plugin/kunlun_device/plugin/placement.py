@@ -24,6 +24,7 @@ class CardPlace:
     device_id: str
     index: int
     group: int  # NUMA node, or the fallback group
+    numa_node: int | None = None  # the NUMA node the node reports (None: unknown, not told to kubelet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +41,18 @@ class Placement:
         return frozenset((a, b)) in self.linked_pairs
 
 
-def _group(device: XpuDevice, devices: tuple[XpuDevice, ...], topology: Topology | None) -> int:
+def _numa(device: XpuDevice, topology: Topology | None) -> int | None:
     if device.numa_node is not None:
         return device.numa_node
-    if topology is not None and device.index in topology.numa_nodes:
-        return topology.numa_nodes[device.index]
+    if topology is not None:
+        return topology.numa_nodes.get(device.index)
+    return None
+
+
+def _group(device: XpuDevice, devices: tuple[XpuDevice, ...], topology: Topology | None) -> int:
+    numa = _numa(device, topology)
+    if numa is not None:
+        return numa
     if len(devices) == 2 * P800_HALF and device.product.startswith("P800"):
         return device.index // P800_HALF
     return 0
@@ -52,7 +60,9 @@ def _group(device: XpuDevice, devices: tuple[XpuDevice, ...], topology: Topology
 
 def build_placement(devices: tuple[XpuDevice, ...], topology: Topology | None) -> Placement:
     """Combine discovery and topology into a `Placement`."""
-    cards = tuple(CardPlace(d.uuid, d.index, _group(d, devices, topology)) for d in devices)
+    cards = tuple(
+        CardPlace(d.uuid, d.index, _group(d, devices, topology), _numa(d, topology)) for d in devices
+    )
     pairs: set[frozenset[int]] = set()
     for a in cards:
         for b in cards:

@@ -32,18 +32,15 @@ WAIT_SLICE_SECONDS = 0.5  # how often an idle ListAndWatch checks that its calle
 def build_list_response(
     devices: tuple[XpuDevice, ...], placement: Placement, states: dict[int, HealthState]
 ) -> pb.ListAndWatchResponse:
-    """The device list kubelet sees: id, health and NUMA node of each card, by index."""
-    groups = {card.index: card.group for card in placement.cards}
-    return pb.ListAndWatchResponse(
-        devices=[
-            pb.Device(
-                ID=device.uuid,
-                health=str(states.get(device.index, HealthState.UNHEALTHY)),
-                topology=pb.TopologyInfo(nodes=[pb.NUMANode(ID=groups[device.index])]),
-            )
-            for device in sorted(devices, key=lambda d: d.index)
-        ]
-    )
+    """The device list kubelet sees: id, health and (when known) NUMA node of each card, by index."""
+    numa = {card.index: card.numa_node for card in placement.cards}
+    listed = []
+    for device in sorted(devices, key=lambda d: d.index):
+        node = numa.get(device.index)
+        topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=node)]) if node is not None else None
+        health = str(states.get(device.index, HealthState.UNHEALTHY))
+        listed.append(pb.Device(ID=device.uuid, health=health, topology=topology))
+    return pb.ListAndWatchResponse(devices=listed)
 
 
 class DevicePluginServicer(pb_grpc.DevicePluginServicer):

@@ -72,6 +72,7 @@ def test_without_topology_p800_halves_come_from_indices() -> None:
     )
     placement = build_placement(unknown_numa, None)
     assert [card.group for card in placement.cards] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [card.numa_node for card in placement.cards] == [None] * 8  # never reported to kubelet
     chosen = preferred_allocation(placement, [c.device_id for c in placement.cards[2:]], [], 2)
     assert [placement.by_id()[i].index for i in chosen] == [2, 3]
 
