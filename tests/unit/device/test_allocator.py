@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -67,9 +68,7 @@ def test_impossible_sizes_are_errors(must: list[int], size: int) -> None:
 
 def test_without_topology_p800_halves_come_from_indices() -> None:
     devices = make_source("p800-8").list_devices()
-    unknown_numa = tuple(
-        type(d)(**{**{f: getattr(d, f) for f in d.__slots__}, "numa_node": None}) for d in devices
-    )
+    unknown_numa = tuple(replace(d, numa_node=None) for d in devices)
     placement = build_placement(unknown_numa, None)
     assert [card.group for card in placement.cards] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [card.numa_node for card in placement.cards] == [None] * 8  # never reported to kubelet
