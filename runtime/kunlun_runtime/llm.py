@@ -52,8 +52,8 @@ class LLM:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            prompts = [prompts]  # one prompt; the engine validates its type
         params_list = self._per_prompt(sampling_params, len(prompts))
         groups: list[list[str]] = []
         try:

@@ -1,0 +1,107 @@
+"""Engine request handling: bad input is refused with the field named and leaks nothing; stop
+conditions, n > 1, seeds, chat templates and aborts behave."""
+
+import pytest
+
+from kunlun_runtime import LLM, SamplingParams
+from kunlun_runtime.errors import ConfigError, InvalidRequestError
+from tests.support.tiny_models import TINY_SPECS, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("engine") / "tiny", TINY_SPECS["llama-gqa"])
+    return LLM(str(model_dir), dtype="float32", max_model_len=64, kv_cache_memory="4MiB")
+
+
+def all_free(llm):
+    pool = llm.engine.block_pool
+    return pool.num_free == pool.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ({"prompt_token_ids": list(range(64))}, "maximum context length is 64 tokens, but the prompt has 64"),
+        ("", "prompt: must not be empty"),
+        ({"prompt_token_ids": [1, 99999]}, "token ids out of range"),
+        (3.5, "must be a string or a list of token ids"),
+    ],
+)
+def test_bad_prompts_are_refused_with_the_field_and_leak_nothing(llm, prompt, message):
+    with pytest.raises(InvalidRequestError, match=message) as error:
+        llm.generate(prompt, SamplingParams())
+    assert error.value.field == "prompt" and error.value.status_code == 400
+    assert all_free(llm)
+
+
+def test_mistral_refuses_max_model_len_beyond_its_sliding_window(tmp_path):
+    spec = TINY_SPECS["mistral"]
+    model_dir = make_tiny_model(tmp_path / "mistral", type(spec)(**{**spec.__dict__, "extra": {"sliding_window": 32}}))
+    with pytest.raises(ConfigError, match="exceeds the sliding window \\(32\\)") as error:
+        LLM(str(model_dir), dtype="float32", max_model_len=48)
+    assert error.value.field == "max_model_len"
+    assert LLM(str(model_dir), dtype="float32").engine.max_model_len == 32
+
+
+def test_kv_budget_too_small_is_a_clear_error(llm):
+    with pytest.raises(ConfigError, match="kv_cache_memory: .* one sequence of max_model_len=64 needs"):
+        LLM(str(llm.engine.model_dir), dtype="float32", max_model_len=64, kv_cache_memory="4KiB")
+
+
+def test_max_tokens_and_length_limit_finish_with_length(llm):
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].finish_reason == "length"
+    out = llm.generate({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=None, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4  # 60 + 4 = max_model_len
+
+
+def test_stop_token_ids_and_stop_strings_end_generation(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate("the", greedy)[0].outputs[0]
+    stop_token = full.token_ids[3]
+    first = full.token_ids.index(stop_token)
+    out = llm.generate("the", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_token]))
+    assert out[0].outputs[0].token_ids == full.token_ids[: first + 1]
+    assert (out[0].outputs[0].finish_reason, out[0].outputs[0].stop_reason) == ("stop", stop_token)
+    stop_text = full.text[4:6]
+    cut = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop_text])
+    stopped = llm.generate("the", cut)[0].outputs[0]
+    assert stopped.text == full.text[: full.text.index(stop_text)]
+    assert stopped.stop_reason == stop_text
+    assert all_free(llm)
+
+
+def test_n_samples_are_distinct_and_reproducible_with_a_seed(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=8, ignore_eos=True)
+    first = llm.generate("the", params)[0]
+    second = llm.generate("the", params)[0]
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    expected = llm.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+
+
+def test_abort_returns_every_block(llm):
+    engine = llm.engine
+    engine.add_request("x", {"prompt_token_ids": list(range(30))}, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert engine.block_pool.num_free < engine.block_pool.num_blocks
+    aborted = engine.abort_request("x")
+    assert aborted.outputs[0].finish_reason == "abort"
+    assert engine.abort_request("x") is None
+    assert all_free(llm)
+
+
+def test_second_turn_reuses_the_first_turns_blocks(llm):
+    engine = llm.engine
+    history = list(range(40, 80 - 20))
+    llm.generate({"prompt_token_ids": history}, SamplingParams(max_tokens=1))
+    second = llm.generate({"prompt_token_ids": history + [5, 6]}, SamplingParams(max_tokens=1))[0]
+    assert second.num_cached_tokens == (len(history) // engine.config.block_size) * engine.config.block_size
+    assert engine.kv.num_prefix_hits > 0
