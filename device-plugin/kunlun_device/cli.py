@@ -137,14 +137,17 @@ def run_labeler(args: argparse.Namespace) -> int:
 
     if not args.node_name:
         raise ConfigError("--node-name", "required (or set NODE_NAME)")
+    # an explicit ApiClient: the library's process-wide default configuration is left untouched
     if args.kubeconfig:
-        config.load_kube_config(config_file=args.kubeconfig)
+        api_client = config.new_client_from_config(config_file=args.kubeconfig)
     else:
         try:
-            config.load_incluster_config()
+            in_cluster = client.Configuration()
+            config.load_incluster_config(client_configuration=in_cluster)
+            api_client = client.ApiClient(in_cluster)
         except config.ConfigException:
-            config.load_kube_config()
-    labeler = NodeLabeler(client.CoreV1Api(), args.node_name, _source(args))
+            api_client = config.new_client_from_config()
+    labeler = NodeLabeler(client.CoreV1Api(api_client), args.node_name, _source(args))
     if args.once:
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
