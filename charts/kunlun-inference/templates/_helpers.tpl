@@ -132,6 +132,8 @@ seccompProfile:
 {{- if .Values.operator.webhook.enabled }}
 - --webhook-port={{ .Values.operator.webhook.port }}
 - --webhook-cert-dir=/etc/kunlun-operator/webhook
+{{- else }}
+- --webhook-port=0
 {{- end }}
 {{- with .Values.operator.extraArgs }}
 {{ toYaml . }}

@@ -1,0 +1,325 @@
+"""What the chart renders, object by object: the operator Deployment and its webhook, the device
+plugin DaemonSet, Services and ServiceMonitors, the compatibility matrix, NOTES. Container
+arguments are parsed by the components' own argparse parsers, so a flag the chart passes and the
+program does not accept fails here, not in a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import importlib
+import io
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.chart.tools import CHART, NAMESPACE, RELEASE, Rendered, helm, render
+
+PREFIX = f"{RELEASE}-kunlun-inference"
+
+
+def parse_cli(module: str, args: list[str]) -> argparse.Namespace:
+    """Parse `args` with the component's real parser; an unknown or bad flag fails the test."""
+    try:
+        cli = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"{module} is not importable yet ({exc})")
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            return cli.build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{module} rejects the chart's arguments {args}: {stderr.getvalue()}")
+
+
+def pod_spec(rendered: Rendered, kind: str, suffix: str) -> dict:
+    return rendered.one(kind, suffix)["spec"]["template"]["spec"]
+
+
+def containers(rendered: Rendered, kind: str, suffix: str) -> dict[str, dict]:
+    return {c["name"]: c for c in pod_spec(rendered, kind, suffix)["containers"]}
+
+
+# -- operator --------------------------------------------------------------------------------------
+
+
+def test_operator_arguments_default(default_render: Rendered) -> None:
+    operator = containers(default_render, "Deployment", "-operator")["operator"]
+    assert operator["args"] == [
+        "run",
+        "--peering=kunlun-operator",
+        "--liveness=http://0.0.0.0:8081/healthz",
+        "--metrics-port=8080",
+        "--log-level=info",
+        "--all-namespaces",
+        f"--compatibility-configmap={NAMESPACE}/{PREFIX}-compatibility",
+        "--default-runtime-image=ghcr.io/kunlun-inference/kunlun-runtime:0.1.0",
+        "--webhook-port=9443",
+        "--webhook-cert-dir=/etc/kunlun-operator/webhook",
+    ]
+    args = parse_cli("kunlun_operator.cli", operator["args"])
+    assert (args.command, args.all_namespaces, args.metrics_port, args.webhook_port) == (
+        "run",
+        True,
+        8080,
+        9443,
+    )
+
+
+def test_operator_ha_runs_replicas_with_peering_spread_over_nodes(rendered_sets: dict[str, Rendered]) -> None:
+    ha = rendered_sets["ha-values"]
+    deployment = ha.one("Deployment", "-operator")
+    assert deployment["spec"]["replicas"] == 3
+    spec = deployment["spec"]["template"]["spec"]
+    term = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert (
+        term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        == deployment["spec"]["selector"]["matchLabels"]
+    )
+    assert spec["priorityClassName"] == "system-cluster-critical"
+    args = parse_cli("kunlun_operator.cli", spec["containers"][0]["args"])
+    assert args.namespace == ["bank-prod", "bank-staging"] and not args.all_namespaces
+    assert not args.standalone
+    assert ha.one("ClusterKopfPeering")["metadata"]["name"] == args.peering
+    webhook = ha.one("ValidatingWebhookConfiguration")["webhooks"][0]
+    assert webhook["namespaceSelector"] == {
+        "matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["bank-prod", "bank-staging"]}
+        ]
+    }
+    assert (webhook["failurePolicy"], webhook["timeoutSeconds"]) == ("Fail", 5)
+
+
+def test_operator_pod_is_restricted_and_probed(default_render: Rendered) -> None:
+    spec = pod_spec(default_render, "Deployment", "-operator")
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    operator = spec["containers"][0]
+    assert operator["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {p["name"]: p["containerPort"] for p in operator["ports"]} == {
+        "metrics": 8080,
+        "health": 8081,
+        "webhook": 9443,
+    }
+    assert "affinity" not in spec  # one replica: nothing to spread
+
+
+def test_webhook_disabled_removes_its_objects_and_turns_the_server_off() -> None:
+    rendered = render(overrides={"operator": {"webhook": {"enabled": False}}})
+    assert not rendered.all("ValidatingWebhookConfiguration")
+    assert not [d for d in rendered.all("Secret")]
+    assert [s["metadata"]["name"] for s in rendered.all("Service")] == [
+        f"{PREFIX}-device-plugin-metrics",
+        f"{PREFIX}-operator-metrics",
+    ]
+    args = parse_cli(
+        "kunlun_operator.cli", containers(rendered, "Deployment", "-operator")["operator"]["args"]
+    )
+    assert (args.webhook_port, args.webhook_cert_dir) == (0, None)
+
+
+def test_webhook_routes_to_the_operator_with_a_certificate_its_ca_signs(
+    default_render: Rendered, tmp_path: Path
+) -> None:
+    config = default_render.one("ValidatingWebhookConfiguration")["webhooks"][0]
+    assert config["rules"] == [
+        {
+            "apiGroups": ["serving.kunlun.dev"],
+            "apiVersions": ["v1alpha1"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": ["kunluninferenceservices"],
+            "scope": "Namespaced",
+        }
+    ]
+    service_ref = config["clientConfig"]["service"]
+    assert service_ref == {
+        "name": f"{PREFIX}-webhook",
+        "namespace": NAMESPACE,
+        "path": "/validate-kis",
+        "port": 443,
+    }
+    service = default_render.one("Service", "-webhook")
+    assert service["spec"]["ports"] == [
+        {"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}
+    ]
+    deployment = default_render.one("Deployment", "-operator")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    secret = default_render.one("Secret", "-webhook-tls")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["webhook-cert"]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert secret["data"]["ca.crt"] == config["clientConfig"]["caBundle"]
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not installed: certificate chain not verified")
+    for key in ("ca.crt", "tls.crt"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    verify = subprocess.run(
+        [openssl, "verify", "-CAfile", "ca.crt", "tls.crt"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    text = subprocess.run(
+        [openssl, "x509", "-in", "tls.crt", "-noout", "-ext", "subjectAltName"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"DNS:{PREFIX}-webhook.{NAMESPACE}.svc" in text
+
+
+# -- device plugin ---------------------------------------------------------------------------------
+
+
+def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
+    default_render: Rendered,
+) -> None:
+    spec = pod_spec(default_render, "DaemonSet", "-device-plugin")
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["tolerations"] == [{"operator": "Exists"}]
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert [t["matchExpressions"][0]["key"] for t in terms] == [
+        "feature.node.kubernetes.io/pci-1d22.present",
+        "kunlun.dev/xpu.present",
+    ]
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    assert volumes == {
+        "device-plugins": "/var/lib/kubelet/device-plugins",
+        "pod-resources": "/var/lib/kubelet/pod-resources",
+        "host-dev": "/dev",
+        "host-sys": "/sys",
+        "kunlun-home": "/usr/local/xpu",
+    }
+    by_name = {c["name"]: c for c in spec["containers"]}
+    assert list(by_name) == ["plugin", "labeler", "exporter"]
+    mounts = {name: {m["mountPath"] for m in c["volumeMounts"]} for name, c in by_name.items()}
+    host = {"/host/dev", "/host/sys", "/host/usr/local/xpu"}
+    assert mounts == {
+        "plugin": host | {"/var/lib/kubelet/device-plugins"},
+        "labeler": host,
+        "exporter": host | {"/var/lib/kubelet/pod-resources"},
+    }
+    for name, container in by_name.items():
+        assert container["env"] == [
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+        ]
+        args = parse_cli("kunlun_device.cli", container["args"])
+        assert (args.command, args.dev_root, args.xpu_smi) == (name, "/host", "/usr/local/bin/xpu-smi")
+    assert (
+        parse_cli("kunlun_device.cli", by_name["plugin"]["args"]).kubelet_dir
+        == "/var/lib/kubelet/device-plugins"
+    )
+    exporter = parse_cli("kunlun_device.cli", by_name["exporter"]["args"])
+    assert (exporter.port, exporter.pod_resources_socket) == (
+        9400,
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+    )
+    assert by_name["exporter"]["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+
+
+def test_custom_node_selector_replaces_the_default_affinity(rendered_sets: dict[str, Rendered]) -> None:
+    rendered = rendered_sets["nodeselector-values"]
+    spec = pod_spec(rendered, "DaemonSet", "-device-plugin")
+    assert spec["nodeSelector"] == {"accelerator": "kunlun-p800"}
+    assert "affinity" not in spec
+    assert spec["tolerations"] == [{"key": "kunlunxin.com/xpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert spec["imagePullSecrets"] == [{"name": "mirror-pull"}]
+    by_name = {c["name"]: c for c in spec["containers"]}
+    assert list(by_name) == ["plugin", "labeler"]  # exporter disabled
+    assert {"name": "xpu-smi", "mountPath": "/usr/local/bin/xpu-smi", "readOnly": True} in by_name["plugin"][
+        "volumeMounts"
+    ]
+    assert {v["name"]: v["hostPath"] for v in spec["volumes"]}["xpu-smi"] == {
+        "path": "/opt/kunlun/bin/xpu-smi",
+        "type": "File",
+    }
+    assert parse_cli("kunlun_device.cli", by_name["labeler"]["args"]).interval == 60
+    assert not [
+        s for s in rendered.all("Service") if s["metadata"]["name"].endswith("-device-plugin-metrics")
+    ]
+    operator = pod_spec(rendered, "Deployment", "-operator")
+    assert operator["nodeSelector"] == {"node-role.kubernetes.io/system": "true"}
+    assert operator["containers"][0]["image"].startswith("registry.bank.internal/mirror/kunlun-inference/")
+
+
+def test_device_plugin_can_be_left_out() -> None:
+    rendered = render(overrides={"devicePlugin": {"enabled": False}})
+    assert not rendered.all("DaemonSet")
+    assert not [d for d in rendered.docs if d["metadata"]["name"].startswith(f"{PREFIX}-device-plugin")]
+
+
+# -- monitoring wiring ------------------------------------------------------------------------------
+
+
+def test_service_monitors_select_services_and_ports_that_exist(monitoring_render: Rendered) -> None:
+    services = monitoring_render.all("Service")
+    for monitor in monitoring_render.all("ServiceMonitor"):
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        matched = [
+            s
+            for s in services
+            if wanted.items() <= s["metadata"]["labels"].items()
+            and "metrics" in {p["name"] for p in s["spec"]["ports"]}
+        ]
+        assert len(matched) == 1, monitor["metadata"]["name"]
+        assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+        assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert matched[0]["spec"]["selector"].items() <= pod_labels(monitoring_render, matched[0]).items()
+
+
+def pod_labels(rendered: Rendered, service: dict) -> dict:
+    for kind in ("Deployment", "DaemonSet"):
+        for workload in rendered.all(kind):
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            if service["spec"]["selector"].items() <= labels.items():
+                return labels
+    raise AssertionError(f"service {service['metadata']['name']} selects no pod")
+
+
+# -- compatibility matrix and NOTES ------------------------------------------------------------------
+
+
+def test_compatibility_configmap_parses_with_the_operators_own_parser(
+    rendered_sets: dict[str, Rendered],
+) -> None:
+    try:
+        matrix = importlib.import_module("kunlun_operator.matrix")
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"kunlun_operator.matrix not importable yet ({exc})")
+    text = rendered_sets["ha-values"].one("ConfigMap", "-compatibility")["data"][matrix.MATRIX_KEY]
+    parsed = matrix.parse_matrix(text, source="chart ConfigMap")
+    assert [(e.runtime, sorted(e.driver)) for e in parsed.entries] == [
+        ("0.1.0", ["5.0.21"]),
+        ("0.1.0", ["5.0.22"]),
+    ]
+
+
+def test_notes_print_a_first_model_the_crd_and_the_matrix_accept() -> None:
+    proc = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert f"rollout status deployment/{PREFIX}-operator" in notes
+    assert f"helm test {RELEASE} -n {NAMESPACE}" in notes
+    block = notes.split("kubectl apply -f -\n", 1)[1].split("     YAML\n", 1)[0]
+    cr = yaml.safe_load("\n".join(line[5:] for line in block.splitlines()))
+    assert cr["kind"] == "KunlunInferenceService"
+    try:
+        spec_module = importlib.import_module("kunlun_operator.spec")
+        matrix = importlib.import_module("kunlun_operator.matrix")
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"kunlun_operator not importable yet ({exc})")
+    spec = spec_module.parse_spec(cr["spec"])
+    image = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
+    assert matrix.check_versions(matrix.load_default_matrix(), image, spec.versions) == []
