@@ -1,0 +1,143 @@
+"""The FastAPI application: routes only; the work happens in ``chat``, ``completions``, ``lifecycle``.
+
+(No ``from __future__ import annotations`` here: FastAPI resolves the route signatures, whose
+``Annotated`` dependency aliases are local to ``create_app``.)
+
+``create_app(engine_factory, ...)`` returns an app whose lifespan loads the model in the
+background; tests serve it with uvicorn in-process, ``kunlun-runtime serve`` from the CLI. The API
+key (when set) guards the ``/v1`` routes and tokenization; ``/health``, ``/version`` and
+``/metrics`` stay open for probes and scrapers, as in vLLM.
+
+No ``from __future__ import annotations`` here: FastAPI resolves the route signatures, and the
+``Annotated`` dependency alias they use is local to ``create_app``.
+"""
+
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.server.chat import create_chat_completion
+from kunlun_runtime.server.completions import create_completion
+from kunlun_runtime.server.errors import APIError, install_error_handlers, unavailable
+from kunlun_runtime.server.lifecycle import Lifecycle, ServerState
+from kunlun_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kunlun_runtime.server.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+)
+from kunlun_runtime.server.serving import ServedModel, now_seconds
+from kunlun_runtime.version import __version__
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+
+
+def create_app(
+    engine_factory: Callable[[], LLMEngine],
+    *,
+    max_queue_len: int | None = None,
+    api_key: str | None = None,
+    lifecycle: Lifecycle | None = None,
+) -> FastAPI:
+    life = lifecycle or Lifecycle(engine_factory, max_queue_len=max_queue_len)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await life.start()
+        yield
+        await life.stop()
+
+    app = FastAPI(title="kunlun-inference", version=__version__, lifespan=lifespan)
+    app.state.lifecycle = life
+    install_error_handlers(app)
+
+    def served() -> ServedModel:
+        if life.state is ServerState.DRAINING:
+            raise unavailable("the server is shutting down")
+        if life.state is not ServerState.READY or life.served is None:
+            raise unavailable("the model is loading")
+        return life.served
+
+    def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
+
+    api = [Depends(authorized)]
+    Model = Annotated[ServedModel, Depends(served)]
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if life.state is ServerState.READY:
+            return Response(status_code=200)
+        raise unavailable(f"not ready: {life.state.value}")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        life.update_telemetry()
+        return Response(generate_latest(life.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=api, responses=_ERRORS)
+    async def models(model: Model) -> ModelList:
+        card = ModelCard(
+            id=model.name, created=now_seconds(), root=model.root, max_model_len=model.max_model_len
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", dependencies=api, responses={200: {"model": CompletionResponse}, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request, model: Model) -> Response:
+        return await create_completion(body, model, request)
+
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=api,
+        responses={200: {"model": ChatCompletionResponse}, **_ERRORS},
+    )
+    async def chat(body: ChatCompletionRequest, request: Request, model: Model) -> Response:
+        return await create_chat_completion(body, model, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=api, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest, model: Model) -> TokenizeResponse:
+        model.check_model(body.model)
+        if body.messages is not None:
+            text = model.tokenizer.render_chat(
+                [{"role": m.role, "content": m.text()} for m in body.messages], body.add_generation_prompt
+            )
+            tokens = model.tokenizer.encode(text, add_special_tokens=False)
+        elif body.prompt is not None:
+            tokens = model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise InvalidRequestError("prompt: give a prompt or messages", field="prompt")
+        return TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=api, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest, model: Model) -> DetokenizeResponse:
+        model.check_model(body.model)
+        bad = [t for t in body.tokens if t >= model.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"tokens: not token ids: {bad[:5]}", field="tokens")
+        return DetokenizeResponse(prompt=model.tokenizer.decode(body.tokens))
+
+    return app

@@ -1,0 +1,173 @@
+"""``POST /v1/completions``: string, strings, token ids or token-id lists; echo; legacy logprobs.
+
+Each prompt becomes n engine requests; choice ``index`` is ``prompt_index * n + i``, as OpenAI and
+vLLM number them. ``usage`` counts every prompt once and every generated token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from starlette.responses import Response
+
+from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.outputs import RequestOutput
+from kunlun_runtime.request import TokenLogprob
+from kunlun_runtime.server.async_engine import RequestStream
+from kunlun_runtime.server.protocol import CompletionRequest
+from kunlun_runtime.server.responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    UsageInfo,
+)
+from kunlun_runtime.server.serving import (
+    EngineStreamingResponse,
+    ServedModel,
+    children,
+    collect,
+    guard_stream,
+    new_id,
+    now_seconds,
+    sampling_params,
+    sse,
+    token_text,
+)
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt: must not be empty", field="prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def completion_logprobs(
+    served: ServedModel, token_ids: list[int], logprobs: list[TokenLogprob | None], text_offset: int = 0
+) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for token_id, item in zip(token_ids, logprobs, strict=False):
+        text = token_text(served, token_id)
+        out.tokens.append(text)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+        out.token_logprobs.append(item.logprob if item is not None else None)
+        out.top_logprobs.append(
+            {token_text(served, t): lp for t, lp in item.top} if item is not None else None
+        )
+    return out
+
+
+async def create_completion(body: CompletionRequest, served: ServedModel, request: Request) -> Response:
+    served.check_model(body.model)
+    if body.suffix:
+        raise InvalidRequestError("suffix: is not supported", field="suffix")
+    prompts = _prompts(body.prompt)
+    echo_logprobs = body.logprobs if body.echo else None
+    prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else echo_logprobs
+    params = sampling_params(
+        body, served, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+    )
+    request_id = new_id("cmpl")
+    engine_requests = []
+    for number, prompt in enumerate(prompts):
+        engine_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        engine_requests += children(f"{request_id}-{number}", engine_prompt, params, body)
+    index_of = {r.request_id: i for i, r in enumerate(engine_requests)}
+    stream = await served.engine.add(engine_requests)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _stream_events(stream, served, body, request_id, index_of, include_usage)
+        return EngineStreamingResponse(guard_stream(events), stream)
+    finals = await collect(stream, request)
+    choices = [_choice(finals[engine_id], index, served, body) for engine_id, index in index_of.items()]
+    num_prompt = sum(len(finals[f"{request_id}-{p}-0"].prompt_token_ids) for p in range(len(prompts)))
+    num_generated = sum(len(out.outputs[0].token_ids) for out in finals.values())
+    response = CompletionResponse(
+        id=request_id,
+        created=now_seconds(),
+        model=served.name,
+        choices=choices,
+        usage=UsageInfo.of(num_prompt, num_generated),
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _choice(
+    output: RequestOutput, index: int, served: ServedModel, body: CompletionRequest
+) -> CompletionChoice:
+    completion = output.outputs[0]
+    text, logprobs = completion.text, None
+    prefix = ""
+    if body.echo:
+        prefix = (
+            output.prompt if output.prompt is not None else served.tokenizer.decode(output.prompt_token_ids)
+        )
+        text = prefix + text
+    if body.logprobs is not None:
+        ids, items = list(completion.token_ids), list(completion.logprobs or [])
+        if body.echo:
+            ids = output.prompt_token_ids + ids
+            items = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + items
+        logprobs = completion_logprobs(served, ids, items)
+    return CompletionChoice(
+        index=index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )
+
+
+async def _stream_events(
+    stream: RequestStream,
+    served: ServedModel,
+    body: CompletionRequest,
+    request_id: str,
+    index_of: dict[str, int],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created = now_seconds()
+    sent_text = dict.fromkeys(index_of.values(), 0)
+    sent_tokens = dict.fromkeys(index_of.values(), 0)
+    num_prompt = num_generated = 0
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        return sse(
+            CompletionResponse(
+                id=request_id, created=created, model=served.name, choices=choices, usage=usage
+            )
+        )
+
+    async for output in stream:
+        index = index_of[output.request_id]
+        completion = output.outputs[0]
+        prefix = ""
+        if body.echo and sent_text[index] == 0 and sent_tokens[index] == 0:
+            prefix = (
+                output.prompt
+                if output.prompt is not None
+                else served.tokenizer.decode(output.prompt_token_ids)
+            )
+        text = completion.text[sent_text[index] :]
+        new_ids = completion.token_ids[sent_tokens[index] :]
+        if not (prefix or text or output.finished):
+            continue
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(served, new_ids, (completion.logprobs or [])[sent_tokens[index] :])
+        sent_text[index], sent_tokens[index] = len(completion.text), len(completion.token_ids)
+        choice = CompletionChoice(
+            index=index, text=prefix + text, logprobs=logprobs, finish_reason=completion.finish_reason
+        )
+        yield chunk([choice])
+        if output.finished:
+            num_generated += len(completion.token_ids)
+            if output.request_id.rsplit("-", 1)[1] == "0":
+                num_prompt += len(output.prompt_token_ids)
+    if include_usage:
+        yield chunk([], UsageInfo.of(num_prompt, num_generated))

@@ -1,0 +1,129 @@
+"""The server's life: loading → ready → draining, and what /health answers in each state.
+
+The HTTP server starts at once and answers /health with 503 while the model loads in a background
+thread and one warm-up generation passes; then 200. On SIGTERM the server drains: /health and new
+API requests get 503, in-flight requests run to completion for up to ``shutdown_timeout_seconds``,
+then the engine thread stops. A model that fails to load is fatal (``on_fatal``), not a server
+that stays up answering 503 forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import threading
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.metrics import CacheConfigInfo, EngineMetrics, build_metrics
+from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.server.async_engine import AsyncEngine
+from kunlun_runtime.server.serving import ServedModel
+from kunlun_runtime.server.stats import StatsRecorder
+
+logger = logging.getLogger(__name__)
+
+WARMUP_MAX_TOKENS = 2
+
+
+class ServerState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """Run one short greedy generation through every stage (prefill, decode, sampling)."""
+    prompt_ids = engine.tokenizer.encode("Hello") or [0]
+    engine.add_request("warmup", prompt_ids, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        engine_factory: Callable[[], LLMEngine],
+        *,
+        max_queue_len: int | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._factory = engine_factory
+        self.max_queue_len = max_queue_len
+        self.on_fatal = on_fatal
+        self.registry = CollectorRegistry()
+        self.state = ServerState.LOADING
+        self.served: ServedModel | None = None
+        self.metrics: EngineMetrics | None = None
+        self.error: BaseException | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._load())
+
+    async def _load(self) -> None:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def build() -> None:
+            try:
+                engine = self._factory()
+                warm_up(engine)
+                done.set_result(engine)
+            except BaseException as error:  # reported to the event loop below
+                done.set_exception(error)
+
+        threading.Thread(target=build, name="model-loader", daemon=True).start()
+        try:
+            engine = await asyncio.wrap_future(done)
+        except Exception as error:
+            logger.error("model failed to load: %s", error)
+            self.state, self.error = ServerState.FAILED, error
+            if self.on_fatal is not None:
+                self.on_fatal(error)
+            return
+        self.metrics = build_metrics(
+            self.registry, engine.served_model_name, max_model_len=engine.max_model_len
+        )
+        self.metrics.set_cache_config(
+            CacheConfigInfo(
+                block_size=engine.config.block_size,
+                num_gpu_blocks=engine.block_pool.num_blocks,
+                enable_prefix_caching=engine.config.enable_prefix_caching,
+                cache_dtype=str(engine.dtype).removeprefix("torch."),
+                kv_cache_memory_bytes=engine.config.kv_cache_memory_bytes,
+            )
+        )
+        stats = StatsRecorder(self.metrics, engine)
+        stats.record(engine, [], ran_step=False)  # publish the idle gauges before the first request
+        async_engine = AsyncEngine(engine, stats=stats, max_queue_len=self.max_queue_len)
+        async_engine.start(asyncio.get_running_loop())
+        self.served = ServedModel.of(async_engine)
+        if self.state is ServerState.LOADING:
+            self.state = ServerState.READY
+        logger.info("ready: serving %s", engine.served_model_name)
+
+    def update_telemetry(self) -> None:
+        if self.metrics is not None and self.served is not None:
+            self.metrics.set_telemetry(self.served.engine.engine.platform.telemetry())
+
+    async def drain(self, timeout_seconds: float) -> None:
+        """Refuse new requests and wait (up to the timeout) for in-flight ones to finish."""
+        self.state = ServerState.DRAINING
+        if self.served is None:
+            return
+        logger.info("draining: %d request(s) in flight", self.served.engine.num_active)
+        try:
+            await asyncio.wait_for(self.served.engine.wait_idle(), timeout_seconds)
+        except TimeoutError:
+            logger.warning("shutdown timeout: %d request(s) still in flight", self.served.engine.num_active)
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self.served is not None:
+            await asyncio.to_thread(self.served.engine.shutdown)

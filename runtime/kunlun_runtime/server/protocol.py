@@ -1,0 +1,118 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), with vLLM's extra sampling fields.
+
+Shapes follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``; the extra body fields
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``priority``, ...) are those vLLM accepts, so clients written for vLLM work unchanged. Unknown
+fields are ignored, as OpenAI and vLLM do. Bounds that keep the sampler's arithmetic finite live
+here (they appear in the OpenAPI document); everything else is checked once, by
+``SamplingParams``. Response bodies are in ``responses``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields common to completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = Field(None, description="served model name; omitted = the served model")
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=1e4)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    cache_salt: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        ..., description="a string, a list of strings, token ids, or a list of token-id lists"
+    )
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TextContentPart(_Body):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        out = []
+        for message in self.messages:
+            item: dict[str, Any] = {"role": message.role, "content": message.text()}
+            if message.name is not None:
+                item["name"] = message.name
+            out.append(item)
+        return out
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: TokenIds
