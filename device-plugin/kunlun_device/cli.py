@@ -38,15 +38,33 @@ def _common(health: bool) -> argparse.ArgumentParser:
     parent.add_argument("--xpu-smi", default="xpu-smi", metavar="PATH", help="the xpu-smi command")
     parent.add_argument("--dev-root", default="/", metavar="DIR", help="where the host's dev/ and sys/ are")
     parent.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="default: $NODE_NAME")
-    parent.add_argument("--kml-version-file", default=DEFAULT_KML_VERSION_FILE, metavar="PATH")
-    parent.add_argument("--xpu-smi-timeout", type=_positive, default=10.0, metavar="SECONDS")
+    parent.add_argument(
+        "--kml-version-file",
+        default=DEFAULT_KML_VERSION_FILE,
+        metavar="PATH",
+        help="host path (under --dev-root) of the KML version, text or JSON {kml_version}; '' disables",
+    )
+    parent.add_argument("--xpu-smi-timeout", type=_positive, default=10.0, metavar="SECONDS", help="per call")
     parent.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     if health:
-        parent.add_argument("--health-interval", type=_positive, default=10.0, metavar="SECONDS")
-        parent.add_argument("--recovery-seconds", type=float, default=60.0, metavar="SECONDS")
+        parent.add_argument(
+            "--health-interval", type=_positive, default=10.0, metavar="SECONDS", help="poll period"
+        )
+        parent.add_argument(
+            "--recovery-seconds",
+            type=float,
+            default=60.0,
+            metavar="SECONDS",
+            help="fault-free time to be Healthy",
+        )
         parent.add_argument("--temperature-warn-celsius", type=float, default=85.0, metavar="C")
         parent.add_argument("--temperature-critical-celsius", type=float, default=95.0, metavar="C")
-        parent.add_argument("--health-policy", default="", metavar="CHECK=SEVERITY,...")
+        parent.add_argument(
+            "--health-policy",
+            default="",
+            metavar="CHECK=SEVERITY,...",
+            help="severity overrides (ignore|warn|unhealthy)",
+        )
     return parent
 
 
@@ -54,18 +72,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kunlun-device-plugin", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     plugin = commands.add_parser("plugin", parents=[_common(True)], help="kubelet device plugin")
-    plugin.add_argument("--kubelet-dir", default="/var/lib/kubelet/device-plugins", metavar="DIR")
-    plugin.add_argument("--socket-name", default="kunlun-xpu.sock", metavar="NAME")
+    plugin.add_argument(
+        "--kubelet-dir", default="/var/lib/kubelet/device-plugins", metavar="DIR", help="holds kubelet.sock"
+    )
+    plugin.add_argument(
+        "--socket-name", default="kunlun-xpu.sock", metavar="NAME", help="the plugin's socket"
+    )
     labeler = commands.add_parser("labeler", parents=[_common(False)], help="node labeler")
-    labeler.add_argument("--interval", type=_positive, default=300.0, metavar="SECONDS")
+    labeler.add_argument(
+        "--interval", type=_positive, default=300.0, metavar="SECONDS", help="re-check period"
+    )
     labeler.add_argument("--once", action="store_true", help="label once and exit")
-    labeler.add_argument("--kubeconfig", default=None, metavar="PATH")
-    labeler.add_argument("--max-backoff-seconds", type=_positive, default=300.0, metavar="SECONDS")
+    labeler.add_argument(
+        "--kubeconfig", default=None, metavar="PATH", help="default: in-cluster, else KUBECONFIG"
+    )
+    labeler.add_argument(
+        "--max-backoff-seconds", type=_positive, default=300.0, metavar="SECONDS", help="retry backoff cap"
+    )
     exporter = commands.add_parser("exporter", parents=[_common(True)], help="Prometheus exporter")
     exporter.add_argument("--listen-address", default="0.0.0.0", metavar="ADDR")
-    exporter.add_argument("--port", type=int, default=9400)
+    exporter.add_argument("--port", type=int, default=9400, help="HTTP port of /metrics")
     exporter.add_argument(
-        "--pod-resources-socket", default="/var/lib/kubelet/pod-resources/kubelet.sock", metavar="PATH"
+        "--pod-resources-socket",
+        default="/var/lib/kubelet/pod-resources/kubelet.sock",
+        metavar="PATH",
+        help="kubelet PodResources socket for pod attribution; '' disables",
     )
     return parser
 
