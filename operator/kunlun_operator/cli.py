@@ -89,7 +89,8 @@ def _matrix_configmap(value: str | None) -> tuple[str, str] | None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT, stream=sys.stdout)
-    logging.getLogger("kopf.objects").setLevel(logging.INFO)
+    # kopf logs every successful event handler at INFO; our decisions are logged by our modules.
+    logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, logging.getLogger().level))
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)

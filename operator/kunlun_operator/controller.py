@@ -21,6 +21,7 @@ from kunlun_operator.apply import (
     CREATED,
     DELETED,
     RESTORED,
+    UNCHANGED,
     UPDATED,
     Change,
     apply_object,
@@ -197,7 +198,7 @@ class Controller:
             ref.name,
             ref.generation,
             plan.status["phase"],
-            ", ".join(f"{c.kind} {c.action}" for c in changes) or "no changes",
+            ", ".join(f"{c.kind} {c.action}" for c in changes if c.action != UNCHANGED) or "no changes",
         )
         return plan
 

@@ -26,6 +26,7 @@ from kunlun_operator.nodes import NodeFacts
 KIS = (names.GROUP, names.VERSION, names.PLURAL)
 WATCHED_OWNED_KINDS = (names.CONFIGMAP, names.SERVICE, names.DEPLOYMENT, names.PDB, names.HPA)
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +94,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
     generations: dict[tuple[str, str], Any] = {}
     node_prints: dict[str, tuple[Any, ...]] = {}
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(registry=registry, id="configure")
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = names.FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
@@ -106,15 +107,20 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         settings.execution.max_workers = 8
         settings.admission.server = config.webhook
 
-    @kopf.index("", "v1", "nodes", registry=registry)
+    @kopf.on.login(registry=registry, id="login")
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # The same credentials as the controller's client: in-cluster, else KUBECONFIG.
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.index("", "v1", "nodes", registry=registry, id="kunlun_nodes")
     def kunlun_nodes(
         name: str, labels: Mapping[str, str], spec: Mapping[str, Any], **_: Any
     ) -> dict[str, NodeFacts]:
         return {name: NodeFacts(name, dict(labels), bool(spec.get("unschedulable")))}
 
-    @kopf.daemon(*KIS, registry=registry, cancellation_timeout=10)
+    @kopf.daemon(*KIS, registry=registry, id="service_loop", cancellation_timeout=10)
     async def service_loop(
-        namespace: str, name: str, stopped: Any, logger: logging.Logger, kunlun_nodes: kopf.Index, **_: Any
+        namespace: str, name: str, stopped: Any, kunlun_nodes: kopf.Index, **_: Any
     ) -> None:
         wake = wakers.get(namespace, name)
         attempt = 0
@@ -126,11 +132,18 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
             except ApiError as error:
                 attempt += 1
                 delay = config.retry_delay(attempt)
-                logger.warning("reconcile failed (%s); retry %d in %.1fs", error, attempt, delay)
+                log.warning(
+                    "reconcile of %s/%s failed (%s); retry %d in %.1fs",
+                    namespace,
+                    name,
+                    error,
+                    attempt,
+                    delay,
+                )
             await _sleep_until_woken(wake, stopped, delay)
         wakers.forget(namespace, name)
 
-    @kopf.on.event(*KIS, registry=registry)
+    @kopf.on.event(*KIS, registry=registry, id="service_event")
     async def on_service_event(
         type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any
     ) -> None:
@@ -154,23 +167,22 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
             if type is not None and names.LABEL_INSTANCE in labels:
                 wakers.wake(namespace, labels[names.LABEL_INSTANCE])
 
-    @kopf.on.event("", "v1", "nodes", registry=registry)
+    @kopf.on.event("", "v1", "nodes", registry=registry, id="node_event")
     async def on_node_event(
         type: str | None,
         name: str,
         labels: Mapping[str, str],
         spec: Mapping[str, Any],
-        logger: logging.Logger,
         **_: Any,
     ) -> None:
         fingerprint = () if type == "DELETED" else _kunlun_fingerprint(labels, spec)
         before = node_prints.get(name)
         node_prints[name] = fingerprint
         if type is not None and before != fingerprint:
-            logger.info("Kunlun labels of node %s changed; re-checking every service", name)
+            log.info("Kunlun labels of node %s changed; re-checking every service", name)
             wakers.wake_all()
 
-    @kopf.on.delete(*KIS, registry=registry)
+    @kopf.on.delete(*KIS, registry=registry, id="cleanup")
     def on_service_delete(body: kopf.Body, retry: int, **_: Any) -> None:
         try:
             controller.cleanup(dict(body))

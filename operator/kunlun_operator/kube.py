@@ -66,23 +66,31 @@ class KubeClient:
         content_type: str = "application/json",
     ) -> Any:
         logger.debug("%s %s", method, path)
+        call = f"{method} {path}"
         try:
-            response = self._api.call_api(
-                path,
-                method,
+            method, url, headers, body, post = self._api.param_serialize(
+                method=method,
+                resource_path=path,
                 query_params=list((query or {}).items()),
                 header_params={"Accept": "application/json", "Content-Type": content_type},
                 body=body,
                 auth_settings=["BearerToken"],
-                _return_http_data_only=True,
-                _preload_content=False,
+            )
+            response = self._api.call_api(
+                method,
+                url,
+                header_params=headers,
+                body=body,
+                post_params=post,
                 _request_timeout=REQUEST_TIMEOUT_SECONDS,
             )
+            data = response.read()
         except kubernetes.client.ApiException as e:
-            raise _api_error(e, f"{method} {path}") from None
+            raise _api_error(e.status or 0, e.reason or "", e.body, call) from None
         except urllib3.exceptions.HTTPError as e:
-            raise ApiError(0, "ConnectionError", str(e), call=f"{method} {path}") from None
-        data = response.data
+            raise ApiError(0, "ConnectionError", str(e), call=call) from None
+        if response.status >= 400:
+            raise _api_error(response.status, response.reason or "", data, call)
         return json.loads(data) if data else None
 
     def get(self, kind: names.Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
@@ -140,12 +148,11 @@ class KubeClient:
         return frozenset(r["name"] for r in (doc or {}).get("resources", []) if "/" not in r["name"])
 
 
-def _api_error(e: kubernetes.client.ApiException, call: str) -> ApiError:
-    message = e.reason or ""
+def _api_error(status: int, http_reason: str, body: bytes | str | None, call: str) -> ApiError:
+    """An ``ApiError`` from a failed answer, with the reason and message of its Status body."""
     try:
-        status = json.loads(e.body or "{}")
-        message = status.get("message") or message
-        reason = status.get("reason") or e.reason or ""
-    except (ValueError, AttributeError):
-        reason = e.reason or ""
-    return ApiError(e.status or 0, reason, message, call=call)
+        doc = json.loads(body or "{}")
+    except ValueError:
+        doc = {}
+    doc = doc if isinstance(doc, dict) else {}
+    return ApiError(status, doc.get("reason") or http_reason, doc.get("message") or http_reason, call=call)
