@@ -45,7 +45,7 @@ def _names(cell: str) -> list[str]:
 
 def table_after(text: str, heading: str) -> list[dict[str, str]]:
     """The first Markdown table after the heading that contains `heading`, as row dicts."""
-    section = text[text.index(heading):]
+    section = text[text.index(heading) :]
     lines = [ln for ln in section.splitlines() if ln.startswith("|")]
     start = section.splitlines().index(lines[0])
     block = []
@@ -61,11 +61,17 @@ def operator_calls() -> set[Grant]:
     if OPERATOR_API_CALLS.is_file():
         return calls_from_api_calls_yaml(yaml.safe_load(OPERATOR_API_CALLS.read_text()))
     if not OPERATOR_DOC.is_file():
-        pytest.skip(f"neither {OPERATOR_API_CALLS} nor {OPERATOR_DOC} exists yet: "
-                    "no record of the operator's calls")
+        pytest.skip(
+            f"neither {OPERATOR_API_CALLS} nor {OPERATOR_DOC} exists yet: no record of the operator's calls"
+        )
     rows = table_after(OPERATOR_DOC.read_text(), "Kubernetes API calls")
-    return {(g, r, v) for row in rows for g in _names(row["api group"])
-            for r in _names(row["resource"]) for v in _names(row["verbs"])}
+    return {
+        (g, r, v)
+        for row in rows
+        for g in _names(row["api group"])
+        for r in _names(row["resource"])
+        for v in _names(row["verbs"])
+    }
 
 
 def calls_from_api_calls_yaml(data: object) -> set[Grant]:
@@ -98,6 +104,15 @@ def test_operator_cluster_role_is_exactly_its_api_calls(default_render: Rendered
     assert granted - needed == set(), "grants nobody needs (least privilege)"
 
 
+def test_namespaced_operator_peers_through_kopfpeerings_instead(rendered_sets: dict[str, Rendered]) -> None:
+    """With operator.watchNamespaces kopf runs namespaced and uses KopfPeering objects (kopf's
+    `guess_selectors`), so the cluster-wide peering grant is swapped for the namespaced one."""
+    role = rendered_sets["ha-values"].one("ClusterRole", "-operator")
+    peering = {(g, r, v) for g, r, v in operator_calls() if r == "clusterkopfpeerings"}
+    expected = (operator_calls() - peering) | {("kopf.dev", "kopfpeerings", v) for _, _, v in peering}
+    assert grants_of_rules(role["rules"]) == expected
+
+
 def test_labeler_cluster_role_is_exactly_its_api_calls(default_render: Rendered) -> None:
     role = default_render.one("ClusterRole", "-device-plugin")
     assert grants_of_rules(role["rules"]) == labeler_calls()
@@ -107,26 +122,46 @@ def test_roles_are_bound_to_the_service_accounts_the_pods_run_as(default_render:
     for suffix, workload in (("-operator", "Deployment"), ("-device-plugin", "DaemonSet")):
         binding = default_render.one("ClusterRoleBinding", suffix)
         pod_sa = default_render.one(workload, suffix)["spec"]["template"]["spec"]["serviceAccountName"]
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                      "name": default_render.one("ClusterRole", suffix)["metadata"]["name"]}
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": default_render.one("ClusterRole", suffix)["metadata"]["name"],
+        }
         subject = {"kind": "ServiceAccount", "name": pod_sa, "namespace": "kunlun-system"}
         assert binding["subjects"] == [subject]
         default_render.one("ServiceAccount", suffix)
 
 
 def test_doc_table_parser_reads_groups_resources_and_verbs(tmp_path: Path) -> None:
-    text = ("## Kubernetes API calls\n\n| API group | resource | verbs | why |\n| --- | --- | --- | --- |\n"
-            "| `\"\"` | `services`, `configmaps` | get, patch | x |\n| `apps` | `deployments` | list | y |\n")
+    text = (
+        "## Kubernetes API calls\n\n| API group | resource | verbs | why |\n| --- | --- | --- | --- |\n"
+        '| `""` | `services`, `configmaps` | get, patch | x |\n| `apps` | `deployments` | list | y |\n'
+    )
     rows = table_after(text, "Kubernetes API calls")
-    got = {(g, r, v) for row in rows for g in _names(row["api group"])
-           for r in _names(row["resource"]) for v in _names(row["verbs"])}
-    assert got == {("", "services", "get"), ("", "services", "patch"), ("", "configmaps", "get"),
-                   ("", "configmaps", "patch"), ("apps", "deployments", "list")}
+    got = {
+        (g, r, v)
+        for row in rows
+        for g in _names(row["api group"])
+        for r in _names(row["resource"])
+        for v in _names(row["verbs"])
+    }
+    assert got == {
+        ("", "services", "get"),
+        ("", "services", "patch"),
+        ("", "configmaps", "get"),
+        ("", "configmaps", "patch"),
+        ("apps", "deployments", "list"),
+    }
 
 
 def test_rbac_table_in_docs_chart_md_lists_the_rendered_operator_rules(default_render: Rendered) -> None:
     doc = (REPO / "docs" / "chart.md").read_text()
     rows = table_after(doc, "Operator ClusterRole")
-    documented = {(g, r, v) for row in rows for g in _names(row["api group"])
-                  for r in _names(row["resource"]) for v in _names(row["verbs"])}
+    documented = {
+        (g, r, v)
+        for row in rows
+        for g in _names(row["api group"])
+        for r in _names(row["resource"])
+        for v in _names(row["verbs"])
+    }
     assert documented == grants_of_rules(default_render.one("ClusterRole", "-operator")["rules"])

@@ -17,7 +17,7 @@ from tests.chart.tools import CHART, REPO, Rendered, ci_values_files, helm
 KUBERNETES_VERSIONS = ("1.28.0", "1.31.0")
 # Kinds whose schemas ship with their operators, not with Kubernetes: checked elsewhere
 # (PrometheusRule by promtool, the rest by the assertions in test_templates.py).
-NON_CORE_KINDS = {"ClusterKopfPeering", "PrometheusRule", "ServiceMonitor"}
+NON_CORE_KINDS = {"ClusterKopfPeering", "KopfPeering", "PrometheusRule", "ServiceMonitor"}
 
 
 @pytest.mark.parametrize("values_file", ci_values_files(), ids=lambda p: p.stem)

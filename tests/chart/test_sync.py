@@ -11,7 +11,7 @@ from tests.chart.tools import CHART, REPO, Rendered
 FIX = "run `bash scripts/sync-crd.sh` and commit the result"
 SOURCE_CRDS = sorted((REPO / "crds").glob("*.yaml"))
 # CRDs that only the chart ships (kopf's peering resource, which the operator's HA needs).
-CHART_ONLY_CRDS = {"kopf.dev_clusterkopfpeerings.yaml"}
+CHART_ONLY_CRDS = {"kopf.dev_clusterkopfpeerings.yaml", "kopf.dev_kopfpeerings.yaml"}
 
 
 def test_the_crd_source_exists() -> None:
@@ -36,4 +36,8 @@ def test_chart_versions_file_is_a_byte_identical_copy() -> None:
 
 def test_rendered_crds_are_the_files_helm_installs(default_render: Rendered) -> None:
     names = {d["metadata"]["name"] for d in default_render.all("CustomResourceDefinition")}
-    assert names == {"kunluninferenceservices.serving.kunlun.dev", "clusterkopfpeerings.kopf.dev"}
+    assert names == {
+        "kunluninferenceservices.serving.kunlun.dev",
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+    }

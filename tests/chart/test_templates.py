@@ -85,7 +85,11 @@ def test_operator_ha_runs_replicas_with_peering_spread_over_nodes(rendered_sets:
     args = parse_cli("kunlun_operator.cli", spec["containers"][0]["args"])
     assert args.namespace == ["bank-prod", "bank-staging"] and not args.all_namespaces
     assert not args.standalone
-    assert ha.one("ClusterKopfPeering")["metadata"]["name"] == args.peering
+    assert not ha.all("ClusterKopfPeering")  # namespaced kopf peers per served namespace
+    assert [(p["metadata"]["namespace"], p["metadata"]["name"]) for p in ha.all("KopfPeering")] == [
+        ("bank-prod", args.peering),
+        ("bank-staging", args.peering),
+    ]
     webhook = ha.one("ValidatingWebhookConfiguration")["webhooks"][0]
     assert webhook["namespaceSelector"] == {
         "matchExpressions": [
@@ -113,6 +117,9 @@ def test_operator_pod_is_restricted_and_probed(default_render: Rendered) -> None
         "webhook": 9443,
     }
     assert "affinity" not in spec  # one replica: nothing to spread
+    args = parse_cli("kunlun_operator.cli", operator["args"])
+    assert default_render.one("ClusterKopfPeering")["metadata"]["name"] == args.peering
+    assert not default_render.all("KopfPeering")
 
 
 def test_webhook_disabled_removes_its_objects_and_turns_the_server_off() -> None:

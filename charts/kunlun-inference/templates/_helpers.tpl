@@ -181,8 +181,10 @@ The operator's ClusterRole rules: one rule per row of the API-call table in docs
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+{{- /* kopf peers through ClusterKopfPeering when it serves every namespace, and through
+KopfPeering objects in the served namespaces otherwise (peering.yaml renders the matching one). */}}
 - apiGroups: ["kopf.dev"]
-  resources: ["clusterkopfpeerings"]
+  resources: [{{ if .Values.operator.watchNamespaces }}"kopfpeerings"{{ else }}"clusterkopfpeerings"{{ end }}]
   verbs: ["get", "list", "watch", "patch"]
 {{- end -}}
 
