@@ -11,12 +11,8 @@ import pytest
 
 from kunlun_device.cli import main
 from kunlun_device.labeler import NodeLabeler
+from tests.support.kubeapi import RunningKubeAPI, running_fake_api
 from tests.unit.device.hosts import FIXTURES, copy_host, make_source
-
-# the shared fake API is built alongside (operator work); until it is in the tree these tests skip
-kubeapi = pytest.importorskip("tests.support.kubeapi", reason="tests/support/kubeapi.py not in the tree yet")
-RunningKubeAPI = kubeapi.RunningKubeAPI
-running_fake_api = kubeapi.running_fake_api
 
 P800_LABELS = {
     "kunlun.dev/xpu.present": "true",
