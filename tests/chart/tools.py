@@ -69,7 +69,7 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HELM_CACHE_HOME": str(REPO / ".tools" / "helm-cache"),
            "HELM_CONFIG_HOME": str(REPO / ".tools" / "helm-config"),
            "HELM_DATA_HOME": str(REPO / ".tools" / "helm-data")}
-    proc = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
