@@ -56,9 +56,12 @@ def completion_logprobs(
         out.text_offset.append(text_offset)
         text_offset += len(text)
         out.token_logprobs.append(item.logprob if item is not None else None)
-        out.top_logprobs.append(
-            {token_text(served, t): lp for t, lp in item.top} if item is not None else None
-        )
+        top: dict[str, float] | None = None
+        if item is not None:
+            top = {}
+            for top_id, top_logprob in item.top:  # tokens that print alike keep the likeliest
+                top.setdefault(token_text(served, top_id), top_logprob)
+        out.top_logprobs.append(top)
     return out
 
 

@@ -1,0 +1,103 @@
+"""Live servers for the server's integration tests: real uvicorn on 127.0.0.1, a tiny model.
+
+``serve_in_thread`` runs ``create_app`` under uvicorn in a background thread (its own event loop)
+on a free port and waits, polling /health with a deadline, until the model is loaded and warmed
+up. The session's shared server requires an API key, so every test also exercises auth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.server.app import create_app
+
+API_KEY = "test-key"
+READY_DEADLINE_SECONDS = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate, deadline_seconds: float = 60.0, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value (returned) or the deadline passes."""
+    end = time.monotonic() + deadline_seconds
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def health_status(base_url: str) -> int | None:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted labels): value}, parsed by prometheus_client's parser."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(metrics: dict, name: str, **labels: str) -> float:
+    matches = [v for (n, l), v in metrics.items() if n == name and set(labels.items()) <= set(l)]
+    assert len(matches) == 1, f"{name}{labels}: {len(matches)} samples"
+    return matches[0]
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    model_name: str
+    model_dir: Path
+    api_key: str | None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@contextlib.contextmanager
+def serve_in_thread(
+    model_dir: Path, *, api_key: str | None = None, max_queue_len: int | None = None, **engine_options: object
+) -> Iterator[LiveServer]:
+    config = EngineConfig(
+        model=str(model_dir), dtype="float32", kv_cache_memory_bytes=16 << 20, **engine_options
+    )
+    app = create_app(lambda: LLMEngine(config.validate()), max_queue_len=max_queue_len, api_key=api_key)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: health_status(base_url) == 200, READY_DEADLINE_SECONDS, "the server to become ready"
+        )
+        yield LiveServer(base_url, model_dir.name, model_dir, api_key)
+    finally:
+        server.should_exit = True
+        thread.join(30)
