@@ -5,6 +5,7 @@ the versions, and the runtime's Kunlun stack versions as recorded build argument
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,7 @@ class Dockerfile:
 
     def final_stage(self) -> list[tuple[str, str]]:
         starts = [i for i, (kw, _) in enumerate(self.instructions) if kw == "FROM"]
-        return list(self.instructions[starts[-1]:])
+        return list(self.instructions[starts[-1] :])
 
     def resolve(self, text: str) -> str:
         args = self.args()
@@ -79,8 +80,11 @@ def check(dockerfile: Dockerfile) -> list[str]:
     elif users[-1].split(":")[0] in {"root", "0"}:
         problems.append(f"final USER is root ({users[-1]})")
     labels = " ".join(rest for kw, rest in final if kw == "LABEL")
-    for key in ("org.opencontainers.image.version", "org.opencontainers.image.title",
-                "org.opencontainers.image.source"):
+    for key in (
+        "org.opencontainers.image.version",
+        "org.opencontainers.image.title",
+        "org.opencontainers.image.source",
+    ):
         if key not in labels:
             problems.append(f"LABEL {key} missing")
     if 'org.opencontainers.image.version="${VERSION}"' not in labels:
@@ -127,3 +131,98 @@ def test_the_check_catches_every_kind_of_problem(tmp_path: Path) -> None:
         "LABEL org.opencontainers.image.source missing",
         "image version label is not the VERSION build argument",
     ]
+
+
+# -- every module an image's code imports at load time is installed by its pinned packages ----------
+
+IMAGE_PACKAGES = {  # Dockerfile folder -> the package its entry point runs
+    "runtime": "kunlun_runtime",
+    "operator": "kunlun_operator",
+    "device-plugin": "kunlun_device",
+}
+SOURCE_ROOTS = {"kunlun_runtime": "runtime", "kunlun_operator": "operator", "kunlun_device": "device-plugin"}
+
+
+def module_file(module: str) -> Path | None:
+    """The source file of one of our modules, e.g. kunlun_device.labels → device-plugin/…/labels.py."""
+    top = module.split(".")[0]
+    if top not in SOURCE_ROOTS:
+        return None
+    base = REPO / SOURCE_ROOTS[top] / Path(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_time_imports(package: str) -> set[str]:
+    """Third-party top-level modules imported at module level by `package` and by every module of
+    ours it reaches that way (imports inside functions are lazy and optional, not counted)."""
+    import ast
+
+    files = set((REPO / SOURCE_ROOTS[package] / package).rglob("*.py"))
+    seen: set[Path] = set()
+    third_party: set[str] = set()
+    while files - seen:
+        path = (files - seen).pop()
+        seen.add(path)
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top in SOURCE_ROOTS:
+                    parts = name.split(".")
+                    files |= {f for i in range(1, len(parts) + 1) if (f := module_file(".".join(parts[:i])))}
+                elif top not in sys.stdlib_module_names:
+                    third_party.add(top)
+    return third_party
+
+
+def installed_modules(pins: set[str]) -> set[str]:
+    """Top-level modules that `pip install <pins>` provides: the pinned distributions and their
+    requirements, resolved from the metadata of the environment the tests run in."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    wanted, done = {canonicalize_name(p) for p in pins}, set()
+    while wanted - done:
+        name = (wanted - done).pop()
+        done.add(name)
+        for line in metadata.requires(name) or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                wanted.add(canonicalize_name(req.name))
+    return {
+        module
+        for module, dists in metadata.packages_distributions().items()
+        if any(canonicalize_name(d) in done for d in dists)
+    }
+
+
+def pinned_packages(dockerfile: Dockerfile) -> set[str]:
+    pins = set()
+    for run in dockerfile.all("RUN"):
+        for chunk in re.findall(r"pip install ([^&;]*)", run):
+            pins |= {w.split("==")[0] for w in chunk.split() if "==" in w and w.split("==")[0] != "pip"}
+    return pins
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_image_installs_every_module_its_code_imports_at_load_time(component: str) -> None:
+    dockerfile = Dockerfile.read(REPO / component / "Dockerfile")
+    needed = load_time_imports(IMAGE_PACKAGES[component])
+    assert needed, "no third-party import found: the scan is broken"
+    assert needed - installed_modules(pinned_packages(dockerfile)) == set()
+
+
+def test_load_time_import_scan_follows_our_own_modules() -> None:
+    # kunlun_operator imports kunlun_device.labels; the scan must follow it (and not the whole of
+    # kunlun_device: the operator image has no gRPC).
+    assert "grpc" not in load_time_imports("kunlun_operator")
+    assert "grpc" in load_time_imports("kunlun_device")
