@@ -210,16 +210,23 @@ class EngineMetrics:
             ),
             registry=registry,
         )
+        # Labelled only once the platform reports a value: an absent reading is no sample, not 0.
+        device = {
+            "utilization_ratio": (
+                "kunlun:device_utilization_ratio",
+                "Accelerator (or CPU) utilisation, 0..1.",
+            ),
+            "memory_used_bytes": ("kunlun:device_memory_used_bytes", "Device memory in use, bytes."),
+            "memory_total_bytes": ("kunlun:device_memory_total_bytes", "Device memory in total, bytes."),
+            "temperature_celsius": (
+                "kunlun:device_temperature_celsius",
+                "Device temperature, degrees Celsius.",
+            ),
+            "power_watts": ("kunlun:device_power_watts", "Device power draw, watts."),
+        }
+        self._label_values = values
         self.device = {
-            "utilization_ratio": gauge(
-                "kunlun:device_utilization_ratio", "Accelerator (or CPU) utilisation, 0..1."
-            ),
-            "memory_used_bytes": gauge("kunlun:device_memory_used_bytes", "Device memory in use, bytes."),
-            "memory_total_bytes": gauge("kunlun:device_memory_total_bytes", "Device memory in total, bytes."),
-            "temperature_celsius": gauge(
-                "kunlun:device_temperature_celsius", "Device temperature, degrees Celsius."
-            ),
-            "power_watts": gauge("kunlun:device_power_watts", "Device power draw, watts."),
+            key: Gauge(name, doc, labels, registry=registry) for key, (name, doc) in device.items()
         }
 
     def set_cache_config(self, info: CacheConfigInfo) -> None:
@@ -261,10 +268,10 @@ class EngineMetrics:
 
     def set_telemetry(self, telemetry: object) -> None:
         """Set the ``kunlun:device_*`` gauges from a platform Telemetry; fields that are None stay unset."""
-        for field_name, child in self.device.items():
+        for field_name, parent in self.device.items():
             value = getattr(telemetry, field_name, None)
             if value is not None:
-                child.set(value)
+                parent.labels(*self._label_values).set(value)
 
 
 def build_metrics(
