@@ -22,20 +22,35 @@ NON_CORE_KINDS = {"ClusterKopfPeering", "KopfPeering", "PrometheusRule", "Servic
 
 
 @pytest.mark.parametrize("values_file", ci_values_files(), ids=lambda p: p.stem)
-def test_helm_lint_strict_passes(values_file: Path) -> None:
-    proc = helm("lint", "--strict", str(CHART), "--values", str(values_file), check=False)
+@pytest.mark.parametrize("kube_version", KUBERNETES_VERSIONS)
+def test_helm_lint_strict_passes(values_file: Path, kube_version: str) -> None:
+    proc = helm(
+        "lint",
+        "--strict",
+        "--kube-version",
+        kube_version,
+        str(CHART),
+        "--values",
+        str(values_file),
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 chart(s) failed" in proc.stdout
 
 
 def test_ci_values_sets_cover_monitoring_ha_and_node_selectors() -> None:
     assert {p.stem for p in ci_values_files()} >= {
-        "default-values", "monitoring-values", "ha-values", "nodeselector-values"}
+        "default-values",
+        "monitoring-values",
+        "ha-values",
+        "nodeselector-values",
+    }
 
 
 @pytest.mark.parametrize("kube_version", KUBERNETES_VERSIONS)
 def test_rendered_objects_pass_kubernetes_validate_strict(
-        rendered_sets: dict[str, Rendered], kube_version: str, tmp_path: Path) -> None:
+    rendered_sets: dict[str, Rendered], kube_version: str, tmp_path: Path
+) -> None:
     files, expected = [], 0
     for stem, rendered in rendered_sets.items():
         path = tmp_path / f"{stem}.yaml"
@@ -44,10 +59,19 @@ def test_rendered_objects_pass_kubernetes_validate_strict(
         expected += sum(1 for d in rendered.docs if d["kind"] not in NON_CORE_KINDS)
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", kube_version, *files],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     failures = [line for line in out.splitlines() if line.startswith("ERROR")]
     assert proc.returncode == 0 and not failures, out
     unknown = {m.group(1) for m in re.finditer(r"Couldn't find schema for kind (\w+)", out)}
     assert unknown <= NON_CORE_KINDS, f"kinds with no Kubernetes schema: {unknown - NON_CORE_KINDS}"
     assert len(re.findall(r"^INFO .* passed for resource", out, re.M)) == expected, out
+
+
+def test_chart_refuses_kubernetes_older_than_its_oldest_validated_version() -> None:
+    proc = helm("template", "kis", str(CHART), "--kube-version", "1.27.0", check=False)
+    assert proc.returncode != 0
+    assert "chart requires kubeVersion: >=1.28.0-0" in proc.stderr
