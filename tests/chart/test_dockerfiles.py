@@ -226,3 +226,25 @@ def test_load_time_import_scan_follows_our_own_modules() -> None:
     # kunlun_device: the operator image has no gRPC).
     assert "grpc" not in load_time_imports("kunlun_operator")
     assert "grpc" in load_time_imports("kunlun_device")
+
+
+def test_runtime_image_default_command_is_accepted_by_the_runtime_cli() -> None:
+    import contextlib
+    import importlib
+    import io
+    import json
+
+    runtime = Dockerfile.read(REPO / "runtime" / "Dockerfile")
+    entrypoint = json.loads(runtime.all("ENTRYPOINT")[-1])
+    command = json.loads(runtime.all("CMD")[-1])
+    assert entrypoint == ["/usr/bin/tini", "--", "kunlun-runtime"]
+    try:
+        cli = importlib.import_module("kunlun_runtime.cli")
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"kunlun_runtime.cli not importable yet ({exc})")
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        try:
+            args = cli.build_parser().parse_args(command)
+        except SystemExit:
+            pytest.fail(f"kunlun-runtime rejects the image's CMD {command}: {err.getvalue()}")
+    assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
