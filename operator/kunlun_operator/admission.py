@@ -39,7 +39,9 @@ def review(raw_spec: Mapping[str, Any] | None, matrix: Matrix, default_image: st
         if problems and strict:
             return Review(
                 denial=SpecError(
-                    problems[0].field, "; ".join(str(p) for p in problems), reason=problems[0].reason
+                    problems[0].field,
+                    "; ".join([problems[0].message, *map(str, problems[1:])]),
+                    reason=problems[0].reason,
                 )
             )
         warnings += [str(p) for p in problems]

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT, stream=sys.stdout)
     # kopf logs every successful event handler at INFO; our decisions are logged by our modules.
     logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, logging.getLogger().level))
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # liveness probes
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port)

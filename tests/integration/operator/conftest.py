@@ -1,0 +1,227 @@
+"""Fixtures for operator integration tests: the fake API, the real operator as a subprocess.
+
+The operator runs as ``python -m kunlun_operator.cli run`` (what the console script runs) with
+``KUBECONFIG`` pointing at the fake API, short watch timeouts and retry delays, so that no test
+waits for wall-clock periods: tests poll for the state they expect, with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kubernetes
+import pytest
+
+from tests.support.kubeapi import RunningKubeAPI, running_fake_api
+
+T = TypeVar("T")
+GROUP, VERSION, PLURAL = "serving.kunlun.dev", "v1alpha1", "kunluninferenceservices"
+NAMESPACE = "ml"
+DEADLINE_SECONDS = 30
+VERSION_LABELS = {
+    "kunlun.dev/xpu.present": "true",
+    "kunlun.dev/xpu.product": "P800",
+    "kunlun.dev/xpu.count": "8",
+    "kunlun.dev/xpu.driver-version": "5.0.21",
+    "kunlun.dev/xpu.firmware-version": "1.3.8",
+    "kunlun.dev/xpu.kml-version": "3.2.0",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = DEADLINE_SECONDS) -> T:
+    """Poll ``probe`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except kubernetes.client.ApiException as e:
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
+
+
+@dataclass
+class OperatorProcess:
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    webhook_port: int
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as a crash or an evicted pod."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass
+class Cluster:
+    """The fake API plus official-client shortcuts the tests use."""
+
+    kube: RunningKubeAPI
+    tmp_path: Path
+
+    def __post_init__(self) -> None:
+        client = self.kube.client()
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.apps = kubernetes.client.AppsV1Api(client)
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.operators: list[OperatorProcess] = []
+
+    def start_operator(self, *extra: str) -> OperatorProcess:
+        health, webhook = free_port(), free_port()
+        log_path = self.tmp_path / f"operator-{len(self.operators)}.log"
+        args = [
+            sys.executable,
+            "-m",
+            "kunlun_operator.cli",
+            "run",
+            "--standalone",
+            "--metrics-port",
+            "0",
+            "--liveness",
+            f"http://127.0.0.1:{health}/healthz",
+            "--webhook-port",
+            str(webhook),
+            "--resync-seconds",
+            "3600",
+            "--retry-delay",
+            "0.1",
+            "--watch-timeout",
+            "5",
+            *extra,
+        ]
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "KUBECONFIG": str(self.kube.kubeconfig), "PYTHONUNBUFFERED": "1"},
+            )
+        operator = OperatorProcess(process, log_path, webhook)
+        self.operators.append(operator)
+
+        def healthy() -> bool:
+            assert process.poll() is None, f"the operator exited:\n{operator.log()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for("the operator's liveness endpoint", healthy)
+        return operator
+
+    def add_node(self, name: str, **labels: str) -> None:
+        self.core.create_node({"metadata": {"name": name, "labels": {**VERSION_LABELS, **labels}}})
+
+    def create_service(self, spec: dict[str, Any], name: str = "qwen") -> dict[str, Any]:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "KunlunInferenceService",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": spec,
+        }
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+
+    def get_service(self, name: str = "qwen") -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+
+    def patch_service(self, patch: dict[str, Any], name: str = "qwen") -> dict[str, Any]:
+        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name, patch)
+
+    def status(self, name: str = "qwen") -> dict[str, Any]:
+        return self.get_service(name).get("status") or {}
+
+    def condition(self, type_: str, name: str = "qwen") -> tuple[str, str, str] | None:
+        for c in self.status(name).get("conditions") or []:
+            if c["type"] == type_:
+                return c["status"], c["reason"], c["message"]
+        return None
+
+    def deployment(self, name: str = "qwen") -> dict[str, Any] | None:
+        found = [d for d in self.kube.objects("deployments", "apps") if d["metadata"]["name"] == name]
+        return found[0] if found else None
+
+    def mark_deployment_ready(self, name: str = "qwen", ready: int = 1) -> None:
+        """Play the Deployment controller: report ``ready`` replicas of the current template."""
+        deployment = self.apps.read_namespaced_deployment(name, NAMESPACE)
+        replicas = deployment.spec.replicas or 1
+        self.apps.patch_namespaced_deployment_status(
+            name,
+            NAMESPACE,
+            {
+                "status": {
+                    "observedGeneration": deployment.metadata.generation,
+                    "replicas": replicas,
+                    "readyReplicas": ready,
+                    "updatedReplicas": replicas,
+                    "availableReplicas": ready,
+                    "conditions": [
+                        {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}
+                    ],
+                }
+            },
+        )
+
+    def event_reasons(self) -> list[str]:
+        return [e.get("reason") for e in self.kube.objects("events")]
+
+    def wait_for_events(self, reason: str, count: int = 1) -> None:
+        """Events are posted in the background by kopf: wait until ``count`` of ``reason`` arrived."""
+        wait_for(f"{count} {reason} event(s)", lambda: self.event_reasons().count(reason) >= count)
+        assert self.event_reasons().count(reason) == count
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    marker = request.node.get_closest_marker("monitoring")
+    with running_fake_api(tmp_path, monitoring=marker is not None) as kube:
+        cluster = Cluster(kube, tmp_path)
+        try:
+            yield cluster
+        finally:
+            for operator in cluster.operators:
+                operator.stop()
+            if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+                for operator in cluster.operators:
+                    print(f"--- {operator.log_path.name} ---\n{operator.log()}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "monitoring: the fake API also serves monitoring.coreos.com/v1")

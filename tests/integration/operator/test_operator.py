@@ -1,0 +1,176 @@
+"""The real operator against the fake API: create, rollout, nodes, drift, faults, restart, delete."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.integration.operator.conftest import NAMESPACE, Cluster, wait_for
+
+pytestmark = pytest.mark.slow
+VERSIONS = {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0"}
+SPEC = {
+    "model": {"name": "qwen", "source": {"hostPath": {"path": "/data/qwen"}}, "parameters": "7B"},
+    "versions": VERSIONS,
+}
+OWNED = [("configmaps", ""), ("services", ""), ("deployments", "apps"), ("poddisruptionbudgets", "policy")]
+
+
+def _names(cluster: Cluster, plural: str, group: str = "") -> list[str]:
+    return sorted(o["metadata"]["name"] for o in cluster.kube.objects(plural, group))
+
+
+@pytest.mark.monitoring
+def test_create_builds_every_object_and_reports_status(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    cluster.start_operator()
+    created = cluster.create_service(copy.deepcopy(SPEC))
+    wait_for("the status", lambda: cluster.status().get("phase") == "Progressing")
+    uid = created["metadata"]["uid"]
+    for plural, group in [
+        *OWNED,
+        ("servicemonitors", "monitoring.coreos.com"),
+        ("prometheusrules", "monitoring.coreos.com"),
+    ]:
+        objs = cluster.kube.objects(plural, group)
+        assert [o["metadata"]["name"] for o in objs] == ["qwen-config" if plural == "configmaps" else "qwen"]
+        assert objs[0]["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert cluster.kube.objects("horizontalpodautoscalers", "autoscaling") == []
+    status = cluster.status()
+    assert (status["compatibleNodes"], status["ready"], status["observedGeneration"]) == (1, "0/1", 1)
+    assert status["endpoint"] == "http://qwen.ml.svc:8000/v1"
+    assert cluster.condition("DevicesAvailable") == ("True", "CompatibleNodesFound", "1 node(s) match: xpu-1")
+
+    cluster.mark_deployment_ready()
+    wait_for("phase Ready", lambda: cluster.status().get("phase") == "Ready")
+    assert cluster.status()["ready"] == "1/1"
+    assert cluster.condition("ModelAvailable")[:2] == ("True", "ModelLoaded")
+    cluster.wait_for_events("Created", 6)
+    cluster.wait_for_events("Ready")
+    assert "finalizer" in str(cluster.get_service()["metadata"]["finalizers"])
+
+
+def test_spec_change_rolls_the_pods(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    cluster.start_operator()
+    cluster.create_service(copy.deepcopy(SPEC))
+    first = wait_for("the deployment", cluster.deployment)
+    before = first["spec"]["template"]["metadata"]["annotations"]["serving.kunlun.dev/config-hash"]
+    cluster.patch_service({"spec": {"runtime": {"maxModelLen": 4096}}})
+
+    def rolled() -> dict | None:
+        d = cluster.deployment()
+        return d if "--max-model-len" in d["spec"]["template"]["spec"]["containers"][0]["args"] else None
+
+    after = wait_for("the new pod template", rolled)
+    assert after["spec"]["template"]["metadata"]["annotations"]["serving.kunlun.dev/config-hash"] != before
+    assert after["metadata"]["generation"] == first["metadata"]["generation"] + 1
+    configmap = cluster.kube.objects("configmaps")[0]
+    assert "max-model-len: 4096" in configmap["data"]["config.yaml"]
+    wait_for("status of generation 2", lambda: cluster.status().get("observedGeneration") == 2)
+    cluster.wait_for_events("Updated", 2)  # the ConfigMap and the Deployment
+
+
+def test_node_label_changes_update_compatible_nodes_and_conditions(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    cluster.add_node("xpu-2")
+    cluster.start_operator()
+    cluster.create_service(copy.deepcopy(SPEC))
+    wait_for("2 compatible nodes", lambda: cluster.status().get("compatibleNodes") == 2)
+    for node in ("xpu-1", "xpu-2"):
+        cluster.core.patch_node(node, {"metadata": {"labels": {"kunlun.dev/xpu.driver-version": "5.0.20"}}})
+    wait_for("no compatible nodes", lambda: cluster.status().get("compatibleNodes") == 0)
+    assert cluster.condition("DevicesAvailable") == (
+        "False",
+        "NoCompatibleNodes",
+        "no Kunlun node matches driver=5.0.21 firmware=1.3.8 kml=3.2.0 xpus>=1; Kunlun nodes have: "
+        "driver=5.0.20 firmware=1.3.8 kml=3.2.0 product=P800 xpus=8 (2 nodes)",
+    )
+    assert cluster.status()["phase"] == "Pending"
+    cluster.wait_for_events("NoCompatibleNodes")
+    cluster.core.patch_node("xpu-2", {"metadata": {"labels": {"kunlun.dev/xpu.driver-version": "5.0.21"}}})
+    wait_for("one compatible node again", lambda: cluster.status().get("compatibleNodes") == 1)
+    assert cluster.condition("DevicesAvailable")[:2] == ("True", "CompatibleNodesFound")
+
+
+def test_owned_objects_changed_or_deleted_by_hand_are_restored(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    cluster.start_operator()
+    cluster.create_service(copy.deepcopy(SPEC))
+    wait_for("the status", lambda: cluster.status().get("phase"))
+    old_uid = cluster.kube.objects("services")[0]["metadata"]["uid"]
+    cluster.core.delete_namespaced_service("qwen", NAMESPACE)
+    wait_for(
+        "the Service back",
+        lambda: [s for s in cluster.kube.objects("services") if s["metadata"]["uid"] != old_uid],
+    )
+    cluster.apps.patch_namespaced_deployment(
+        "qwen",
+        NAMESPACE,
+        {"spec": {"replicas": 5, "template": {"spec": {"terminationGracePeriodSeconds": 1}}}},
+    )
+
+    def restored() -> bool:
+        d = cluster.deployment()
+        return (
+            d["spec"]["replicas"] == 1
+            and d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 90
+        )
+
+    wait_for("the Deployment restored", restored)
+    cluster.wait_for_events("DriftRestored", 2)
+    assert _names(cluster, "services") == ["qwen"]
+
+
+def test_conflicts_and_server_errors_are_retried(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    service_fault = cluster.kube.fail("create", "services", status=500, times=2)
+    status_fault = cluster.kube.fail(
+        "patch", "kunluninferenceservices", status=409, times=1, subresource="status"
+    )
+    cluster.start_operator()
+    cluster.create_service(copy.deepcopy(SPEC))
+    wait_for("the status despite the faults", lambda: cluster.status().get("phase") == "Progressing")
+    assert (service_fault.fired, status_fault.fired) == (2, 1)
+    assert [_names(cluster, p, g) for p, g in OWNED] == [["qwen-config"], ["qwen"], ["qwen"], ["qwen"]]
+    assert "retry 1 in" in cluster.operators[0].log()
+
+
+def test_restart_in_the_middle_of_a_reconcile_converges_without_duplicates(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    cluster.kube.fail("create", "deployments", status=503, times=None)  # the pass stops half-way
+    first = cluster.start_operator()
+    cluster.create_service(copy.deepcopy(SPEC))
+    wait_for(
+        "a half-done reconcile",
+        lambda: (
+            _names(cluster, "services") == ["qwen"]
+            and ("create", "apps", "deployments", NAMESPACE) in cluster.kube.calls()
+        ),
+    )
+    first.kill()
+    assert cluster.deployment() is None
+    cluster.kube.clear_faults()
+    second = cluster.start_operator()
+    wait_for("the Deployment from the new operator", cluster.deployment)
+    wait_for("the status", lambda: cluster.status().get("phase") == "Progressing")
+    assert [_names(cluster, p, g) for p, g in OWNED] == [["qwen-config"], ["qwen"], ["qwen"], ["qwen"]]
+    assert "Deployment created" in second.log()
+    assert "ConfigMap created" not in second.log() and "Service created" not in second.log()
+
+
+def test_deleting_the_service_deletes_what_it_owns(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    cluster.start_operator()
+    cluster.create_service(copy.deepcopy(SPEC))
+    wait_for("the objects", lambda: all(cluster.kube.objects(p, g) for p, g in OWNED))
+    cluster.custom.delete_namespaced_custom_object(
+        "serving.kunlun.dev", "v1alpha1", NAMESPACE, "kunluninferenceservices", "qwen"
+    )
+    wait_for(
+        "the service gone",
+        lambda: cluster.kube.objects("kunluninferenceservices", "serving.kunlun.dev") == [],
+    )
+    assert [cluster.kube.objects(p, g) for p, g in OWNED] == [[], [], [], []]
+    cluster.wait_for_events("Deleted", 4)
