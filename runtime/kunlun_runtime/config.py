@@ -14,6 +14,7 @@ from kunlun_runtime.errors import ConfigError
 
 DTYPES = frozenset({"auto", "float32", "bfloat16", "float16"})
 QUANTIZATIONS = frozenset({"int8"})
+LINEAR_BACKENDS = frozenset({"auto", "plain", "prepacked"})
 DEVICES = frozenset({"auto", "cpu", "cuda", "kunlun"})
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
@@ -58,6 +59,8 @@ class EngineConfig:
     max_preemptions: int = 3  # the seed's third lesson: a request preempted this often is protected
     priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
     kv_block_skew: bool = True  # the seed's second lesson: skew block starts across cache sets
+    linear_backend: str = "auto"  # auto = the platform's fastest weight format (prepacked BF16 on CPU)
+    fused_attention: bool = True  # one fused SDPA call per layer (False: unfused, for ablations)
     tensor_parallel_size: int = 1
     quantization: str | None = None
     seed: int = 0
@@ -77,6 +80,11 @@ class EngineConfig:
         _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory", "must be positive")
         _check(self.max_preemptions >= 0, "max_preemptions", f"must be >= 0, got {self.max_preemptions}")
         _check(self.priority_aging_steps >= 1, "priority_aging_steps", "must be >= 1")
+        _check(
+            self.linear_backend in LINEAR_BACKENDS,
+            "linear_backend",
+            f"must be one of {sorted(LINEAR_BACKENDS)}, got {self.linear_backend!r}",
+        )
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(
             self.quantization is None or self.quantization in QUANTIZATIONS,

@@ -21,6 +21,7 @@ from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
+from kunlun_runtime.layers.linear import convert_linears
 from kunlun_runtime.model_runner import ModelRunner
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.models.model_config import load_model_config
@@ -75,6 +76,10 @@ class LLMEngine:
         model_config = load_model_config(self.model_dir)
         self.max_model_len = self._resolve_max_model_len(model_config)
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
+        backend = "prepacked" if config.linear_backend == "auto" else config.linear_backend
+        convert_linears(self.model, backend=backend, quantization=config.quantization)
+        for layer in self.model.layers:
+            layer.self_attn.fused_attention = config.fused_attention
         self.tokenizer = Tokenizer(self.model_dir)
         self.served_model_name = config.served_model_name or (
             config.model.rstrip("/").split("/")[-1] if config.model else "SmolLM2-135M-Instruct"

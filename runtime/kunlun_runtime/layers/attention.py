@@ -78,20 +78,45 @@ def paged_attention(
     v_blocks: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    fused: bool = True,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] → attention output [T, H * D]; stores k/v in the pool."""
+    """q [T, H, D], k/v [T, KVH, D] → attention output [T, H * D]; stores k/v in the pool.
+
+    ``fused=False`` is the unfused reference path (QKᵀ, mask, softmax, ·V as separate ops with
+    the full score matrix materialised), kept for the benchmark's ablation table.
+    """
     k_blocks[meta.slot_block_ids, meta.slot_offsets] = k
     v_blocks[meta.slot_block_ids, meta.slot_offsets] = v
 
-    num_seqs, max_blocks = meta.block_tables.shape
+    num_seqs = meta.block_tables.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     keys = k_blocks[meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
     values = v_blocks[meta.block_tables].flatten(1, 2).transpose(1, 2)
-    padded = q.new_zeros((num_seqs * meta.max_query_len, num_heads, head_dim))
-    padded[meta.query_padded_index] = q
-    queries = padded.view(num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_heads != keys.shape[1]
-    )
+    decode_only = meta.max_query_len == 1  # one query per sequence: no scatter/gather needed
+    if decode_only:
+        queries = q.unsqueeze(2)  # [B, H, 1, D]
+    else:
+        padded = q.new_zeros((num_seqs * meta.max_query_len, num_heads, head_dim))
+        padded[meta.query_padded_index] = q
+        queries = padded.view(num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
+    if fused:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_heads != keys.shape[1]
+        )
+    else:
+        out = _unfused_attention(queries, keys, values, meta.attn_mask, scale)
+    if decode_only:
+        return out.reshape(num_seqs, num_heads * head_dim)
     out = out.transpose(1, 2).reshape(num_seqs * meta.max_query_len, num_heads * head_dim)
     return out[meta.query_padded_index]
+
+
+def _unfused_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    groups = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)

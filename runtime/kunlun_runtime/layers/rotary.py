@@ -49,13 +49,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, KVH, D] by their token positions [T]."""
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the step's positions, once per step (shared by every layer)."""
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, KVH, D] with the step's cos/sin [T, 1, D]."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

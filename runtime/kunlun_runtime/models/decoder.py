@@ -15,7 +15,7 @@ from torch import nn
 from kunlun_runtime.kv.cache import KVCache
 from kunlun_runtime.layers.attention import AttentionMetadata, paged_attention
 from kunlun_runtime.layers.norm import RMSNorm
-from kunlun_runtime.layers.rotary import RotaryEmbedding
+from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kunlun_runtime.models.model_config import ModelConfig
 
 
@@ -30,6 +30,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
+        self.fused_attention = True  # switched off only for the benchmark's ablation
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
@@ -41,8 +42,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -53,7 +53,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = paged_attention(
             q,
             k,
@@ -62,6 +62,7 @@ class Attention(nn.Module):
             kv_cache.v_blocks[self.layer_index],
             meta,
             self.scale,
+            fused=self.fused_attention,
         )
         return self.o_proj(out)
 
@@ -86,8 +87,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:  # noqa: ANN001
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:  # noqa: ANN001
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,8 +113,9 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
