@@ -5,8 +5,10 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPT ?= Explain in one sentence what a paged KV cache is.
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
 
-.PHONY: run test install tools lint clean
+.PHONY: run generate test install tools lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +25,9 @@ tools: install
 	bash scripts/fetch-tools.sh
 
 run: install
+	$(BIN)/kunlun-runtime serve --host $(HOST) --port $(PORT)
+
+generate: install
 	$(BIN)/kunlun-runtime generate --prompt "$(PROMPT)" --max-tokens 64
 
 test: install tools
