@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Make a throwaway kind cluster for the operator's e2e tests (tests/e2e), where Docker exists.
+#
+#   tests/e2e/kind-setup.sh            # create (or reuse) the cluster, print the KUBECONFIG line
+#   tests/e2e/kind-setup.sh --delete   # remove it
+#
+# Needs docker and kind (https://kind.sigs.k8s.io) on PATH; kubectl is optional. The cluster has
+# no Kunlun cards: the script labels the worker as the device plugin's labeler would (locked
+# versions of the shipped compatibility matrix) so that the version lock can be exercised; the
+# runtime pods stay Pending (no kunlunxin.com/xpu capacity), which the tests expect.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+NAME="${KIND_CLUSTER_NAME:-kunlun-e2e}"
+IMAGE="${KIND_NODE_IMAGE:-kindest/node:v1.31.0}"
+KUBECONFIG_OUT="${KUBECONFIG_OUT:-$PWD/.cache/kind-$NAME.kubeconfig}"
+
+for tool in docker kind; do
+    command -v "$tool" >/dev/null || { echo "kind-setup: '$tool' not found on PATH" >&2; exit 2; }
+done
+docker info >/dev/null 2>&1 || { echo "kind-setup: the Docker engine is not reachable" >&2; exit 2; }
+
+if [[ "${1:-}" == "--delete" ]]; then
+    kind delete cluster --name "$NAME"
+    rm -f "$KUBECONFIG_OUT"
+    exit 0
+fi
+
+mkdir -p "$(dirname "$KUBECONFIG_OUT")"
+if ! kind get clusters | grep -qx "$NAME"; then
+    cat <<YAML | kind create cluster --name "$NAME" --image "$IMAGE" --wait 120s --config -
+kind: Cluster
+apiVersion: kind.x-k8s.io/v1alpha4
+nodes:
+  - role: control-plane
+  - role: worker
+    labels:
+      kunlun.dev/xpu.present: "true"
+      kunlun.dev/xpu.product: P800
+      kunlun.dev/xpu.count: "8"
+      kunlun.dev/xpu.driver-version: "5.0.21"
+      kunlun.dev/xpu.firmware-version: "1.3.8"
+      kunlun.dev/xpu.kml-version: "3.2.0"
+YAML
+fi
+kind get kubeconfig --name "$NAME" > "$KUBECONFIG_OUT"
+echo "kind-setup: cluster '$NAME' ready. Run the e2e tests with:"
+echo "  KUBECONFIG=$KUBECONFIG_OUT .venv/bin/pytest -q tests/e2e"

@@ -1,0 +1,236 @@
+"""The operator on a real cluster (``KUBECONFIG``): the integration scenarios plus what only a real
+API server does (CRD defaulting, CEL validation, printer columns, garbage collection).
+
+Skipped without ``KUBECONFIG``. ``tests/e2e/kind-setup.sh`` makes a suitable kind cluster. The
+tests install the CRD, run ``kunlun-operator`` locally against the cluster for one fresh namespace,
+and leave the cluster as they found it (namespace deleted, node labels restored).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import time
+import types
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not os.environ.get("KUBECONFIG") or not Path(os.environ["KUBECONFIG"]).exists(),
+        reason="e2e needs a real cluster: set KUBECONFIG (tests/e2e/kind-setup.sh makes one)",
+    ),
+]
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "serving.kunlun.dev", "v1alpha1", "kunluninferenceservices"
+DRIVER_LABEL = "kunlun.dev/xpu.driver-version"
+EMPTY = types.SimpleNamespace(conditions=None)  # a CRD status not written yet
+SPEC = {
+    "model": {"name": "qwen", "source": {"hostPath": {"path": "/data/qwen"}}, "parameters": "135M"},
+    "versions": {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0"},
+}
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60) -> T:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
+
+
+class E2E:
+    def __init__(self) -> None:
+        import kubernetes  # imported here: the client reads KUBECONFIG when it is configured
+
+        self.k8s = kubernetes
+        self.client = kubernetes.config.new_client_from_config(config_file=os.environ["KUBECONFIG"])
+        self.core = kubernetes.client.CoreV1Api(self.client)
+        self.apps = kubernetes.client.AppsV1Api(self.client)
+        self.custom = kubernetes.client.CustomObjectsApi(self.client)
+        self.ext = kubernetes.client.ApiextensionsV1Api(self.client)
+        self.namespace = f"kunlun-e2e-{uuid.uuid4().hex[:6]}"
+        self.node = ""  # a Kunlun-labelled node, and its driver label to restore
+        self.node_driver: str | None = None
+
+    def not_found(self, call: Callable[[], Any]) -> bool:
+        try:
+            call()
+        except self.k8s.client.ApiException as e:
+            return e.status == 404
+        return False
+
+    def read(self, call: Callable[..., T], *args: Any) -> T | None:
+        """``call(*args)``, or None when it answers 404."""
+        try:
+            return call(*args)
+        except self.k8s.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def install_crd(self) -> None:
+        with (ROOT / "crds" / "serving.kunlun.dev_kunluninferenceservices.yaml").open() as f:
+            crd = yaml.safe_load(f)
+        name = crd["metadata"]["name"]
+        if self.not_found(lambda: self.ext.read_custom_resource_definition(name)):
+            self.ext.create_custom_resource_definition(crd)
+        else:
+            self.ext.patch_custom_resource_definition(name, {"spec": crd["spec"]})
+        wait_for(
+            "the CRD established",
+            lambda: any(
+                c.type == "Established" and c.status == "True"
+                for c in self.ext.read_custom_resource_definition(name).status.conditions or []
+            ),
+        )
+
+    def service(self, name: str = "qwen") -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+
+    def status(self, name: str = "qwen") -> dict[str, Any]:
+        return self.service(name).get("status") or {}
+
+    def create(self, spec: dict[str, Any], name: str = "qwen") -> dict[str, Any]:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "KunlunInferenceService",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
+    env = E2E()
+    env.install_crd()
+    env.core.create_namespace({"metadata": {"name": env.namespace}})
+    kunlun = env.core.list_node(label_selector="kunlun.dev/xpu.present=true").items
+    if not kunlun:
+        pytest.skip("no node labelled kunlun.dev/xpu.present=true (run tests/e2e/kind-setup.sh)")
+    env.node = kunlun[0].metadata.name
+    env.node_driver = kunlun[0].metadata.labels.get(DRIVER_LABEL)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kunlun_operator.cli",
+                "run",
+                "--standalone",
+                "--namespace",
+                env.namespace,
+                "--metrics-port",
+                "0",
+                "--liveness",
+                "",
+                "--webhook-port",
+                "0",
+                "--retry-delay",
+                "0.5",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        yield env
+    finally:
+        env.core.patch_node(env.node, {"metadata": {"labels": {DRIVER_LABEL: env.node_driver}}})
+        for item in env.custom.list_namespaced_custom_object(GROUP, VERSION, env.namespace, PLURAL)["items"]:
+            env.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, env.namespace, PLURAL, item["metadata"]["name"]
+            )
+        wait_for(
+            "services deleted",
+            lambda: (
+                not env.custom.list_namespaced_custom_object(GROUP, VERSION, env.namespace, PLURAL)["items"]
+            ),
+        )
+        process.terminate()
+        process.wait(30)
+        env.core.delete_namespace(env.namespace)
+        print(log.read_text())
+
+
+def test_the_api_server_rejects_an_invalid_service_naming_the_field(e2e: E2E) -> None:
+    bad = {**copy.deepcopy(SPEC), "resources": {"xpus": 3}, "runtime": {"tensorParallelSize": 2}}
+    with pytest.raises(e2e.k8s.client.ApiException) as raised:
+        e2e.create(bad, name="bad")
+    assert raised.value.status == 422
+    assert "spec.resources.xpus" in raised.value.body
+
+
+def test_create_defaults_the_spec_and_builds_the_objects(e2e: E2E) -> None:
+    created = e2e.create(copy.deepcopy(SPEC))
+    assert created["spec"]["versions"]["policy"] == "Strict"  # CRD defaulting
+    assert created["spec"]["resources"] == {"xpus": 1}
+    wait_for("the status", lambda: e2e.status().get("compatibleNodes", 0) >= 1)
+    deployment = wait_for(
+        "the Deployment", lambda: e2e.read(e2e.apps.read_namespaced_deployment, "qwen", e2e.namespace)
+    )
+    assert deployment.metadata.owner_references[0].uid == created["metadata"]["uid"]
+    assert e2e.core.read_namespaced_service("qwen", e2e.namespace)
+    assert e2e.core.read_namespaced_config_map("qwen-config", e2e.namespace)
+    assert e2e.status()["phase"] in ("Pending", "Progressing")
+
+
+def test_spec_change_rolls_the_pod_template(e2e: E2E) -> None:
+    def config_hash() -> str | None:
+        d = e2e.read(e2e.apps.read_namespaced_deployment, "qwen", e2e.namespace)
+        return d.spec.template.metadata.annotations["serving.kunlun.dev/config-hash"] if d else None
+
+    before = wait_for("the Deployment", config_hash)
+    e2e.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, e2e.namespace, PLURAL, "qwen", {"spec": {"runtime": {"maxModelLen": 2048}}}
+    )
+    wait_for("a new config hash", lambda: config_hash() != before)
+
+
+def test_deleted_service_is_restored(e2e: E2E) -> None:
+    service = wait_for(
+        "the Service", lambda: e2e.read(e2e.core.read_namespaced_service, "qwen", e2e.namespace)
+    )
+    old = service.metadata.uid
+    e2e.core.delete_namespaced_service("qwen", e2e.namespace)
+    wait_for(
+        "the Service back",
+        lambda: (
+            not e2e.not_found(lambda: e2e.core.read_namespaced_service("qwen", e2e.namespace))
+            and e2e.core.read_namespaced_service("qwen", e2e.namespace).metadata.uid != old
+        ),
+    )
+
+
+def test_node_label_change_is_reported(e2e: E2E) -> None:
+    before = e2e.status()["compatibleNodes"]
+    e2e.core.patch_node(e2e.node, {"metadata": {"labels": {DRIVER_LABEL: "0.0.0"}}})
+    wait_for("one compatible node fewer", lambda: e2e.status()["compatibleNodes"] == before - 1)
+    e2e.core.patch_node(e2e.node, {"metadata": {"labels": {DRIVER_LABEL: e2e.node_driver}}})
+    wait_for("the node back", lambda: e2e.status()["compatibleNodes"] == before)
+
+
+def test_deleting_the_service_removes_what_it_owns(e2e: E2E) -> None:
+    e2e.custom.delete_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, "qwen")
+    wait_for(
+        "the Deployment gone",
+        lambda: e2e.not_found(lambda: e2e.apps.read_namespaced_deployment("qwen", e2e.namespace)),
+    )
+    wait_for(
+        "the ConfigMap gone",
+        lambda: e2e.not_found(lambda: e2e.core.read_namespaced_config_map("qwen-config", e2e.namespace)),
+    )
