@@ -38,7 +38,7 @@ def is_subset(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
     """
     if isinstance(desired, Mapping):
         return isinstance(actual, Mapping) and all(
-            key in actual and is_subset(value, actual[key], quantities=key in _QUANTITY_KEYS)
+            key in actual and is_subset(value, actual[key], quantities=quantities or key in _QUANTITY_KEYS)
             for key, value in desired.items()
         )
     if isinstance(desired, list):

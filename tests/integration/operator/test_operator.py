@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+import urllib.request
 
 import pytest
 
-from tests.integration.operator.conftest import NAMESPACE, Cluster, wait_for
+from tests.integration.operator.conftest import NAMESPACE, Cluster, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 VERSIONS = {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0"}
@@ -24,7 +25,8 @@ def _names(cluster: Cluster, plural: str, group: str = "") -> list[str]:
 @pytest.mark.monitoring
 def test_create_builds_every_object_and_reports_status(cluster: Cluster) -> None:
     cluster.add_node("xpu-1")
-    cluster.start_operator()
+    metrics_port = free_port()
+    cluster.start_operator("--metrics-port", str(metrics_port))
     created = cluster.create_service(copy.deepcopy(SPEC))
     wait_for("the status", lambda: cluster.status().get("phase") == "Progressing")
     uid = created["metadata"]["uid"]
@@ -48,6 +50,12 @@ def test_create_builds_every_object_and_reports_status(cluster: Cluster) -> None
     assert cluster.condition("ModelAvailable")[:2] == ("True", "ModelLoaded")
     cluster.wait_for_events("Created", 6)
     cluster.wait_for_events("Ready")
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    assert 'kunlun_operator_managed_services{phase="Ready"} 1.0' in metrics
+    assert 'kunlun_operator_object_changes_total{action="created",kind="Deployment"} 1.0' in metrics
+    assert 'kunlun_operator_reconcile_total{result="success"}' in metrics
+    assert "kunlun_operator_reconcile_duration_seconds_count" in metrics
     assert "finalizer" in str(cluster.get_service()["metadata"]["finalizers"])
 
 
