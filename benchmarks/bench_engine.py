@@ -1,0 +1,240 @@
+"""Engine benchmark: ours vs HF ``transformers`` ``generate()`` on the same weights, side by side.
+
+Every scenario runs the baseline and ours interleaved in the same process, ``--reps`` times, and
+reports medians and ratios (these machines are shared and noisy: only ratios from one run mean
+anything). Also measures DRAM read bandwidth in the same run for the decode roofline, and an
+ablation table (each optimisation switched off in turn). Writes ``results.json`` and a PNG chart.
+
+    .venv/bin/python benchmarks/bench_engine.py                  # full run on the embedded SmolLM2
+    .venv/bin/python benchmarks/bench_engine.py --quick --model DIR   # smoke run (the test suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def median_of(reps: int, fn: Callable[[], float]) -> float:
+    return statistics.median(fn() for _ in range(reps))
+
+
+def measure_bandwidth_gbs(size_mb: int) -> float:
+    """DRAM read bandwidth: summing a buffer much larger than the caches."""
+    buffer = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32)
+    buffer.sum()
+    start = time.perf_counter()
+    for _ in range(3):
+        buffer.sum()
+    return 3 * buffer.numel() * 4 / (time.perf_counter() - start) / 1e9
+
+
+class Ours:
+    def __init__(self, model_dir: str, **options) -> None:
+        from kunlun_runtime import LLM
+
+        self.llm = LLM(model_dir, **options)
+        self.weight_bytes = sum(
+            t.numel() * t.element_size()
+            for name, t in self.llm.engine.model.state_dict().items()
+            if "embed_tokens" not in name
+        )
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        """(seconds to the first token of the first request, total seconds)."""
+        from kunlun_runtime import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        first: list[float] = []
+        self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            params,
+            on_output=lambda _o: first.append(time.perf_counter()) if not first else None,
+        )
+        return first[0] - start, time.perf_counter() - start
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.engine.block_pool.reset_prefix_cache()
+
+
+class HF:
+    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        ids = torch.tensor(prompts)
+        kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+        start = time.perf_counter()
+        self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        return ttft, time.perf_counter() - start
+
+
+def prompts_of(batch: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(31 * i + 7 * b + 11) % (vocab - 10) + 5 for i in range(length)] for b in range(batch)]
+
+
+def decode_rate(run: Callable, prompts, new_tokens: int) -> tuple[float, float]:
+    """(TTFT seconds, decode output tokens per second after the first token)."""
+    ttft, total = run(prompts, new_tokens)
+    return ttft, len(prompts) * (new_tokens - 1) / max(total - ttft, 1e-9)
+
+
+def run_scenarios(args: argparse.Namespace) -> dict:
+    model_dir = args.model or str(__import__("kunlun_runtime.engine").engine.resolve_model_dir(None))
+    torch.set_num_threads(args.threads)
+    sizes = {"prompt": 256, "new": 128, "batch": 8, "batch_prompt": 128, "long": 2048, "history": 2000}
+    if args.quick:
+        sizes = {"prompt": 16, "new": 8, "batch": 2, "batch_prompt": 8, "long": 48, "history": 40}
+    common = {"dtype": "bfloat16", "max_model_len": max(sizes["long"], sizes["history"]) + 64 + sizes["new"]}
+    ours = Ours(model_dir, kv_cache_memory="1GiB", **common)
+    hf = HF(model_dir, torch.bfloat16)
+    vocab = ours.llm.engine.model_config.vocab_size
+    results: dict = {"model": model_dir, "threads": args.threads, "sizes": sizes, "scenarios": {}}
+    bandwidth = measure_bandwidth_gbs(64 if args.quick else 1024)
+    results["bandwidth_gbs"] = bandwidth
+    results["roofline_tok_s_bf16"] = bandwidth * 1e9 / ours.weight_bytes
+
+    single = prompts_of(1, sizes["prompt"], vocab)
+    batch = prompts_of(sizes["batch"], sizes["batch_prompt"], vocab)
+    long_prompt = prompts_of(1, sizes["long"], vocab)
+    for _ in range(1):  # warm-up both
+        ours.run(single, 4)
+        hf.run(single, 4)
+    table = results["scenarios"]
+
+    def side_by_side(name: str, prompts, new_tokens: int, caching_off: bool = True) -> None:
+        rows = {"ours": [], "hf": []}
+        for _ in range(args.reps):
+            if caching_off:
+                ours.reset_prefix_cache()
+            rows["ours"].append(decode_rate(ours.run, prompts, new_tokens))
+            rows["hf"].append(decode_rate(hf.run, prompts, new_tokens))
+        entry = {}
+        for who, values in rows.items():
+            entry[f"{who}_ttft_s"] = statistics.median(v[0] for v in values)
+            entry[f"{who}_decode_tok_s"] = statistics.median(v[1] for v in values)
+        entry["decode_speedup"] = entry["ours_decode_tok_s"] / entry["hf_decode_tok_s"]
+        entry["ttft_ratio"] = entry["ours_ttft_s"] / entry["hf_ttft_s"]
+        table[name] = entry
+
+    side_by_side("single_256_128", single, sizes["new"])
+    table["single_256_128"]["roofline_fraction"] = table["single_256_128"]["ours_decode_tok_s"] / results[
+        "roofline_tok_s_bf16"
+    ]
+    side_by_side("batch8_128_128", batch, sizes["new"])
+    side_by_side("long_2048_ttft", long_prompt, 2)
+
+    int8 = Ours(model_dir, kv_cache_memory="1GiB", quantization="int8", **common)
+    int8_rates = [decode_rate(int8.run, single, sizes["new"])[1] for _ in range(args.reps)]
+    table["int8_single"] = {
+        "int8_decode_tok_s": statistics.median(int8_rates),
+        "vs_bf16": statistics.median(int8_rates) / table["single_256_128"]["ours_decode_tok_s"],
+        "roofline_tok_s_int8": bandwidth * 1e9 / int8.weight_bytes,
+    }
+    del int8
+
+    history = prompts_of(1, sizes["history"], vocab)[0]
+    follow_up = [history + [42, 43, 44]]
+    cold, warm = [], []
+    for _ in range(args.reps):
+        ours.reset_prefix_cache()
+        cold.append(ours.run(follow_up, 1)[0])
+        ours.reset_prefix_cache()
+        ours.run([history], 1)  # the first turn
+        warm.append(ours.run(follow_up, 1)[0])
+    table["second_turn_reuse"] = {
+        "cold_ttft_s": statistics.median(cold),
+        "warm_ttft_s": statistics.median(warm),
+        "speedup": statistics.median(cold) / statistics.median(warm),
+    }
+    results["ablation"] = run_ablation(args, model_dir, common, single, sizes["new"])
+    return results
+
+
+ABLATIONS = {
+    "all on": {},
+    "unfused attention": {"fused_attention": False},
+    "plain BF16 linears (no prepack)": {"linear_backend": "plain"},
+    "no cache-set skew": {"kv_block_skew": False},
+}
+
+
+def run_ablation(args, model_dir: str, common: dict, prompts, new_tokens: int) -> dict:
+    engines = {name: Ours(model_dir, kv_cache_memory="1GiB", **common, **opts) for name, opts in ABLATIONS.items()}
+    rates: dict[str, list[float]] = {name: [] for name in ABLATIONS}
+    for _ in range(args.reps):  # interleaved
+        for name, engine in engines.items():
+            engine.reset_prefix_cache()
+            rates[name].append(decode_rate(engine.run, prompts, new_tokens)[1])
+    base = statistics.median(rates["all on"])
+    return {name: {"decode_tok_s": statistics.median(r), "vs_all_on": statistics.median(r) / base} for name, r in rates.items()}
+
+
+def format_table(results: dict) -> str:
+    lines = [f"model {results['model']}  threads {results['threads']}  DRAM read {results['bandwidth_gbs']:.1f} GB/s"]
+    lines.append(f"BF16 decode roofline {results['roofline_tok_s_bf16']:.1f} tok/s")
+    lines.append(f"{'scenario':<20}{'ours tok/s':>12}{'HF tok/s':>10}{'speedup':>9}{'ours TTFT':>11}{'HF TTFT':>9}{'ratio':>7}")
+    for name, row in results["scenarios"].items():
+        if "hf_decode_tok_s" in row:
+            lines.append(
+                f"{name:<20}{row['ours_decode_tok_s']:>12.1f}{row['hf_decode_tok_s']:>10.1f}{row['decode_speedup']:>8.2f}x"
+                f"{row['ours_ttft_s']:>10.3f}s{row['hf_ttft_s']:>8.3f}s{row['ttft_ratio']:>7.2f}"
+            )
+        else:
+            lines.append(f"{name:<20}" + "  ".join(f"{k}={v:.3f}" for k, v in row.items()))
+    lines.append("ablation (single request decode):")
+    for name, row in results["ablation"].items():
+        lines.append(f"  {name:<34}{row['decode_tok_s']:>8.1f} tok/s  {row['vs_all_on']:.2f}x of all-on")
+    return "\n".join(lines)
+
+
+def write_chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {k: v for k, v in results["scenarios"].items() if "hf_decode_tok_s" in v}
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    names = list(rows)
+    xs = range(len(names))
+    axis.bar([x - 0.2 for x in xs], [rows[n]["hf_decode_tok_s"] for n in names], 0.4, label="HF transformers")
+    axis.bar([x + 0.2 for x in xs], [rows[n]["ours_decode_tok_s"] for n in names], 0.4, label="kunlun-runtime")
+    axis.set_xticks(list(xs), names)
+    axis.set_ylabel("output tok/s (median)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF-format directory (default: embedded SmolLM2)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    results = run_scenarios(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    write_chart(results, args.out / "engine.png")
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
