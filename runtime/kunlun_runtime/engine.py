@@ -216,6 +216,7 @@ class LLMEngine:
             times.scheduled = times.scheduled or now
         tables = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
         logits = self.runner.execute(sched, tables)
+        self.scheduler.observe_step(sched, time.monotonic() - now)
         for item in sched.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(item.request)

@@ -56,6 +56,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_index = 0
         self.num_preemptions_total = 0
+        self.last_step_seconds: float | None = None
+        self.last_step_tokens = 0
 
     def add(self, request: Request) -> None:
         request.arrival_step = self.step_index
@@ -150,6 +152,11 @@ class Scheduler:
         self.waiting.append(request)
         self.num_preemptions_total += 1
         out.preempted.append(request)
+
+    def observe_step(self, out: SchedulerOutput, elapsed_seconds: float) -> None:
+        """Feedback from the engine: how long the model took for this schedule."""
+        self.last_step_seconds = elapsed_seconds
+        self.last_step_tokens = out.num_batched_tokens
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a finished or aborted request and return its blocks."""
