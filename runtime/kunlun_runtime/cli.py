@@ -198,7 +198,7 @@ def run_import_gguf(args: argparse.Namespace) -> int:
 
 def _load_optional_commands() -> None:
     # Subcommands living in other modules register themselves on import.
-    for module in ("kunlun_runtime.server.cli", "kunlun_runtime.preflight"):
+    for module in ("kunlun_runtime.server.cli", "kunlun_runtime.preflight", "kunlun_runtime.tuning.cli"):
         try:
             __import__(module)
         except ModuleNotFoundError as error:
