@@ -43,6 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, bytes or e.g. 2GiB")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--max-preemptions", type=int, default=3)
+    group.add_argument("--scheduling-policy", default="fixed", choices=["fixed", "feedback"])
+    group.add_argument("--target-step-seconds", type=float, default=None, help="feedback: step cap while decoding")
     group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument("--quantization", default=None, choices=["int8"])
     group.add_argument("--seed", type=int, default=0)
@@ -61,6 +63,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
         enable_prefix_caching=args.enable_prefix_caching,
         max_preemptions=args.max_preemptions,
+        scheduling_policy=args.scheduling_policy,
+        target_step_seconds=args.target_step_seconds,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         seed=args.seed,

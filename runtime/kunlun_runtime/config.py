@@ -16,6 +16,7 @@ DTYPES = frozenset({"auto", "float32", "bfloat16", "float16"})
 QUANTIZATIONS = frozenset({"int8"})
 LINEAR_BACKENDS = frozenset({"auto", "plain", "prepacked"})
 DEVICES = frozenset({"auto", "cpu", "cuda", "kunlun"})
+SCHEDULING_POLICIES = frozenset({"fixed", "feedback"})
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -58,6 +59,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_preemptions: int = 3  # the seed's third lesson: a request preempted this often is protected
     priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
+    scheduling_policy: str = "fixed"  # fixed | feedback (step-time model caps prefill; docs/scheduling.md)
+    target_step_seconds: float | None = None  # feedback: step cap while decodes run; None = 3 decode steps
     kv_block_skew: bool = True  # the seed's second lesson: skew block starts across cache sets
     linear_backend: str = "auto"  # auto = the platform's fastest weight format (prepacked BF16 on CPU)
     fused_attention: bool = True  # one fused SDPA call per layer (False: unfused, for ablations)
@@ -80,6 +83,17 @@ class EngineConfig:
         _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory", "must be positive")
         _check(self.max_preemptions >= 0, "max_preemptions", f"must be >= 0, got {self.max_preemptions}")
         _check(self.priority_aging_steps >= 1, "priority_aging_steps", "must be >= 1")
+        _check(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            "scheduling_policy",
+            f"must be one of {sorted(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}",
+        )
+        if self.target_step_seconds is not None:
+            _check(
+                0 < self.target_step_seconds < float("inf"),
+                "target_step_seconds",
+                f"must be a positive number of seconds, got {self.target_step_seconds}",
+            )
         _check(
             self.linear_backend in LINEAR_BACKENDS,
             "linear_backend",

@@ -1,0 +1,185 @@
+"""An online model of one engine step's time as a function of the batch's composition.
+
+    seconds ≈ c0 + c_prefill · prefill tokens + c_decode · decode sequences + c_attend · attended tokens
+
+``attended tokens`` is Σ (new tokens × context length after the step) over the batch: the work of
+attention, which grows with context while the other terms do not. The coefficients are an exact
+least-squares fit over a sliding window of the latest observations (so the model follows drift:
+another tenant on the device, thermal throttling), with non-negative slopes (a bigger batch never
+predicts a shorter step). Pure Python: no torch, no clock; the caller supplies the seconds.
+Invariant: ``predict`` is monotone in every feature and ``None`` until something was observed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+DEFAULT_WINDOW = 256
+_NUM_TERMS = 4  # intercept + three features
+_RIDGE = 1e-9  # per row, on RMS-scaled columns: keeps rank-deficient windows solvable
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """What a step computes. Add two with ``+``; the empty step is ``StepFeatures()``."""
+
+    num_prefill_tokens: int = 0  # tokens of chunks longer than one token (prompt or recompute)
+    num_decode_seqs: int = 0  # sequences computing exactly one token
+    num_attended_tokens: int = 0  # Σ new tokens × context length after the step
+
+    def __add__(self, other: StepFeatures) -> StepFeatures:
+        return StepFeatures(
+            self.num_prefill_tokens + other.num_prefill_tokens,
+            self.num_decode_seqs + other.num_decode_seqs,
+            self.num_attended_tokens + other.num_attended_tokens,
+        )
+
+    def row(self) -> tuple[float, float, float, float]:
+        return (
+            1.0,
+            float(self.num_prefill_tokens),
+            float(self.num_decode_seqs),
+            float(self.num_attended_tokens),
+        )
+
+
+def chunk_features(num_computed_tokens: int, num_new_tokens: int) -> StepFeatures:
+    """Features of one request computing ``num_new_tokens`` after ``num_computed_tokens``."""
+    if num_new_tokens <= 0:
+        return StepFeatures()
+    attended = num_new_tokens * (num_computed_tokens + num_new_tokens)
+    if num_new_tokens == 1:
+        return StepFeatures(0, 1, attended)
+    return StepFeatures(num_new_tokens, 0, attended)
+
+
+def batch_features(chunks: Iterable[tuple[int, int]]) -> StepFeatures:
+    """Features of a batch of ``(num_computed_tokens, num_new_tokens)`` chunks."""
+    total = StepFeatures()
+    for num_computed, num_new in chunks:
+        total = total + chunk_features(num_computed, num_new)
+    return total
+
+
+class StepCostModel:
+    """Sliding-window non-negative least squares of step seconds on ``StepFeatures``.
+
+    The normal equations are kept as running sums (added on arrival, subtracted on eviction and
+    rebuilt from the window every ``window`` observations against rounding drift), so an update or
+    a fit costs a few dozen float operations whatever the window.
+    """
+
+    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window}")
+        self.window = window
+        self._rows: deque[tuple[tuple[float, ...], float]] = deque()
+        self._gram = [[0.0] * _NUM_TERMS for _ in range(_NUM_TERMS)]
+        self._rhs = [0.0] * _NUM_TERMS
+        self._since_rebuild = 0
+        self._coefficients: tuple[float, ...] | None = None
+        self._stale = False
+
+    @property
+    def num_observations(self) -> int:
+        return len(self._rows)
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """Record one step; negative or non-finite times are ignored (a clock glitch, not data)."""
+        if not 0.0 <= seconds < float("inf"):
+            return
+        row = features.row()
+        self._rows.append((row, float(seconds)))
+        self._accumulate(row, float(seconds), 1.0)
+        if len(self._rows) > self.window:
+            old_row, old_seconds = self._rows.popleft()
+            self._accumulate(old_row, old_seconds, -1.0)
+        self._since_rebuild += 1
+        if self._since_rebuild >= self.window:
+            self._rebuild()
+        self._stale = True
+
+    def _accumulate(self, row: tuple[float, ...], seconds: float, sign: float) -> None:
+        for a in range(_NUM_TERMS):
+            self._rhs[a] += sign * row[a] * seconds
+            for b in range(_NUM_TERMS):
+                self._gram[a][b] += sign * row[a] * row[b]
+
+    def _rebuild(self) -> None:
+        self._gram = [[0.0] * _NUM_TERMS for _ in range(_NUM_TERMS)]
+        self._rhs = [0.0] * _NUM_TERMS
+        for row, seconds in self._rows:
+            self._accumulate(row, seconds, 1.0)
+        self._since_rebuild = 0
+
+    @property
+    def coefficients(self) -> tuple[float, ...] | None:
+        """(c0, c_prefill, c_decode, c_attend), or None before the first observation."""
+        if self._stale:
+            self._coefficients = _fit_nonnegative(self._gram, self._rhs, len(self._rows))
+            self._stale = False
+        return self._coefficients
+
+    def predict(self, features: StepFeatures) -> float | None:
+        """Predicted seconds for a step with these features; None before the first observation."""
+        coefficients = self.coefficients
+        if coefficients is None:
+            return None
+        return sum(c * x for c, x in zip(coefficients, features.row(), strict=True))
+
+
+def _fit_nonnegative(gram: list[list[float]], rhs: list[float], num_rows: int) -> tuple[float, ...] | None:
+    """Least squares with every coefficient >= 0: refit without the term that came out most negative."""
+    if num_rows == 0:
+        return None
+    active = [True] * _NUM_TERMS
+    while True:
+        solution = _fit(gram, rhs, num_rows, active)
+        negative = [i for i in range(_NUM_TERMS) if active[i] and solution[i] < 0.0]
+        if not negative:
+            return tuple(solution)
+        worst = min(negative, key=lambda i: solution[i] * _scale(gram, num_rows, i))
+        active[worst] = False
+
+
+def _scale(gram: list[list[float]], num_rows: int, column: int) -> float:
+    """Root mean square of a feature over the window (1 for a feature that was always 0)."""
+    return math.sqrt(max(gram[column][column], 0.0) / num_rows) or 1.0
+
+
+def _fit(gram: list[list[float]], rhs: list[float], num_rows: int, active: list[bool]) -> list[float]:
+    """Ridge-stabilised normal equations on RMS-scaled columns; inactive terms are 0."""
+    columns = [i for i in range(_NUM_TERMS) if active[i]]
+    scales = [_scale(gram, num_rows, i) for i in columns]
+    matrix = [
+        [gram[a][b] / (sa * sb) for b, sb in zip(columns, scales, strict=True)]
+        for a, sa in zip(columns, scales, strict=True)
+    ]
+    for index in range(len(columns)):
+        matrix[index][index] += _RIDGE * num_rows
+    solved = _solve(matrix, [rhs[a] / sa for a, sa in zip(columns, scales, strict=True)])
+    solution = [0.0] * _NUM_TERMS
+    for column, scale, value in zip(columns, scales, solved, strict=True):
+        solution[column] = value / scale
+    return solution
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the matrix is symmetric positive definite)."""
+    size = len(rhs)
+    a = [[*row, rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, size):
+            factor = a[r][col] / a[col][col]
+            for k in range(col, size + 1):
+                a[r][k] -= factor * a[col][k]
+    solution = [0.0] * size
+    for r in range(size - 1, -1, -1):
+        tail = sum(a[r][k] * solution[k] for k in range(r + 1, size))
+        solution[r] = (a[r][size] - tail) / a[r][r]
+    return solution
