@@ -8,6 +8,7 @@ and the ownership guard. Invariant: applying the same desired object twice makes
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -101,10 +102,16 @@ def is_owned(actual: Mapping[str, Any], owner_name: str, owner_uid: str) -> bool
 
 
 def apply_object(
-    client: KubeClient, desired: Mapping[str, Any], *, owner_uid: str, existed_before: bool
+    client: KubeClient,
+    desired: Mapping[str, Any],
+    *,
+    owner_uid: str,
+    existed_before: bool,
+    live_fields: tuple[tuple[str, ...], ...] = (),
 ) -> Change:
     """Create or patch ``desired``. ``existed_before``: the operator had made it already (so a missing
     or different object is drift to restore, not a first creation or a spec change).
+    ``live_fields``: paths another controller owns; their live values are kept.
 
     Raises:
         ApiError: a call failed (retryable ones are retried by the caller).
@@ -124,6 +131,7 @@ def apply_object(
             actual = client.get(kind, namespace, name)  # created meanwhile (a restarted operator's twin)
             if actual is None:
                 raise
+    desired = keep_live_fields(desired, actual, live_fields)
     if not is_owned(actual, instance, owner_uid):
         raise OwnershipError(f"{kind.kind} {namespace}/{name} exists and is not managed by this service")
     target = with_last_applied(desired)
@@ -133,6 +141,23 @@ def apply_object(
     client.patch(kind, namespace, name, removal_patch(target, previous))
     drifted = previous == json.loads(json.dumps(desired))
     return Change(kind.kind, name, RESTORED if drifted else UPDATED)
+
+
+def keep_live_fields(
+    desired: Mapping[str, Any], actual: Mapping[str, Any], paths: tuple[tuple[str, ...], ...]
+) -> Mapping[str, Any]:
+    """``desired`` with the live value at each of ``paths`` (e.g. the HPA's ``spec.replicas``)."""
+    result = copy.deepcopy(dict(desired)) if paths else desired
+    for path in paths:
+        live: Any = actual
+        for key in path:
+            live = live.get(key) if isinstance(live, Mapping) else None
+        if live is not None:
+            target = result
+            for key in path[:-1]:
+                target = target.setdefault(key, {})
+            target[path[-1]] = live
+    return result
 
 
 def delete_object(

@@ -160,7 +160,13 @@ class Controller:
         )
         try:
             changes = [
-                apply_object(self.client, obj, owner_uid=ref.uid, existed_before=existed_before)
+                apply_object(
+                    self.client,
+                    obj,
+                    owner_uid=ref.uid,
+                    existed_before=existed_before,
+                    live_fields=plan.live_fields.get(obj["kind"], ()),
+                )
                 for obj in plan.apply
             ]
         except OwnershipError as error:

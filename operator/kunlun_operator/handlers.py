@@ -106,6 +106,11 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         settings.watching.server_timeout = config.watch_timeout_seconds
         settings.execution.max_workers = 8
         settings.admission.server = config.webhook
+        for kind in WATCHED_OWNED_KINDS:  # watch only our own objects, filtered by the API server
+            group, _, version = kind.api_version.rpartition("/")
+            settings.watching.label_selectors[group, version, kind.plural] = (
+                f"{names.LABEL_MANAGED_BY}={names.MANAGER}"
+            )
 
     @kopf.on.login(registry=registry, id="login")
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

@@ -67,6 +67,8 @@ class Plan:
     delete: tuple[names.Kind, ...]  # owned kinds that must not exist
     status: dict[str, Any]
     events: tuple[Event, ...] = field(default=())
+    #: Per kind, field paths whose live value wins over the plan (owned by another controller).
+    live_fields: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
 
 
 def reconcile(
@@ -121,7 +123,8 @@ def reconcile(
     if previous.get("lastFailure"):
         status["lastFailure"] = previous["lastFailure"]
     events = _transition_events(previous, status)
-    return Plan(apply=tuple(objects), delete=tuple(absent), status=status, events=events)
+    live = {names.DEPLOYMENT.kind: (("spec", "replicas"),)} if spec.autoscaling.enabled else {}
+    return Plan(apply=tuple(objects), delete=tuple(absent), status=status, events=events, live_fields=live)
 
 
 def desired_objects(
@@ -130,11 +133,8 @@ def desired_objects(
     """The owned objects to apply (in order) and the owned kinds that must be absent."""
     path = model_path(spec, image_volumes=facts.image_volumes)
     configmap = build_configmap(ref, spec, path)
-    replicas = (
-        None
-        if spec.autoscaling.enabled and facts.deployment is not None
-        else (spec.autoscaling.min_replicas if spec.autoscaling.enabled else spec.replicas)
-    )
+    # With autoscaling the HPA owns the count: mirror what the Deployment has (never reset it).
+    replicas = _desired_replicas(spec, facts.deployment)
     objects = [
         configmap,
         build_service(ref, spec),

@@ -224,12 +224,10 @@ def build_deployment(
     image: str,
     config_hash: str,
     image_volumes: bool,
-    replicas: int | None,
+    replicas: int,
 ) -> dict[str, Any]:
-    """The runtime Deployment; ``replicas`` None leaves the count to the HPA."""
-    deploy_spec: dict[str, Any] = {}
-    if replicas is not None:
-        deploy_spec["replicas"] = replicas
+    """The runtime Deployment with ``replicas`` replicas."""
+    deploy_spec: dict[str, Any] = {"replicas": replicas}
     deploy_spec.update(
         {
             "selector": {"matchLabels": names.selector_labels(ref.name)},

@@ -182,3 +182,44 @@ def test_deleting_the_service_deletes_what_it_owns(cluster: Cluster) -> None:
     )
     assert [cluster.kube.objects(p, g) for p, g in OWNED] == [[], [], [], []]
     cluster.wait_for_events("Deleted", 4)
+
+
+def test_autoscaling_leaves_the_replica_count_to_the_hpa(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    operator = cluster.start_operator()
+    autoscaling = {"enabled": True, "minReplicas": 2, "maxReplicas": 5}
+    cluster.create_service({**copy.deepcopy(SPEC), "autoscaling": autoscaling})
+    hpa = wait_for("the HPA", lambda: cluster.kube.objects("horizontalpodautoscalers", "autoscaling"))[0]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
+    assert wait_for("the Deployment", cluster.deployment)["spec"]["replicas"] == 2
+    # The HPA scales the Deployment, even while a reconcile may be running.
+    cluster.apps.patch_namespaced_deployment("qwen", NAMESPACE, {"spec": {"replicas": 4}})
+    passes = operator.log().count("reconciled ml/qwen")
+    cluster.core.patch_node("xpu-1", {"metadata": {"labels": {"kunlun.dev/xpu.count": "4"}}})  # wakes it
+    wait_for("another reconcile", lambda: operator.log().count("reconciled ml/qwen") > passes)
+    assert cluster.deployment()["spec"]["replicas"] == 4
+    wait_for("status from the HPA's count", lambda: cluster.status().get("ready") == "0/4")
+
+
+def test_warn_policy_reports_pods_on_mismatching_nodes(cluster: Cluster) -> None:
+    cluster.add_node("old", **{"kunlun.dev/xpu.kml-version": "3.1.0"})
+    labels = {"app.kubernetes.io/name": "kunlun-runtime", "app.kubernetes.io/instance": "qwen"}
+    cluster.core.create_namespaced_pod(
+        NAMESPACE,
+        {
+            "metadata": {"name": "qwen-abc", "labels": labels},
+            "spec": {"nodeName": "old", "containers": [{"name": "runtime", "image": "rt"}]},
+        },
+    )
+    cluster.start_operator()
+    spec = copy.deepcopy(SPEC)
+    spec["versions"]["policy"] = "Warn"
+    cluster.create_service(spec)
+    wait_for("the version condition", lambda: cluster.condition("VersionsCompatible"))
+    assert cluster.condition("VersionsCompatible") == (
+        "False",
+        "PodsOnMismatchedNodes",
+        "qwen-abc on old: kml 3.1.0 (want 3.2.0)",
+    )
+    assert "affinity" not in cluster.deployment()["spec"]["template"]["spec"]
+    cluster.wait_for_events("PodsOnMismatchedNodes")

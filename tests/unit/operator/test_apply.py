@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 
 from kunlun_operator import names
-from kunlun_operator.apply import is_owned, is_subset, last_applied, removal_patch, with_last_applied
+from kunlun_operator.apply import (
+    is_owned,
+    is_subset,
+    keep_live_fields,
+    last_applied,
+    removal_patch,
+    with_last_applied,
+)
 
 
 def test_server_defaults_are_not_drift_but_changed_or_missing_values_are() -> None:
@@ -61,3 +68,11 @@ def test_ownership_by_uid_or_by_the_operator_labels_for_this_instance() -> None:
     assert is_owned(by_labels, "qwen", "u2")  # left by a deleted service of the same name: adopted
     assert not is_owned(by_labels, "other", "u2")
     assert not is_owned({"metadata": {"labels": {"app": "mine"}}}, "qwen", "u1")
+
+
+def test_live_fields_keep_what_another_controller_set() -> None:
+    desired = {"spec": {"replicas": 2, "template": {"x": 1}}}
+    kept = keep_live_fields(desired, {"spec": {"replicas": 4, "template": {"x": 9}}}, (("spec", "replicas"),))
+    assert kept == {"spec": {"replicas": 4, "template": {"x": 1}}}
+    assert desired["spec"]["replicas"] == 2
+    assert keep_live_fields(desired, {"spec": {}}, (("spec", "replicas"),)) == desired

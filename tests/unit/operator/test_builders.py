@@ -169,15 +169,15 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
     }
 
 
-def test_warn_policy_has_no_affinity_and_no_preflight_and_hpa_owns_replicas() -> None:
+def test_warn_policy_has_no_affinity_and_no_preflight() -> None:
     spec = parse_spec(
         make_raw_spec(versions={"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0", "policy": "Warn"})
     )
     deployment = build_deployment(
-        make_ref(), spec, image=IMAGE, config_hash="abc", image_volumes=False, replicas=None
+        make_ref(), spec, image=IMAGE, config_hash="abc", image_volumes=False, replicas=2
     )
     pod = deployment["spec"]["template"]["spec"]
-    assert "replicas" not in deployment["spec"]
+    assert deployment["spec"]["replicas"] == 2
     assert "affinity" not in pod and "initContainers" not in pod
 
 

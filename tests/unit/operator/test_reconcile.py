@@ -148,7 +148,9 @@ def test_autoscaling_leaves_existing_replicas_to_the_hpa() -> None:
     assert fresh.apply[2]["spec"]["replicas"] == 2
     assert [o["kind"] for o in fresh.apply][-1] == "HorizontalPodAutoscaler" and fresh.delete == ()
     running = reconcile(make_ref(), raw, None, make_facts(deployment=_deployment(3, desired=4)), now=NOW)
-    assert "replicas" not in running.apply[2]["spec"]
+    assert running.apply[2]["spec"]["replicas"] == 4  # whatever the HPA chose, never reset
+    assert running.live_fields == {"Deployment": (("spec", "replicas"),)}  # even if it changes meanwhile
+    assert reconcile(make_ref(), make_raw_spec(), None, make_facts(), now=NOW).live_fields == {}
     assert running.status["ready"] == "3/4"
 
 
