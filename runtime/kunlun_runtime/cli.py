@@ -164,6 +164,7 @@ def _golden_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="The capital of France is Paris. The capital of Italy is")
     parser.add_argument("--tolerance", type=float, default=None, help="override the dtype's tolerance")
     parser.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="run the engine side split N ways")
     parser.add_argument("--json", action="store_true")
 
 
@@ -172,15 +173,23 @@ def run_golden_command(args: argparse.Namespace) -> int:
     import torch
 
     from kunlun_runtime.engine import resolve_model_dir
-    from kunlun_runtime.golden import format_report, run_golden
+    from kunlun_runtime.golden import format_report, report_against_reference, run_golden
     from kunlun_runtime.models.loader import load_model
     from kunlun_runtime.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(args.model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     token_ids = Tokenizer(model_dir).encode(args.prompt)
-    model, _ = load_model(model_dir, dtype, torch.device("cpu"), max(len(token_ids), 1) + 1)
-    report = run_golden(model, model_dir, token_ids, tolerance=args.tolerance, chunk_size=args.chunk_size)
+    if args.tensor_parallel_size > 1:
+        from kunlun_runtime.models.model_config import load_model_config
+        from kunlun_runtime.parallel.golden_tp import capture_tensor_parallel
+
+        ours = capture_tensor_parallel(model_dir, token_ids, args.tensor_parallel_size, dtype)
+        num_layers = load_model_config(model_dir).num_layers
+        report = report_against_reference(ours, model_dir, token_ids, dtype, num_layers, args.tolerance)
+    else:
+        model, _ = load_model(model_dir, dtype, torch.device("cpu"), max(len(token_ids), 1) + 1)
+        report = run_golden(model, model_dir, token_ids, tolerance=args.tolerance, chunk_size=args.chunk_size)
     print(json.dumps(report.to_dict()) if args.json else format_report(report))
     return 0 if report.passed else 1
 

@@ -67,7 +67,10 @@ def _option(path: Path, key: Any, value: Any) -> tuple[str, Any]:
     if name == "kv_cache_memory":
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise _error(path, key, f"must be a byte count or a size such as 4GiB, got {value!r}")
-        return "kv_cache_memory_bytes", parse_memory(value, field_name=key)
+        try:
+            return "kv_cache_memory_bytes", parse_memory(value, field_name=key)
+        except ConfigError as error:
+            raise ConfigError(f"{path}: {error}", field=key) from error
     if name not in OPTION_TYPES:
         known = ", ".join(sorted([*OPTION_TYPES, "kv_cache_memory"]))
         raise _error(path, key, f"unknown engine option (known: {known})")

@@ -21,9 +21,9 @@ from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
-from kunlun_runtime.layers.linear import convert_linears
+from kunlun_runtime.parallel.sharding import shard_model_config
+from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
 from kunlun_runtime.model_runner import ModelRunner
-from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.models.model_config import load_model_config
 from kunlun_runtime.outputs import CompletionOutput, RequestOutput, RequestTimes
 from kunlun_runtime.platforms import Platform, detect
@@ -75,25 +75,49 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(self.model_dir)
         self.max_model_len = self._resolve_max_model_len(model_config)
-        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, self.max_model_len)
-        backend = "prepacked" if config.linear_backend == "auto" else config.linear_backend
-        convert_linears(self.model, backend=backend, quantization=config.quantization)
-        for layer in self.model.layers:
-            layer.self_attn.fused_attention = config.fused_attention
-        self.tokenizer = Tokenizer(self.model_dir)
-        self.served_model_name = config.served_model_name or (
-            config.model.rstrip("/").split("/")[-1] if config.model else "SmolLM2-135M-Instruct"
-        )
+        self.tp_group: TensorParallelGroup | None = None
+        world = config.tensor_parallel_size
+        local_config = shard_model_config(model_config, world) if world > 1 else model_config
         spec = KVCacheSpec(
-            num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
+            num_layers=local_config.num_layers,
+            num_kv_heads=local_config.num_kv_heads,
+            head_dim=local_config.head_dim,
             block_size=config.block_size,
             dtype=self.dtype,
         )
         probe = KVCache(spec, 1, torch.device("meta"), **self._layout_args())
         num_blocks = plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, self.max_model_len)
-        self.kv_cache = KVCache(spec, num_blocks, self.device, **self._layout_args())
+        rank_spec = RankSpec(
+            model_dir=str(self.model_dir),
+            dtype=self.dtype,
+            device_type=self.device.type,
+            max_positions=self.max_model_len,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            cache_line_bytes=self.platform.cache_line_bytes,
+            cache_num_sets=self.platform.cache_num_sets,
+            kv_block_skew=config.kv_block_skew,
+            linear_backend="prepacked" if config.linear_backend == "auto" else config.linear_backend,
+            quantization=config.quantization,
+            fused_attention=config.fused_attention,
+            world=world,
+            backend=self.platform.distributed_backend,
+            port=TensorParallelGroup.new_port() if world > 1 else 0,
+        )
+        if world > 1:
+            self.tp_group = TensorParallelGroup(rank_spec)
+        try:
+            self.model, self.kv_cache, _ = build_rank(rank_spec, 0)
+            if self.tp_group is not None:
+                self.tp_group.wait_ready(self.device)
+        except BaseException:
+            self.close()
+            raise
+        self.model_config = model_config
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.served_model_name = config.served_model_name or (
+            config.model.rstrip("/").split("/")[-1] if config.model else "SmolLM2-135M-Instruct"
+        )
         self.block_pool = BlockPool(num_blocks)
         self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -105,7 +129,7 @@ class LLMEngine:
             ),
             self.kv,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, broadcaster=self.tp_group)
         self.eos_token_ids = model_config.eos_token_ids
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -115,6 +139,12 @@ class LLMEngine:
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d (%.1f MiB)",
             self.model_dir, self.dtype, self.device, self.max_model_len, num_blocks, self.kv_cache.nbytes / 2**20,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (no-op without tensor parallelism)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+            self.tp_group = None
 
     def _layout_args(self) -> dict:
         return {

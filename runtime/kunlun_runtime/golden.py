@@ -149,9 +149,21 @@ def run_golden(
 ) -> GoldenReport:
     """Compare ``model`` (the engine's, in its own dtype) with the FP32 reference on ``token_ids``."""
     dtype = model.embed_tokens.weight.dtype
-    tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
-    names = layer_names(model.config.num_layers)
     ours = capture_engine(model, token_ids, block_size=block_size, chunk_size=chunk_size)
+    return report_against_reference(ours, model_dir, token_ids, dtype, model.config.num_layers, tolerance)
+
+
+def report_against_reference(
+    ours: dict[str, torch.Tensor],
+    model_dir: Path,
+    token_ids: Sequence[int],
+    dtype: torch.dtype,
+    num_layers: int,
+    tolerance: float | None = None,
+) -> GoldenReport:
+    """Compare already captured engine layer outputs with the FP32 reference."""
+    tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
+    names = layer_names(num_layers)
     reference = capture_reference(model_dir, token_ids)
     layers = compare(ours, reference, names, tolerance)
     first = next((layer.name for layer in layers if not layer.passed), None)

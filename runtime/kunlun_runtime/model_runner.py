@@ -1,12 +1,15 @@
 """Runs one scheduled step through the model: builds the flat batch, calls forward, returns logits.
 
 Owns the model and the KV cache tensors. Input building is vectorised (block tables, positions
-and slot mapping come from a handful of tensor ops per step, not per-token Python).
+and slot mapping come from a handful of tensor ops per step, not per-token Python). Under tensor
+parallelism, rank 0 (this runner) sends each step's ``StepInputs`` to the worker ranks, which run
+the same forward in lockstep; the all-reduces inside the model keep them together.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -17,57 +20,84 @@ from kunlun_runtime.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)
+class StepInputs:
+    """Everything a rank needs to run one step (plain lists: cheap to send to workers)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepLogits:
     sample_logits: torch.Tensor  # [S, V] FP32: one row per request that gets a new token
     sample_request_ids: list[str]
     prompt_logits: dict[str, tuple[int, torch.Tensor]]  # request id → (first position, [n, V]) for prompt logprobs
 
 
+class StepBroadcaster(Protocol):
+    """Sends a step's inputs to the other tensor-parallel ranks (see parallel/workers.py)."""
+
+    def broadcast(self, inputs: StepInputs) -> None: ...
+
+
+@torch.inference_mode()
+def run_forward(model: DecoderModel, kv_cache: KVCache, inputs: StepInputs, device: torch.device) -> torch.Tensor:
+    """One forward pass over a step's flat batch; returns final hidden states [T, hidden]."""
+    meta = build_attention_metadata(
+        inputs.query_lens,
+        inputs.context_lens,
+        inputs.block_tables,
+        kv_cache.spec.block_size,
+        device,
+        sliding_window=model.config.sliding_window,
+    )
+    return model(
+        torch.tensor(inputs.token_ids, dtype=torch.long, device=device),
+        torch.tensor(inputs.positions, dtype=torch.long, device=device),
+        kv_cache,
+        meta,
+    )
+
+
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_cache: KVCache,
+        device: torch.device,
+        broadcaster: StepBroadcaster | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.block_size = kv_cache.spec.block_size
+        self.broadcaster = broadcaster
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
+        inputs = StepInputs()
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         prompt_rows: dict[str, tuple[int, int, int]] = {}  # id → (first row, count, first position)
         for item in out.scheduled:
             request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
-            row0 = len(token_ids)
-            token_ids.extend(request.all_token_ids[start : start + count])
-            positions.extend(range(start, start + count))
-            query_lens.append(count)
-            context_lens.append(start + count)
-            tables.append(block_tables[request.request_id])
+            row0 = len(inputs.token_ids)
+            inputs.token_ids.extend(request.all_token_ids[start : start + count])
+            inputs.positions.extend(range(start, start + count))
+            inputs.query_lens.append(count)
+            inputs.context_lens.append(start + count)
+            inputs.block_tables.append(block_tables[request.request_id])
             if request.wants_prompt_logprobs and start < len(request.prompt_token_ids) - 1:
                 num_prompt_rows = min(count, len(request.prompt_token_ids) - 1 - start)
                 prompt_rows[request.request_id] = (row0, num_prompt_rows, start)
             if start + count == request.num_tokens:
                 sample_rows.append(row0 + count - 1)
                 sample_ids.append(request.request_id)
-        meta = build_attention_metadata(
-            query_lens,
-            context_lens,
-            tables,
-            self.block_size,
-            self.device,
-            sliding_window=self.model.config.sliding_window,
-        )
-        hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_cache,
-            meta,
-        )
+        if self.broadcaster is not None:
+            self.broadcaster.broadcast(inputs)
+        hidden = run_forward(self.model, self.kv_cache, inputs, self.device)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, rows))
         prompt_logits = {

@@ -9,6 +9,7 @@ fused at load time (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,8 +25,9 @@ def _weight(rows: int, cols: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp_world: int = 1) -> None:
         super().__init__()
+        self.tp_world = tp_world
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -64,28 +66,35 @@ class Attention(nn.Module):
             self.scale,
             fused=self.fused_attention,
         )
-        return self.o_proj(out)
+        out = self.o_proj(out)
+        if self.tp_world > 1:  # row-parallel: sum the ranks' partial outputs
+            dist.all_reduce(out)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_world: int = 1) -> None:
         super().__init__()
+        self.tp_world = tp_world
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        if self.tp_world > 1:
+            dist.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp_world: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = Attention(config, layer_index, tp_world)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp_world)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:  # noqa: ANN001
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
@@ -93,13 +102,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp_world: int = 1) -> None:
         super().__init__()
-        self.config = config
+        self.config = config  # per-rank shapes under tensor parallelism
+        self.tp_world = tp_world
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp_world) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)

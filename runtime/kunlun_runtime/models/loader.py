@@ -17,6 +17,7 @@ from kunlun_runtime.layers.rotary import RotaryEmbedding
 from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.weights import iter_weights
+from kunlun_runtime.parallel.sharding import shard_model_config, shard_weight
 
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -30,15 +31,25 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    *,
+    tp_rank: int = 0,
+    tp_world: int = 1,
 ) -> tuple[DecoderModel, ModelConfig]:
-    """Load ``model_dir`` into a DecoderModel on ``device`` in ``dtype``.
+    """Load ``model_dir`` into a DecoderModel on ``device`` in ``dtype``; with ``tp_world > 1``
+    only rank ``tp_rank``'s shard (``model.config`` then holds the per-rank shapes). Returns the
+    model and the full model config.
 
-    Raises ModelLoadError for an unsupported architecture, a missing/truncated file or weight.
+    Raises ModelLoadError for an unsupported architecture, a missing/truncated file or weight,
+    ConfigError when the model cannot be split ``tp_world`` ways.
     """
     config = load_model_config(model_dir)
+    local_config = shard_model_config(config, tp_world) if tp_world > 1 else config
     with torch.device("meta"):
-        model = DecoderModel(config, max_positions)
+        model = DecoderModel(local_config, max_positions, tp_world=tp_world)
     params = dict(model.named_parameters())
     parts: dict[str, dict[int, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
@@ -62,6 +73,8 @@ def load_model(
         state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
     if "lm_head.weight" not in state and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    if tp_world > 1:
+        state = {name: shard_weight(name, tensor, config, tp_rank, tp_world) for name, tensor in state.items()}
     missing = sorted(set(params) - set(state))
     if missing:
         raise ModelLoadError(f"{model_dir}: missing weights {missing[:5]}{' …' if len(missing) > 5 else ''}")

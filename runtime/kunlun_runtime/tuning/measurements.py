@@ -86,6 +86,9 @@ class Measurements:
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
     block_sizes: tuple[BlockSizePoint, ...]
+    # block size → bytes of one KV block (K and V, all layers, padding included) as the engine lays
+    # it out on this platform: arithmetic, known for every block size even when not timed
+    kv_block_bytes: dict[int, int]
     budget_seconds: float
     elapsed_seconds: float
     skipped: tuple[str, ...] = field(default=())  # sweep points left out to stay within the budget
@@ -102,6 +105,7 @@ class Measurements:
             prefill=tuple(PrefillPoint(**p) for p in data["prefill"]),
             decode=tuple(DecodePoint(**p) for p in data["decode"]),
             block_sizes=tuple(BlockSizePoint(**p) for p in data["block_sizes"]),
+            kv_block_bytes={int(size): int(nbytes) for size, nbytes in data["kv_block_bytes"].items()},
             budget_seconds=data["budget_seconds"],
             elapsed_seconds=data["elapsed_seconds"],
             skipped=tuple(data.get("skipped", ())),

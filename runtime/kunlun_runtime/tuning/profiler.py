@@ -43,6 +43,7 @@ from kunlun_runtime.tuning.measurements import (
     PlatformFacts,
     PrefillPoint,
 )
+from kunlun_runtime.tuning.recommender import TuningError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +55,7 @@ BLOCK_SIZES = (16, 8, 32, 64, 128)  # 16 first: measured on the engine the other
 BLOCK_SWEEP_SEQS = 8
 BLOCK_SWEEP_CONTEXT = 256
 MAX_REPEATS = 3
+DECODE_TOKENS = 12  # tokens each decode-point sequence may generate (the timed steps need MAX_REPEATS)
 SLOW_STEP_SECONDS = 1.0  # two runs of a step this slow are enough
 GROWTH_MARGIN = 1.25  # a doubled point is predicted to cost this much more than proportionally
 
@@ -77,6 +79,25 @@ def count_cards(platform: Platform) -> int:
     return 1
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """Memory of every tensor the model holds: parameters, buffers and plain tensor attributes
+    (prepacked linear weights live there), each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        attributes = (value for value in vars(module).values() if isinstance(value, torch.Tensor))
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attributes):
+            if tensor.is_mkldnn:  # opaque blocked layout: no shared storage to look through
+                key, size = id(tensor), tensor.numel() * tensor.element_size()
+            else:
+                storage = tensor.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+            if key not in seen:
+                seen.add(key)
+                total += size
+    return total
+
+
 class Profiler:
     def __init__(self, options: ProfileOptions) -> None:
         self.options = options
@@ -97,8 +118,30 @@ class Profiler:
     def _engine(self, block_size: int, demands: tuple[tuple[int, int], ...], max_tokens: int) -> LLMEngine:
         """An engine whose KV cache holds each demand (num_seqs sequences of so many tokens) and one
         prefill of ``max_tokens`` in one step."""
-        dtype = resolve_dtype(self.options.dtype, self.platform)
         mc = self.model_config
+        profile_len = min(mc.max_position_embeddings, max(max_tokens + 2, *(t for _, t in demands)))
+        blocks = max(-(-profile_len // block_size), *(n * -(-t // block_size) for n, t in demands)) + 4
+        num_seqs = max(n for n, _ in demands)
+        # every demand prefills in one step, so its sequences start decoding together
+        batched = max(max_tokens, *(n * t for n, t in demands))
+        config = EngineConfig(
+            model=str(self.model_dir),
+            device=self.options.device,
+            dtype=self.options.dtype,
+            block_size=block_size,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=batched,
+            kv_cache_memory_bytes=blocks * self.kv_block_bytes(block_size),
+            max_model_len=profile_len,
+            enable_prefix_caching=False,
+            seed=self.options.seed,
+        )
+        return LLMEngine(config)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """One KV block of all layers (K and V), padded as the engine lays it out on this platform."""
+        mc = self.model_config
+        dtype = resolve_dtype(self.options.dtype, self.platform)
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, dtype)
         layout = build_block_layout(
             spec.block_bytes,
@@ -106,22 +149,7 @@ class Profiler:
             cache_num_sets=self.platform.cache_num_sets,
             skew=True,
         )
-        profile_len = min(mc.max_position_embeddings, max(max_tokens + 2, *(t for _, t in demands)))
-        blocks = max(-(-profile_len // block_size), *(n * -(-t // block_size) for n, t in demands)) + 4
-        num_seqs = max(n for n, _ in demands)
-        config = EngineConfig(
-            model=str(self.model_dir),
-            device=self.options.device,
-            dtype=self.options.dtype,
-            block_size=block_size,
-            max_num_seqs=num_seqs,
-            max_num_batched_tokens=max(max_tokens, num_seqs),
-            kv_cache_memory_bytes=blocks * 2 * mc.num_layers * layout.stride_bytes,
-            max_model_len=profile_len,
-            enable_prefix_caching=False,
-            seed=self.options.seed,
-        )
-        return LLMEngine(config)
+        return 2 * mc.num_layers * layout.stride_bytes
 
     def _tokens(self, count: int) -> list[int]:
         return [self.rng.randrange(self.model_config.vocab_size) for _ in range(count)]
@@ -166,19 +194,21 @@ class Profiler:
 
     def decode_point(self, engine: LLMEngine, num_seqs: int, context: int) -> DecodePoint:
         ids = [f"tune-decode-{num_seqs}-{context}-{i}" for i in range(num_seqs)]
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_REPEATS + 2, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
         for request_id in ids:
             engine.add_request(request_id, self._tokens(context), params)
         started: set[str] = set()
         while len(started) < num_seqs:  # prefill every sequence (perhaps over several steps)
             started.update(output.request_id for output in engine.step())
         times = []
-        for _ in range(MAX_REPEATS):
+        for _ in range(DECODE_TOKENS - 2):
             seconds, num_outputs = self._timed_step(engine)
-            assert num_outputs == num_seqs, "every sequence decodes in every timed step"
-            times.append(seconds)
-            if seconds > SLOW_STEP_SECONDS and len(times) >= 2:
+            if num_outputs == num_seqs:  # only steps that decode every sequence count
+                times.append(seconds)
+            if len(times) == MAX_REPEATS or (seconds > SLOW_STEP_SECONDS and len(times) >= 2):
                 break
+        if not times:
+            raise TuningError(f"tune: no step decoded all {num_seqs} sequences together")
         for request_id in ids:
             engine.abort_request(request_id)
         return DecodePoint(num_seqs, context, round(min(times), 6), len(times))
@@ -186,7 +216,9 @@ class Profiler:
     def block_point(self, engine: LLMEngine) -> BlockSizePoint:
         point = self.decode_point(engine, BLOCK_SWEEP_SEQS, self.block_context)
         block_size = engine.config.block_size
-        per_token = -(-2 * self.model_config.num_layers * engine.kv_cache.layout.stride_bytes // block_size)
+        block_bytes = 2 * self.model_config.num_layers * engine.kv_cache.layout.stride_bytes
+        assert block_bytes == self.kv_block_bytes(block_size), "the profiler plans the engine's layout"
+        per_token = -(-block_bytes // block_size)
         return BlockSizePoint(
             block_size, point.num_seqs, point.context_tokens, point.step_seconds, per_token, point.repeats
         )
@@ -224,7 +256,7 @@ class Profiler:
     def run(self) -> Measurements:
         """Run the three sweeps; the whole run is bounded by ``options.budget_seconds``."""
         free_before = self.platform.free_memory_bytes()
-        extra = MAX_REPEATS + 4  # tokens each sequence grows by while it is measured
+        extra = DECODE_TOKENS + 2  # tokens each sequence grows by while it is measured
         demands = ((max(DECODE_SEQS), self.context + extra), (BLOCK_SWEEP_SEQS, self.block_context + extra))
         engines = {16: self._engine(16, demands, self.prefill_sizes[-1])}
         self.prefill_point(engines[16], 16)  # warm-up, not recorded
@@ -256,6 +288,7 @@ class Profiler:
             prefill=tuple(prefill),
             decode=tuple(decode),
             block_sizes=tuple(blocks),
+            kv_block_bytes={size: self.kv_block_bytes(size) for size in sorted(BLOCK_SIZES)},
             budget_seconds=self.options.budget_seconds,
             elapsed_seconds=round(self.budget.elapsed(), 3),
             skipped=tuple(self.skipped),
@@ -263,7 +296,6 @@ class Profiler:
 
     def _model_facts(self, engine: LLMEngine) -> ModelFacts:
         mc = engine.model_config
-        tensors = [*engine.model.parameters(), *engine.model.buffers()]
         return ModelFacts(
             name=self.model_dir.name,
             dtype=str(engine.dtype).removeprefix("torch."),
@@ -271,7 +303,7 @@ class Profiler:
             num_heads=mc.num_heads,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
-            weight_bytes=sum(t.numel() * t.element_size() for t in tensors),
+            weight_bytes=model_bytes(engine.model),
             max_model_len=self.target_len,
         )
 

@@ -111,11 +111,18 @@ def choose_batched_tokens(
     cap = targets.max_prefill_step_seconds
     if knee.step_seconds > cap:
         capped = [p for p in ordered if p.step_seconds <= cap]
-        chosen = capped[-1] if capped else ordered[0]
-        reason += (
-            f"; capped to {chosen.num_tokens} tokens ({_ms(chosen.step_seconds)}) to keep a prefill step "
-            f"within {_ms(cap)}"
-        )
+        if capped:
+            chosen = capped[-1]
+            reason += (
+                f"; capped to {chosen.num_tokens} tokens ({_ms(chosen.step_seconds)}) to keep a prefill step "
+                f"within {_ms(cap)}"
+            )
+        else:
+            chosen = ordered[0]
+            reason += (
+                f"; no measured prefill step is within {_ms(cap)}: the smallest, {chosen.num_tokens} tokens "
+                f"({_ms(chosen.step_seconds)})"
+            )
     tokens = chosen.num_tokens
     if tokens < num_seqs:
         tokens = num_seqs
@@ -128,12 +135,9 @@ def kv_bytes_per_token(model: ModelFacts) -> int:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * DTYPE_BYTES[model.dtype]
 
 
-def choose_block_size(
-    points: tuple[BlockSizePoint, ...], model: ModelFacts, targets: Targets
-) -> tuple[int, int, str]:
-    """Returns (block size, KV bytes per token at that size, reason)."""
+def choose_block_size(points: tuple[BlockSizePoint, ...], targets: Targets) -> tuple[int, str]:
     if not points:
-        return 16, kv_bytes_per_token(model), "block sizes not measured (budget); the engine's default"
+        return 16, "block sizes not measured (budget); the engine's default"
     fastest = min(points, key=lambda p: p.decode_step_seconds)
     limit = fastest.decode_step_seconds * (1 + targets.block_size_tolerance)
     candidates = [p for p in points if p.decode_step_seconds <= limit]
@@ -146,7 +150,7 @@ def choose_block_size(
         f"{chosen.block_size} needs the least KV memory per token "
         f"({chosen.kv_bytes_per_token} B, padding included)"
     )
-    return chosen.block_size, chosen.kv_bytes_per_token, reason
+    return chosen.block_size, reason
 
 
 def _valid_tp_sizes(m: Measurements, targets: Targets) -> list[int]:
@@ -159,18 +163,21 @@ def _valid_tp_sizes(m: Measurements, targets: Targets) -> list[int]:
 
 
 def choose_memory(
-    m: Measurements, num_seqs: int, block_size: int, per_token: int, activation_bytes: int, targets: Targets
+    m: Measurements, num_seqs: int, block_size: int, block_bytes: int, activation_bytes: int, targets: Targets
 ) -> tuple[int, int, str, str]:
-    """Returns (TP size, KV cache bytes per card, TP reason, KV reason)."""
+    """Returns (TP size, KV cache bytes per card, TP reason, KV reason).
+
+    ``block_bytes``: one KV block of all layers on one card at TP 1, padding included.
+    """
     model, platform = m.model, m.platform
-    seq_tokens = -(-model.max_model_len // block_size) * block_size
+    blocks_per_seq = -(-model.max_model_len // block_size)
     budget = int(targets.memory_fraction * platform.memory_bytes_per_card)
     valid = _valid_tp_sizes(m, targets)
     for tp in valid:
-        per_card_token = per_token * max(1, model.num_kv_heads // tp) // model.num_kv_heads
+        card_block = -(-block_bytes * max(1, model.num_kv_heads // tp) // model.num_kv_heads)
         weights = -(-model.weight_bytes // tp)
         room = budget - weights - activation_bytes
-        one_seq = seq_tokens * per_card_token
+        one_seq = blocks_per_seq * card_block
         if room >= one_seq:
             break
     else:
@@ -192,8 +199,8 @@ def choose_memory(
     )
     kv_reason = (
         f"min(room left on a card: {size(room)}, KV of max_num_seqs={num_seqs} sequences of "
-        f"max_model_len={model.max_model_len}: {size(useful)}); holds {kv // per_card_token} tokens "
-        f"({kv / one_seq:.1f} full-length sequences) at {per_card_token} B/token per card"
+        f"max_model_len={model.max_model_len}: {size(useful)}); holds {kv // card_block * block_size} tokens "
+        f"({kv / one_seq:.1f} full-length sequences) at {card_block / block_size:g} B/token per card"
     )
     return tp, kv, tp_reason, kv_reason
 
@@ -209,9 +216,10 @@ def recommend(m: Measurements, targets: Targets | None = None) -> Recommendation
         raise TuningError("tune: no prefill or decode step was measured; raise --budget-s")
     num_seqs, seqs_reason = choose_num_seqs(m.decode, targets)
     tokens, prefill_point, tokens_reason = choose_batched_tokens(m.prefill, num_seqs, targets)
-    block_size, per_token, block_reason = choose_block_size(m.block_sizes, m.model, targets)
+    block_size, block_reason = choose_block_size(m.block_sizes, targets)
+    block_bytes = m.kv_block_bytes.get(block_size) or block_size * kv_bytes_per_token(m.model)
     activation = prefill_point.peak_memory_bytes or 0
-    tp, kv, tp_reason, kv_reason = choose_memory(m, num_seqs, block_size, per_token, activation, targets)
+    tp, kv, tp_reason, kv_reason = choose_memory(m, num_seqs, block_size, block_bytes, activation, targets)
     options = {
         "dtype": m.model.dtype,
         "max_model_len": m.model.max_model_len,

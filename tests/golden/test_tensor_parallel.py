@@ -1,0 +1,44 @@
+"""Tensor parallelism on CPU (gloo): TP=2 in FP32 equals TP=1 layer by layer (1e-5) and in tokens."""
+
+import pytest
+import torch
+
+from kunlun_runtime import LLM, SamplingParams
+from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.golden import capture_engine, compare, layer_names
+from kunlun_runtime.models.loader import load_model
+from kunlun_runtime.parallel.golden_tp import capture_tensor_parallel
+
+TOKENS = [(13 * i + 5) % 300 for i in range(40)]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+def test_tp2_layer_outputs_equal_tp1_within_1e5(tiny_model_dirs, name):
+    model_dir = tiny_model_dirs[name]
+    model, config = load_model(model_dir, torch.float32, torch.device("cpu"), 64)
+    single = capture_engine(model, TOKENS)
+    split = capture_tensor_parallel(model_dir, TOKENS, world=2)
+    rows = compare(split, single, layer_names(config.num_layers), tolerance=1e-5)
+    assert all(row.passed for row in rows), [(row.name, row.max_rel_err) for row in rows]
+    assert max(row.max_abs_err for row in rows) > 0  # really a different computation
+
+
+def test_tp2_engine_generates_the_same_tokens_and_logprobs(tiny_model_dirs):
+    model_dir = str(tiny_model_dirs["llama-gqa"])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": TOKENS}]
+    single = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB").generate(prompts, params)
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=2)
+    try:
+        split = llm.generate(prompts, params)
+    finally:
+        llm.engine.close()
+    for one, two in zip(single, split, strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        got = [lp.logprob for lp in two.outputs[0].logprobs]
+        assert got == pytest.approx([lp.logprob for lp in one.outputs[0].logprobs], abs=1e-5)
+
+
+def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(tiny_model_dirs):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 3 does not divide the model's num_attention_heads \(4\)"):
+        LLM(str(tiny_model_dirs["llama-gqa"]), dtype="float32", tensor_parallel_size=3)
