@@ -158,36 +158,25 @@ class Controller:
         existed_before = (
             previous.get("observedGeneration") == ref.generation and previous.get("phase") != "Failed"
         )
+        changes: list[Change] = []  # reported one by one: a pass failing half-way still tells what it did
         try:
-            changes = [
-                apply_object(
-                    self.client,
-                    obj,
-                    owner_uid=ref.uid,
-                    existed_before=existed_before,
-                    live_fields=plan.live_fields.get(obj["kind"], ()),
+            for obj in plan.apply:
+                live = plan.live_fields.get(obj["kind"], ())
+                change = apply_object(
+                    self.client, obj, owner_uid=ref.uid, existed_before=existed_before, live_fields=live
                 )
-                for obj in plan.apply
-            ]
+                changes.append(self._report(body, change))
         except OwnershipError as error:
             self._record_failure(ref, body, "NameConflict", str(error))
             self.post_event(body, "Warning", "NameConflict", str(error))
             raise ApiError(409, "NameConflict", str(error), call="apply") from None
-        changes += [
-            c
-            for kind in plan.delete
-            if (
-                c := delete_object(
-                    self.client,
-                    kind,
-                    ref.namespace,
-                    names.owned_name(ref.name, kind),
-                    owner_name=ref.name,
-                    owner_uid=ref.uid,
-                )
+        for kind in plan.delete:
+            name = names.owned_name(ref.name, kind)
+            change = delete_object(
+                self.client, kind, ref.namespace, name, owner_name=ref.name, owner_uid=ref.uid
             )
-        ]
-        self._report(body, changes)
+            if change is not None:
+                changes.append(self._report(body, change))
         if plan.status != previous:
             self.client.patch(
                 names.KIS,
@@ -218,36 +207,35 @@ class Controller:
     def cleanup(self, body: Mapping[str, Any]) -> list[Change]:
         """Delete every object the service owns (the finalizer's work on deletion)."""
         ref = parse_service_ref(body)
+        changes: list[Change] = []
         with self.lock(ref.namespace, ref.name):
-            changes = [
-                c
-                for kind in reversed(names.OWNED_KINDS)
-                if (
-                    kind not in names.MONITORING_KINDS
-                    or kind.plural in self.client.served_plurals(names.MONITORING_GROUP_VERSION)
+            served = self.client.served_plurals(names.MONITORING_GROUP_VERSION)
+            for kind in reversed(names.OWNED_KINDS):
+                if kind in names.MONITORING_KINDS and kind.plural not in served:
+                    continue
+                name = names.owned_name(ref.name, kind)
+                change = delete_object(
+                    self.client, kind, ref.namespace, name, owner_name=ref.name, owner_uid=ref.uid
                 )
-                if (
-                    c := delete_object(
-                        self.client,
-                        kind,
-                        ref.namespace,
-                        names.owned_name(ref.name, kind),
-                        owner_name=ref.name,
-                        owner_uid=ref.uid,
-                    )
-                )
-            ]
-        self._report(body, changes)
+                if change is not None:
+                    changes.append(self._report(body, change))
         self._phases.pop((ref.namespace, ref.name), None)
         self.metrics.set_phases(self._phases)
+        logger.info(
+            "cleaned up %s/%s: %s",
+            ref.namespace,
+            ref.name,
+            ", ".join(f"{c.kind} {c.action}" for c in changes) or "nothing to delete",
+        )
         return changes
 
-    def _report(self, body: Mapping[str, Any], changes: list[Change]) -> None:
-        for change in changes:
+    def _report(self, body: Mapping[str, Any], change: Change) -> Change:
+        """Count ``change`` and post its event (unchanged objects are neither)."""
+        if change.action in _CHANGE_EVENTS:
             self.metrics.object_changes.labels(kind=change.kind, action=change.action).inc()
-            if change.action in _CHANGE_EVENTS:
-                type_, reason, text = _CHANGE_EVENTS[change.action]
-                self.post_event(body, type_, reason, text.format(kind=change.kind, name=change.name))
+            type_, reason, text = _CHANGE_EVENTS[change.action]
+            self.post_event(body, type_, reason, text.format(kind=change.kind, name=change.name))
+        return change
 
     def _record_failure(self, ref: ServiceRef, body: Mapping[str, Any], reason: str, message: str) -> None:
         """Best effort: put the failure in ``status.lastFailure`` (the API may be failing too)."""

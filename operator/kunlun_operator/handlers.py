@@ -27,6 +27,7 @@ KIS = (names.GROUP, names.VERSION, names.PLURAL)
 WATCHED_OWNED_KINDS = (names.CONFIGMAP, names.SERVICE, names.DEPLOYMENT, names.PDB, names.HPA)
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
 log = logging.getLogger(__name__)
+STOP_POLL_SECONDS = 0.25  # how often a sleeping loop checks kopf's stop flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,7 @@ async def _sleep_until_woken(wake: asyncio.Event, stopped: Any, seconds: float) 
         if remaining <= 0:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), min(remaining, 1.0))
+            await asyncio.wait_for(wake.wait(), min(remaining, STOP_POLL_SECONDS))
 
 
 def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
@@ -123,7 +124,9 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
     ) -> dict[str, NodeFacts]:
         return {name: NodeFacts(name, dict(labels), bool(spec.get("unschedulable")))}
 
-    @kopf.daemon(*KIS, registry=registry, id="service_loop", cancellation_timeout=10)
+    @kopf.daemon(
+        *KIS, registry=registry, id="service_loop", cancellation_backoff=1.0, cancellation_timeout=10
+    )
     async def service_loop(
         namespace: str, name: str, stopped: Any, kunlun_nodes: kopf.Index, **_: Any
     ) -> None:
