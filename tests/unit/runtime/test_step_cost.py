@@ -1,0 +1,109 @@
+"""The online step-time model: features of a batch, an exact fit on noise-free synthetic steps,
+the sliding window following a change, non-negative slopes, and input that is not data."""
+
+import random
+
+import pytest
+
+from kunlun_runtime.step_cost import StepCostModel, StepFeatures, batch_features, chunk_features
+
+TRUE = (0.002, 1e-5, 3e-4, 1e-8)  # intercept, per prefill token, per decode, per attended token
+
+
+def synthetic_seconds(features, coefficients=TRUE):
+    return sum(c * x for c, x in zip(coefficients, features.row(), strict=True))
+
+
+def random_features(rng):
+    return StepFeatures(rng.randint(0, 2048), rng.randint(0, 64), rng.randint(0, 4_000_000))
+
+
+def test_a_one_token_chunk_is_a_decode_and_a_longer_one_is_prefill():
+    assert chunk_features(10, 1) == StepFeatures(0, 1, 11)
+    assert chunk_features(16, 8) == StepFeatures(8, 0, 8 * 24)
+    assert chunk_features(5, 0) == StepFeatures()
+
+
+def test_batch_features_sum_over_the_chunks():
+    expected = StepFeatures(128, 2, 100 * 100 + 41 + 8 + 28 * 128)
+    assert batch_features([(0, 100), (40, 1), (7, 1), (100, 28)]) == expected
+    assert batch_features([]) == StepFeatures()
+
+
+def test_nothing_is_predicted_before_the_first_observation():
+    model = StepCostModel()
+    assert model.coefficients is None
+    assert model.predict(StepFeatures(10, 1, 10)) is None
+
+
+def test_noise_free_steps_recover_the_coefficients_exactly():
+    model, rng = StepCostModel(), random.Random(0)
+    for _ in range(40):
+        features = random_features(rng)
+        model.observe(features, synthetic_seconds(features))
+    assert model.coefficients == pytest.approx(TRUE, rel=1e-6)
+    probe = StepFeatures(512, 16, 300_000)
+    assert model.predict(probe) == pytest.approx(0.002 + 512e-5 + 16 * 3e-4 + 300_000e-8, rel=1e-6)
+
+
+def test_the_window_forgets_old_steps_and_follows_a_slower_device():
+    model, rng = StepCostModel(window=32), random.Random(1)
+    for _ in range(32):
+        features = random_features(rng)
+        model.observe(features, synthetic_seconds(features))
+    slower = tuple(2 * c for c in TRUE)
+    for _ in range(32):
+        features = random_features(rng)
+        model.observe(features, synthetic_seconds(features, slower))
+    assert model.num_observations == 32
+    assert model.coefficients == pytest.approx(slower, rel=1e-6)
+
+
+def test_running_sums_stay_exact_over_many_rebuilds():
+    model, rng = StepCostModel(window=8), random.Random(2)
+    for _ in range(1000):
+        features = random_features(rng)
+        model.observe(features, synthetic_seconds(features))
+    assert model.coefficients == pytest.approx(TRUE, rel=1e-6)
+
+
+def test_a_slope_that_fits_negative_is_dropped_and_the_rest_refit():
+    # Steps get faster with more decodes in this (noisy-looking) data: the decode term is set to 0
+    # and the others are refit without it; nothing in the model ever rewards a bigger batch.
+    model = StepCostModel()
+    points = [
+        (StepFeatures(0, 1, 0), 0.010),
+        (StepFeatures(0, 9, 0), 0.002),
+        (StepFeatures(100, 0, 0), 0.020),
+    ]
+    for features, seconds in points * 3:
+        model.observe(features, seconds)
+    c0, c_prefill, c_decode, c_attend = model.coefficients
+    assert (c_decode, c_attend) == (0.0, 0.0)
+    # Least squares of (0.010, 0.002, 0.020) on intercept + prefill: intercept = mean of the two
+    # decode-only steps, prefill slope from the third.
+    assert c0 == pytest.approx(0.006, rel=1e-6)
+    assert c_prefill == pytest.approx(0.014 / 100, rel=1e-6)
+
+
+def test_only_decodes_seen_still_predicts_them_and_is_monotone():
+    model = StepCostModel()
+    for _ in range(20):
+        model.observe(StepFeatures(0, 8, 800), 0.02)
+    assert model.predict(StepFeatures(0, 8, 800)) == pytest.approx(0.02, rel=1e-6)
+    bigger = model.predict(StepFeatures(256, 8, 800 + 256 * 256))
+    assert bigger >= model.predict(StepFeatures(0, 8, 800))
+    assert all(c >= 0.0 for c in model.coefficients)
+
+
+@pytest.mark.parametrize("bad", [-0.001, float("nan"), float("inf")])
+def test_negative_or_non_finite_times_are_not_data(bad):
+    model = StepCostModel()
+    model.observe(StepFeatures(0, 1, 1), bad)
+    assert model.num_observations == 0
+    assert model.coefficients is None
+
+
+def test_a_window_below_one_is_refused():
+    with pytest.raises(ValueError, match="window"):
+        StepCostModel(window=0)
