@@ -3,6 +3,7 @@ telemetry, and detect()."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import psutil
@@ -140,3 +141,12 @@ def test_cpu_telemetry_is_sane() -> None:
     assert 0 < platform.free_memory_bytes() <= platform.total_memory_bytes()
     assert platform.versions() == Versions(compute_library=f"torch-{torch.__version__}")
     assert platform.cache_line_bytes in (32, 64, 128, 256)
+
+
+def test_gpu_check_script_is_valid_bash_and_python(tmp_path: Path) -> None:
+    # benchmarks/gpu_check.sh needs a GPU to run; here only its syntax (bash, and the Python it feeds)
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+    text = script.read_text()
+    python = text.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    compile(python, f"{script}:python", "exec")
