@@ -203,11 +203,18 @@ def run_preflight_command(args: argparse.Namespace) -> int:
     source = XpuSource(args.xpu_smi, args.dev_root, args.kml_version_file or None)
     expected = {"driver": args.expect_driver, "firmware": args.expect_firmware, "kml": args.expect_kml}
     try:
-        visible = visible_card_indices()
-    except ConfigError as error:
-        print(f"preflight failed: {error}", file=sys.stderr)
-        return 1
-    report = run_preflight(source, expected, visible, min_cards=args.min_cards)
+        report = run_preflight(source, expected, visible_card_indices(), min_cards=args.min_cards)
+    except ConfigError as error:  # a malformed XPU_VISIBLE_DEVICES: nothing was read
+        report = PreflightReport(
+            ok=False,
+            reason=str(error),
+            xpu_smi=source.xpu_smi,
+            dev_root=str(source.root),
+            visible_devices=None,
+            expected=expected,
+            found=dict.fromkeys(("driver", "runtime", "firmware", "kml")),
+            cards=(),
+        )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     if not report.ok:

@@ -156,7 +156,10 @@ class KunlunPlatform(Platform):
         """Cards this process may use: those in ``XPU_VISIBLE_DEVICES``, else all that xpu-smi lists."""
         if self.visible is not None:
             return len(self.visible)
-        return len(self.source.telemetry().cards)
+        try:
+            return len(self.source.telemetry().cards)
+        except XpuError as error:
+            raise ConfigError(f"device: cannot count the Kunlun cards: {error}", field="device") from error
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.bfloat16, torch.float16)

@@ -32,9 +32,10 @@ from kunlun_runtime.engine import LLMEngine, resolve_dtype, resolve_model_dir
 from kunlun_runtime.kv.block_layout import build_block_layout
 from kunlun_runtime.kv.cache import KVCacheSpec
 from kunlun_runtime.models.model_config import load_model_config
-from kunlun_runtime.platforms import Platform, detect
+from kunlun_runtime.platforms import detect
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.tuning.budget import Budget
+from kunlun_runtime.tuning.facts import count_cards, model_bytes
 from kunlun_runtime.tuning.measurements import (
     BlockSizePoint,
     DecodePoint,
@@ -68,34 +69,6 @@ class ProfileOptions:
     max_model_len: int | None = None  # the context length to plan KV memory for (default: the model's)
     budget_seconds: float = 60.0
     seed: int = 0
-
-
-def count_cards(platform: Platform) -> int:
-    """Cards this process may use: CPU 1, CUDA the visible devices, Kunlun the visible cards."""
-    if platform.name == "kunlun":
-        return platform.num_cards()  # type: ignore[attr-defined]
-    if platform.name == "cuda":
-        return torch.cuda.device_count()
-    return 1
-
-
-def model_bytes(model: torch.nn.Module) -> int:
-    """Memory of every tensor the model holds: parameters, buffers and plain tensor attributes
-    (prepacked linear weights live there), each storage counted once."""
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        attributes = (value for value in vars(module).values() if isinstance(value, torch.Tensor))
-        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attributes):
-            if tensor.is_mkldnn:  # opaque blocked layout: no shared storage to look through
-                key, size = id(tensor), tensor.numel() * tensor.element_size()
-            else:
-                storage = tensor.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-            if key not in seen:
-                seen.add(key)
-                total += size
-    return total
 
 
 class Profiler:

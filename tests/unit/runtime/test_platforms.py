@@ -83,6 +83,8 @@ def test_kunlun_readings_are_none_when_xpu_smi_fails(host: str) -> None:
     assert platform.versions() == Versions()
     with pytest.raises(ConfigError, match="cannot read the memory of card 0 from xpu-smi"):
         platform.total_memory_bytes()
+    with pytest.raises(ConfigError, match="device: cannot count the Kunlun cards: "):
+        platform.num_cards()
 
 
 def test_kunlun_card_not_listed_gives_no_readings() -> None:

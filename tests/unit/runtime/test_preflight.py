@@ -87,9 +87,10 @@ def test_only_visible_cards_are_checked(
         "preflight failed: XPU_VISIBLE_DEVICES names card(s) [9] that xpu-smi does not list"
     ]
     monkeypatch.setenv("XPU_VISIBLE_DEVICES", "a")
-    assert run(capsys, preflight("p800-8"))[2] == [
-        "preflight failed: XPU_VISIBLE_DEVICES: expected comma-separated card indices, got 'a'"
-    ]
+    code, out, err = run(capsys, [*preflight("p800-8"), "--json"])
+    reason = "XPU_VISIBLE_DEVICES: expected comma-separated card indices, got 'a'"
+    assert (code, err) == (1, [f"preflight failed: {reason}"])
+    assert json.loads(out)["reason"] == reason
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from kunlun_device.xpu import XpuSource
 from kunlun_runtime.config_file import load_engine_options
 from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.platforms import CpuPlatform
+from kunlun_runtime.platforms.kunlun import KunlunPlatform
 from kunlun_runtime.tuning import Measurements, Targets, TuningError, recommend
 from kunlun_runtime.tuning.budget import Budget
 from kunlun_runtime.tuning.cli import build_document
+from kunlun_runtime.tuning.facts import count_cards, model_bytes
 from kunlun_runtime.tuning.measurements import (
     BlockSizePoint,
     DecodePoint,
@@ -255,3 +260,18 @@ def test_bad_files_name_the_key(tmp_path: Path, data: object, field: str, messag
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read"):
         load_engine_options(tmp_path / "nope.yaml")
+
+
+def test_model_bytes_counts_every_held_tensor_once() -> None:
+    layer = torch.nn.Linear(8, 4, bias=False)  # 32 floats
+    layer.register_buffer("scale", torch.ones(4))  # 4 floats
+    layer.shared = layer.weight.detach()  # same storage as the weight: not counted again
+    layer.packed = torch.zeros(10, dtype=torch.bfloat16)  # a plain tensor attribute: counted
+    model = torch.nn.Sequential(layer, torch.nn.Sequential(layer))  # the same module twice: once
+    assert model_bytes(model) == 32 * 4 + 4 * 4 + 10 * 2
+
+
+def test_card_count_of_cpu_and_kunlun_fixture_host() -> None:
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "xpu" / "p800-8"
+    kunlun = KunlunPlatform(XpuSource(str(fixture / "xpu-smi"), fixture / "root"), env={})
+    assert (count_cards(CpuPlatform()), count_cards(kunlun)) == (1, 8)

@@ -1,0 +1,41 @@
+"""Facts the profiler reads off the platform and the loaded model: card count and model memory.
+
+Owns the two questions the ``Platform`` interface does not answer directly. Reads only; measures
+no time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kunlun_runtime.platforms import Platform
+
+
+def count_cards(platform: Platform) -> int:
+    """Cards this process may use: CPU 1, CUDA the visible devices, Kunlun the visible cards."""
+    if platform.name == "kunlun":
+        return platform.num_cards()  # type: ignore[attr-defined]
+    if platform.name == "cuda":
+        return torch.cuda.device_count()
+    return 1
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Memory of every tensor the model holds: parameters, buffers and plain tensor attributes
+    (prepacked linear weights live there), each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        attributes = (value for value in vars(module).values() if isinstance(value, torch.Tensor))
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False), *attributes):
+            if tensor.is_mkldnn:  # opaque blocked layout: no shared storage to look through
+                key, size = id(tensor), tensor.numel() * tensor.element_size()
+            else:
+                storage = tensor.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+            if key not in seen:
+                seen.add(key)
+                total += size
+    return total
+
+
