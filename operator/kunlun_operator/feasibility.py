@@ -2,7 +2,7 @@
 
 Owns: the memory estimate the admission webhook reports (with its numbers) and the startup-probe
 budget that grows with model size. Pure; a rough, documented estimate, not a profiler:
-weights = parameters × bytes per parameter (2 for 16-bit, 4 for float32, 1 for int8/w8a8);
+weights = parameters × bytes per parameter (2 for 16-bit, 4 for float32, 1 for int8);
 KV cache = 2 × layers × KV heads × head dim × 2 bytes × maxModelLen; usable memory = 90 % of
 xpus × card memory (the rest is activations, the runtime and fragmentation).
 """
@@ -52,7 +52,7 @@ class MemoryEstimate:
 
 
 def bytes_per_parameter(spec: InferenceSpec) -> float:
-    if spec.runtime.quantization in ("int8", "w8a8"):
+    if spec.runtime.quantization == "int8":
         return 1.0
     return 4.0 if spec.runtime.dtype == "float32" else 2.0
 

@@ -25,7 +25,7 @@ from kunlun_operator.spec_fields import (
 
 POLICIES = ("Strict", "Warn", "Off")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = ("int8", "w8a8")
+QUANTIZATIONS = ("int8",)  # what `kunlun-runtime serve --quantization` accepts
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 METRICS = ("requestsWaiting", "requestsRunning", "kvCacheUsage")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")

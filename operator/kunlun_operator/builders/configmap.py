@@ -45,8 +45,10 @@ def runtime_flags(spec: InferenceSpec, model_path: str) -> list[tuple[str, Any]]
         ),
     ]
     flags += [(flag, value) for flag, value in optional if value is not None]
-    if rt.enable_prefix_caching:
-        flags.append(("--enable-prefix-caching", None))
+    if rt.enable_prefix_caching is not None:  # unset: the runtime's default
+        flags.append(
+            ("--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching", None)
+        )
     return flags
 
 

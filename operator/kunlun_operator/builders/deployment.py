@@ -150,6 +150,8 @@ def _init_containers(spec: InferenceSpec, image: str, *, image_volumes: bool) ->
                     v.firmware,
                     "--expect-kml",
                     v.kml,
+                    "--min-cards",
+                    xpus,
                 ],
                 "resources": {"requests": {names.RESOURCE_NAME: xpus}, "limits": {names.RESOURCE_NAME: xpus}},
                 "securityContext": dict(RESTRICTED_CONTAINER),

@@ -111,6 +111,8 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
                                 "1.3.8",
                                 "--expect-kml",
                                 "3.2.0",
+                                "--min-cards",
+                                "1",
                             ],
                             "resources": {
                                 "requests": {"kunlunxin.com/xpu": "1"},
@@ -211,14 +213,14 @@ def test_runtime_args_map_every_engine_knob_to_its_vllm_flag() -> None:
         make_raw_spec(
             runtime={
                 "dtype": "bfloat16",
-                "quantization": "w8a8",
+                "quantization": "int8",
                 "maxModelLen": 4096,
                 "maxNumSeqs": 32,
                 "maxNumBatchedTokens": 8192,
                 "blockSize": 32,
                 "kvCacheMemory": "2Gi",
                 "tensorParallelSize": 2,
-                "enablePrefixCaching": True,
+                "enablePrefixCaching": False,
                 "extraArgs": ["--seed=1"],
             },
             resources={"xpus": 2},
@@ -237,7 +239,7 @@ def test_runtime_args_map_every_engine_knob_to_its_vllm_flag() -> None:
         "--tensor-parallel-size",
         "2",
         "--quantization",
-        "w8a8",
+        "int8",
         "--max-model-len",
         "4096",
         "--max-num-seqs",
@@ -248,7 +250,7 @@ def test_runtime_args_map_every_engine_knob_to_its_vllm_flag() -> None:
         "32",
         "--kv-cache-memory",
         str(2 * 2**30),
-        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
         "--seed=1",
     ]
 
@@ -406,3 +408,22 @@ def test_every_built_object_is_valid_for_kubernetes(example: str, k8s_version: s
         kubernetes_validate.validate(obj, k8s_version, strict=True)
         kinds.add(obj["kind"])
     assert kinds <= BUILT_IN_KINDS and {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"} <= kinds
+
+
+def test_the_runtime_cli_accepts_every_command_the_operator_builds() -> None:
+    """The contract with kunlun-runtime: its own parser takes our serve and preflight arguments."""
+    runtime_cli = pytest.importorskip("kunlun_runtime.cli", reason="the runtime package is not importable")
+    parser = runtime_cli.build_parser()
+    raws = [load_example(name)["spec"] for name in example_names()]
+    raws.append(
+        make_raw_spec(runtime={"enablePrefixCaching": False, "kvCacheMemory": "2Gi", "blockSize": 32})
+    )
+    for raw in raws:
+        deployment = desired_objects(make_ref(), parse_spec(raw), make_facts(), IMAGE)[0][2]
+        pod = deployment["spec"]["template"]["spec"]
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            if container["command"] == ["kunlun-runtime"]:
+                args = parser.parse_args(container["args"])
+                assert args.command == container["args"][0]
+        serve = parser.parse_args(pod["containers"][0]["args"])
+        assert (serve.port, serve.served_model_name) == (8000, raw["model"]["name"])
