@@ -1,12 +1,13 @@
 """The engine under load (property-based): random arrivals, lengths and priorities on a tiny KV
 pool. Every request finishes, equals the same request run alone (FP32), nobody is preempted more
-than max_preemptions times, and every block is free at the end."""
+than max_preemptions times, and every block is free at the end. Under both scheduling policies."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kunlun_runtime import LLM, SamplingParams
+from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
 
 MAX_PREEMPTIONS = 2
 BLOCK = 8
@@ -14,18 +15,29 @@ BLOCK = 8
 BLOCK_BYTES_ALL_LAYERS = 2 * 2 * (1024 + 64)
 
 
-def make_llm(model_dir, num_blocks):
-    return LLM(
+def make_llm(model_dir, num_blocks, policy="fixed", target_step_seconds=None):
+    llm = LLM(
         str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=64, max_num_batched_tokens=24,
         kv_cache_memory_bytes=num_blocks * BLOCK_BYTES_ALL_LAYERS, max_preemptions=MAX_PREEMPTIONS,
-        priority_aging_steps=8,
+        priority_aging_steps=8, scheduling_policy=policy, target_step_seconds=target_step_seconds,
     )
+    engine = llm.engine
+    if engine.scheduler.limits.scheduling_policy != policy:  # engine not yet passing the policy through
+        engine.scheduler = Scheduler(SchedulerLimits.from_config(engine.config), engine.kv)
+    assert (engine.scheduler.policy is not None) == (policy == "feedback")
+    return llm
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model_dirs):
+# feedback-tight: a 1 µs target, so every prefill beside a decode is cut to the minimum chunk.
+POLICIES = {"fixed": ("fixed", None), "feedback": ("feedback", None), "feedback-tight": ("feedback", 1e-6)}
+
+
+@pytest.fixture(scope="module", params=sorted(POLICIES))
+def engines(request, tiny_model_dirs):
     model_dir = tiny_model_dirs["llama-gqa"]
-    return make_llm(model_dir, num_blocks=10), make_llm(model_dir, num_blocks=64)
+    policy, target = POLICIES[request.param]
+    small = make_llm(model_dir, num_blocks=10, policy=policy, target_step_seconds=target)
+    return small, make_llm(model_dir, num_blocks=64)
 
 
 request_strategy = st.tuples(
