@@ -149,7 +149,7 @@ def run_preflight(
     except XpuToolMissingError as error:
         problems.append(f"{error} (install the Kunlun driver tools or pass --xpu-smi / set {XPU_SMI_ENV})")
     except XpuError as error:
-        problems.append(f"cannot read the cards: {error}")
+        problems.append(f"cannot read the node: {error}")
     return PreflightReport(
         ok=not problems,
         reason="; ".join(p.replace("\n", " ") for p in problems) or None,

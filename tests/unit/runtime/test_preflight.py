@@ -112,7 +112,7 @@ def test_unreadable_output_fails(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, preflight("garbage"))
     assert code == 1
     assert len(err) == 1
-    assert err[0].startswith("preflight failed: cannot read the cards: xpu-smi: unexpected cell 'lots of MiB")
+    assert err[0].startswith("preflight failed: cannot read the node: xpu-smi: unexpected cell 'lots of MiB")
 
 
 def test_cards_with_different_firmware_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
