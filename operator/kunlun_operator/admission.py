@@ -56,13 +56,16 @@ def review(raw_spec: Mapping[str, Any] | None, matrix: Matrix, default_image: st
 def _memory_finding(spec: InferenceSpec, matrix: Matrix) -> SpecError | None:
     cards = matrix.card_memory_bytes
     product = spec.resources.xpu_product
-    if product is not None and product not in cards:
-        return SpecError(
-            "spec.resources.xpuProduct",
-            f"card {product} is not in the matrix's card table; memory feasibility not checked",
-            reason="UnknownProduct",
-        )
-    card_memory = cards[product] if product is not None else max(cards.values(), default=0)
+    if product is None:
+        card_memory = max(cards.values(), default=0)
+    else:
+        card_memory = card_memory_of(cards, product)
+        if card_memory is None:
+            return SpecError(
+                "spec.resources.xpuProduct",
+                f"card {product} is not in the matrix's card table; memory feasibility not checked",
+                reason="UnknownProduct",
+            )
     if not card_memory:
         return None
     estimate = estimate_memory(spec, card_memory)
@@ -74,3 +77,9 @@ def _memory_finding(spec: InferenceSpec, matrix: Matrix) -> SpecError | None:
         f"the model does not fit {spec.resources.xpus} × {card}: {estimate.describe()}",
         reason="InsufficientMemory",
     )
+
+
+def card_memory_of(cards: Mapping[str, int], product: str) -> int | None:
+    """Memory of ``product`` (a ``kunlun.dev/xpu.product`` value like ``P800-OAM``): its own entry,
+    else its family's (``P800``)."""
+    return cards.get(product, cards.get(product.split("-", 1)[0]))

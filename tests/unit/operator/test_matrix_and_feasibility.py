@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kunlun_operator.admission import card_memory_of, review
 from kunlun_operator.feasibility import GiB, estimate_memory, startup_budget_seconds
 from kunlun_operator.matrix import as_dict, check_versions, load_default_matrix, parse_matrix, runtime_version
 from kunlun_operator.spec import VersionsSpec, parse_spec
@@ -82,3 +83,18 @@ def test_startup_budget_grows_with_model_size() -> None:
     assert budget(parameters="135M") == 305  # 0.25 GiB of bf16 weights
     assert budget(parameters="7B") == 561
     assert budget(parameters="405B") == 3600
+
+
+def test_admission_finds_a_card_by_label_value_or_family_and_reports_the_numbers() -> None:
+    matrix = load_default_matrix()
+    assert card_memory_of(matrix.card_memory_bytes, "P800-OAM") == 96 * GiB
+    assert card_memory_of(matrix.card_memory_bytes, "X9") is None
+    big = make_raw_spec(
+        model={"name": "m", "source": {"hostPath": {"path": "/m"}}, "parameters": "70B"},
+        resources={"xpuProduct": "P800-OAM"},
+    )
+    verdict = review(big, matrix, "rt:0.1.0")
+    assert (verdict.denial.field, verdict.denial.reason) == ("spec.resources.xpus", "InsufficientMemory")
+    assert review({**big, "resources": {"xpus": 2, "xpuProduct": "P800-OAM"}}, matrix, "rt:0.1.0").allowed
+    unknown = review({**big, "resources": {"xpuProduct": "X9"}}, matrix, "rt:0.1.0")
+    assert unknown.allowed and unknown.warnings[0].startswith("spec.resources.xpuProduct: card X9")
