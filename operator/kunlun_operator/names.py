@@ -94,10 +94,6 @@ class Kind:
     kind: str  # "Deployment"
     plural: str  # "deployments"
 
-    @property
-    def group(self) -> str:
-        return self.api_version.rpartition("/")[0]
-
 
 CONFIGMAP = Kind("v1", "ConfigMap", "configmaps")
 SERVICE = Kind("v1", "Service", "services")

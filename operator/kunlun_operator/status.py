@@ -13,7 +13,6 @@ from typing import Any
 
 PENDING, PROGRESSING, READY, DEGRADED, FAILED = "Pending", "Progressing", "Ready", "Degraded", "Failed"
 PHASES = (PENDING, PROGRESSING, READY, DEGRADED, FAILED)
-CONDITION_TYPES = ("Ready", "Progressing", "VersionsCompatible", "DevicesAvailable", "ModelAvailable")
 
 
 @dataclass(frozen=True, slots=True)
