@@ -78,7 +78,7 @@ class Controller:
         self.metrics = metrics
         self.post_event = post_event
         self.clock = clock
-        self._default_matrix = load_default_matrix()
+        self.default_matrix = load_default_matrix()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._phases: dict[tuple[str, str], str] = {}
@@ -88,15 +88,22 @@ class Controller:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
     def load_matrix(self) -> Matrix:
-        """The matrix ConfigMap (``--compatibility-configmap``), else the packaged default."""
+        """The matrix ConfigMap (``--compatibility-configmap``), else the packaged default (also when
+        the ConfigMap is absent or malformed; the latter is logged as an error)."""
         if self.config.matrix_configmap is None:
-            return self._default_matrix
+            return self.default_matrix
         namespace, name = self.config.matrix_configmap
         configmap = self.client.get(names.CONFIGMAP, namespace, name)
         text = ((configmap or {}).get("data") or {}).get(MATRIX_KEY)
         if text is None:
-            return self._default_matrix
-        return merge_cards(parse_matrix(text, source=f"ConfigMap {namespace}/{name}"), self._default_matrix)
+            return self.default_matrix
+        try:
+            return merge_cards(
+                parse_matrix(text, source=f"ConfigMap {namespace}/{name}"), self.default_matrix
+            )
+        except ValueError as error:
+            logger.error("%s; using the packaged compatibility matrix", error)
+            return self.default_matrix
 
     def read_facts(
         self, ref: ServiceRef, spec: Mapping[str, Any], nodes: Iterable[NodeFacts]

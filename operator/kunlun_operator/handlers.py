@@ -66,11 +66,10 @@ def node_facts(index: Mapping[Any, Any]) -> tuple[NodeFacts, ...]:
     return tuple(fact for store in index.values() for fact in store)
 
 
-def _kunlun_fingerprint(labels: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[Any, ...]:
-    return (
-        tuple(sorted((k, v) for k, v in labels.items() if k.startswith("kunlun.dev/"))),
-        bool(spec.get("unschedulable")),
-    )
+def _node_fingerprint(labels: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What of a node the services depend on: its labels (versions, product, count, and whatever a
+    ``scheduling.nodeSelector`` names) and whether it is schedulable. Status heartbeats are not."""
+    return tuple(sorted(labels.items())), bool(spec.get("unschedulable"))
 
 
 async def _sleep_until_woken(wake: asyncio.Event, stopped: Any, seconds: float) -> None:
@@ -148,6 +147,12 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
                     attempt,
                     delay,
                 )
+            except Exception:  # a bug must not stop the loop: log it and retry with backoff
+                attempt += 1
+                delay = config.retry_delay(attempt)
+                log.exception(
+                    "reconcile of %s/%s crashed; retry %d in %.1fs", namespace, name, attempt, delay
+                )
             await _sleep_until_woken(wake, stopped, delay)
         wakers.forget(namespace, name)
 
@@ -183,11 +188,11 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         spec: Mapping[str, Any],
         **_: Any,
     ) -> None:
-        fingerprint = () if type == "DELETED" else _kunlun_fingerprint(labels, spec)
+        fingerprint = () if type == "DELETED" else _node_fingerprint(labels, spec)
         before = node_prints.get(name)
         node_prints[name] = fingerprint
         if type is not None and before != fingerprint:
-            log.info("Kunlun labels of node %s changed; re-checking every service", name)
+            log.info("node %s changed (labels or schedulability); re-checking every service", name)
             wakers.wake_all()
 
     @kopf.on.delete(*KIS, registry=registry, id="cleanup")
@@ -203,7 +208,12 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
 
         @kopf.on.validate(*KIS, id="validate-kis", registry=registry)
         def validate_kis(spec: Mapping[str, Any], warnings: list[str], **_: Any) -> None:
-            verdict = admission.review(dict(spec), controller.load_matrix(), controller.config.default_image)
+            try:
+                matrix = controller.load_matrix()
+            except ApiError as error:  # do not block admission on a flaky read: use the packaged copy
+                matrix = controller.default_matrix
+                warnings.append(f"compatibility matrix not readable ({error}); the packaged matrix was used")
+            verdict = admission.review(dict(spec), matrix, controller.config.default_image)
             warnings.extend(verdict.warnings)
             result = "denied" if not verdict.allowed else "warned" if verdict.warnings else "allowed"
             controller.metrics.admission_reviews.labels(result=result).inc()
