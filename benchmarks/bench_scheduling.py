@@ -1,0 +1,232 @@
+"""Scheduling benchmark: the ``fixed`` policy vs ``feedback`` on a mixed workload, side by side.
+
+The workload is open-loop: short chats (a shared system prompt plus a short question) and long
+documents arrive over time at a seeded random (Poisson) rate; every request has a fixed output
+length (``ignore_eos``). Each repetition runs the same workload on both policies, alternating which
+goes first, in one process (these machines are shared and noisy: only ratios from one run mean
+anything). Reports p50/p99 time to first token, p99 inter-token latency and output throughput per
+policy over all repetitions, and feedback/fixed ratios.
+
+    .venv/bin/python benchmarks/bench_scheduling.py                      # embedded SmolLM2
+    .venv/bin/python benchmarks/bench_scheduling.py --quick --model DIR  # smoke run (the test suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+POLICIES = ("fixed", "feedback")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    request_id: str
+    kind: str  # "chat" | "doc"
+    arrival_seconds: float
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    num_requests: int
+    rate_per_second: float
+    doc_fraction: float
+    system_tokens: int
+    chat_tokens: tuple[int, int]
+    doc_tokens: tuple[int, int]
+    chat_output: tuple[int, int]
+    doc_output: tuple[int, int]
+
+
+FULL = Shape(32, 1.2, 0.2, 48, (16, 120), (700, 1400), (24, 64), (16, 32))
+QUICK = Shape(8, 50.0, 0.25, 8, (4, 12), (40, 80), (3, 6), (2, 4))
+
+
+def build_workload(shape: Shape, seed: int, vocab_size: int) -> list[Job]:
+    """A seeded mix of chats and documents with exponential inter-arrival times."""
+    rng = random.Random(seed)
+    system = [rng.randrange(100, vocab_size) for _ in range(shape.system_tokens)]
+    jobs, clock = [], 0.0
+    for index in range(shape.num_requests):
+        clock += rng.expovariate(shape.rate_per_second)
+        if rng.random() < shape.doc_fraction:
+            prompt = [rng.randrange(100, vocab_size) for _ in range(rng.randint(*shape.doc_tokens))]
+            jobs.append(Job(f"doc-{index}", "doc", clock, tuple(prompt), rng.randint(*shape.doc_output)))
+        else:
+            question = [rng.randrange(100, vocab_size) for _ in range(rng.randint(*shape.chat_tokens))]
+            jobs.append(
+                Job(f"chat-{index}", "chat", clock, tuple(system + question), rng.randint(*shape.chat_output))
+            )
+    return jobs
+
+
+@dataclass(slots=True)
+class RunResult:
+    ttft_seconds: dict[str, float] = field(default_factory=dict)  # request id → time to first token
+    gaps_seconds: list[float] = field(default_factory=list)  # every inter-token gap of every request
+    num_output_tokens: int = 0
+    makespan_seconds: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        return self.num_output_tokens / self.makespan_seconds
+
+
+def run_workload(engine, jobs: list[Job], tag: str) -> RunResult:
+    """Feed ``jobs`` to the engine at their arrival times and step it until all have finished."""
+    from kunlun_runtime import SamplingParams
+
+    result, pending, last = RunResult(), list(jobs), {}
+    arrival = {f"{tag}-{job.request_id}": job.arrival_seconds for job in jobs}
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_seconds <= now:
+            job = pending.pop(0)
+            params = SamplingParams(temperature=0, max_tokens=job.max_tokens, ignore_eos=True)
+            engine.add_request(
+                f"{tag}-{job.request_id}", {"prompt_token_ids": list(job.prompt_token_ids)}, params
+            )
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(pending[0].arrival_seconds - now, 0.05)))  # idle until the next arrival
+            continue
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        for output in outputs:
+            rid = output.request_id
+            result.num_output_tokens += len(output.new_token_ids)
+            if rid in last:
+                result.gaps_seconds.append(now - last[rid])
+            else:
+                result.ttft_seconds[rid.removeprefix(f"{tag}-")] = now - arrival[rid]
+            last[rid] = now
+    result.makespan_seconds = time.perf_counter() - start
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(runs: list[RunResult], jobs_per_rep: list[list[Job]]) -> dict[str, float]:
+    ttft = [t for run in runs for t in run.ttft_seconds.values()]
+    kinds = {job.request_id: job.kind for jobs in jobs_per_rep for job in jobs}
+    chat = [t for run in runs for rid, t in run.ttft_seconds.items() if kinds[rid] == "chat"]
+    doc = [t for run in runs for rid, t in run.ttft_seconds.items() if kinds[rid] == "doc"]
+    gaps = [g for run in runs for g in run.gaps_seconds]
+    return {
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "ttft_chat_p50_s": percentile(chat, 0.5) if chat else float("nan"),
+        "ttft_doc_p50_s": percentile(doc, 0.5) if doc else float("nan"),
+        "itl_p50_s": percentile(gaps, 0.5),
+        "itl_p99_s": percentile(gaps, 0.99),
+        "throughput_tok_s": statistics.median(run.throughput for run in runs),
+    }
+
+
+def make_llm(model: str | None, policy: str, args: argparse.Namespace):
+    from kunlun_runtime import LLM
+    from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
+
+    options = {"scheduling_policy": policy, "max_num_batched_tokens": args.max_num_batched_tokens}
+    if policy == "feedback" and args.target_step_seconds is not None:
+        options["target_step_seconds"] = args.target_step_seconds
+    if args.dtype:
+        options["dtype"] = args.dtype
+    llm = LLM(model, **options)
+    engine = llm.engine
+    if engine.scheduler.limits.scheduling_policy != policy:  # engine not yet passing the policy through
+        engine.scheduler = Scheduler(SchedulerLimits.from_config(engine.config), engine.kv)
+    return llm
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF-format model directory (default: embedded SmolLM2)")
+    parser.add_argument("--quick", action="store_true", help="tiny workload, one repetition (smoke test)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per repetition")
+    parser.add_argument("--rate", type=float, default=None, help="arrivals per second")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: steadier on shared machines)"
+    )
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--target-step-seconds", type=float, default=None, help="feedback target (default: derived)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape = QUICK if args.quick else FULL
+    if args.requests is not None or args.rate is not None:
+        shape = Shape(args.requests or shape.num_requests, args.rate or shape.rate_per_second, *_tail(shape))
+    reps = args.reps or (1 if args.quick else 3)
+
+    llms = {policy: make_llm(args.model, policy, args) for policy in POLICIES}
+    vocab_size = llms["fixed"].engine.model_config.vocab_size
+    warmup = build_workload(QUICK, seed=10_000, vocab_size=vocab_size)
+    for policy, llm in llms.items():
+        run_workload(llm.engine, warmup, f"warmup-{policy}")  # also gives feedback its first steps
+    runs: dict[str, list[RunResult]] = {policy: [] for policy in POLICIES}
+    workloads = []
+    for rep in range(reps):
+        jobs = build_workload(shape, seed=args.seed + rep, vocab_size=vocab_size)
+        workloads.append(jobs)
+        order = POLICIES if rep % 2 == 0 else tuple(reversed(POLICIES))
+        for policy in order:
+            llms[policy].engine.block_pool.reset_prefix_cache()
+            runs[policy].append(run_workload(llms[policy].engine, jobs, f"{policy}-{rep}"))
+            print(f"rep {rep} {policy}: {runs[policy][-1].makespan_seconds:.1f} s", file=sys.stderr)
+    summary = {policy: summarize(runs[policy], workloads) for policy in POLICIES}
+    ratios = {key: summary["feedback"][key] / summary["fixed"][key] for key in summary["fixed"]}
+    print_table(summary, ratios, shape, reps, args)
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"shape": shape_dict(shape), "reps": reps, **summary, "ratio": ratios}, indent=2)
+        )
+    return 0
+
+
+def _tail(shape: Shape) -> tuple:
+    return (
+        shape.doc_fraction,
+        shape.system_tokens,
+        shape.chat_tokens,
+        shape.doc_tokens,
+        shape.chat_output,
+        shape.doc_output,
+    )
+
+
+def shape_dict(shape: Shape) -> dict:
+    return {name: getattr(shape, name) for name in Shape.__slots__}
+
+
+def print_table(summary: dict, ratios: dict, shape: Shape, reps: int, args: argparse.Namespace) -> None:
+    print(
+        f"mixed workload: {shape.num_requests} requests/rep × {reps} reps, {shape.rate_per_second}/s, "
+        f"{shape.doc_fraction:.0%} documents of {shape.doc_tokens[0]}-{shape.doc_tokens[1]} tokens; "
+        f"threads={args.threads}, max_num_batched_tokens={args.max_num_batched_tokens}, "
+        f"target_step_seconds={args.target_step_seconds or 'derived'}"
+    )
+    print(f"{'metric':<18}{'fixed':>12}{'feedback':>12}{'feedback/fixed':>16}")
+    for key in summary["fixed"]:
+        print(f"{key:<18}{summary['fixed'][key]:>12.3f}{summary['feedback'][key]:>12.3f}{ratios[key]:>16.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
