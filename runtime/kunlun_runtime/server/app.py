@@ -70,6 +70,8 @@ def create_app(
     def served() -> ServedModel:
         if life.state is ServerState.DRAINING:
             raise unavailable("the server is shutting down")
+        if life.state is ServerState.FAILED:
+            raise unavailable("the engine has failed; the server is restarting")
         if life.state is not ServerState.READY or life.served is None:
             raise unavailable("the model is loading")
         return life.served

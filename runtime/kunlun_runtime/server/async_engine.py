@@ -18,7 +18,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kunlun_runtime.engine import LLMEngine
@@ -56,6 +56,7 @@ class AsyncEngine:
         *,
         stats: StatsRecorder | None = None,
         max_queue_len: int | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
@@ -67,6 +68,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}  # engine thread only
         self._stop = False
         self._dead: BaseException | None = None
+        self._on_dead = on_dead  # called on the event loop once the engine has failed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_active = 0  # open RequestStreams (event loop only)
@@ -175,6 +177,9 @@ class AsyncEngine:
             self._dead = error
             dead = EngineDeadError(f"the engine has failed: {error}")
             self._deliver([(queue, dead) for queue in self._queues.values()])
+            if self._on_dead is not None and self._loop is not None:
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._on_dead, error)
             with self._cond:
                 for command in self._inbox:
                     if isinstance(command, _Add):

@@ -70,7 +70,8 @@ async def create_chat_completion(
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
-    kwargs = body.chat_template_kwargs or {}
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in reserved}
     prompt_text = served.tokenizer.render_chat(body.conversation(), body.add_generation_prompt, **kwargs)
     prompt_ids = served.tokenizer.encode(prompt_text, add_special_tokens=False)
     request_id = new_id("chatcmpl")

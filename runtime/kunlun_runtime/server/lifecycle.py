@@ -3,8 +3,9 @@
 The HTTP server starts at once and answers /health with 503 while the model loads in a background
 thread and one warm-up generation passes; then 200. On SIGTERM the server drains: /health and new
 API requests get 503, in-flight requests run to completion for up to ``shutdown_timeout_seconds``,
-then the engine thread stops. A model that fails to load is fatal (``on_fatal``), not a server
-that stays up answering 503 forever.
+then the engine thread stops. A model that fails to load, or an engine loop that fails, is fatal
+(``on_fatal``: the CLI exits 1 so Kubernetes restarts the pod), not a server that stays up
+answering 503 forever.
 """
 
 from __future__ import annotations
@@ -100,12 +101,21 @@ class Lifecycle:
         )
         stats = StatsRecorder(self.metrics, engine)
         stats.record(engine, [], ran_step=False)  # publish the idle gauges before the first request
-        async_engine = AsyncEngine(engine, stats=stats, max_queue_len=self.max_queue_len)
+        async_engine = AsyncEngine(
+            engine, stats=stats, max_queue_len=self.max_queue_len, on_dead=self._engine_died
+        )
         async_engine.start(asyncio.get_running_loop())
         self.served = ServedModel.of(async_engine)
         if self.state is ServerState.LOADING:
             self.state = ServerState.READY
         logger.info("ready: serving %s", engine.served_model_name)
+
+    def _engine_died(self, error: BaseException) -> None:
+        """The engine loop failed: not ready any more, and the process should be restarted."""
+        logger.error("engine failed: %s", error)
+        self.state, self.error = ServerState.FAILED, error
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def update_telemetry(self) -> None:
         if self.metrics is not None and self.served is not None:
