@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 import sys
 from pathlib import Path
 
@@ -31,6 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--all-namespaces", action="store_true", help="serve every namespace (the default)")
     run.add_argument("--peering", default="kunlun-operator", help="kopf cluster-wide peering name (HA)")
     run.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    run.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority; the highest live replica reconciles (default: random, so exactly one does)",
+    )
+    run.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=60,
+        help="seconds a silent peer counts as alive (failover time)",
+    )
     run.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="liveness endpoint URL")
     run.add_argument("--metrics-port", type=int, default=8080, help="port of /metrics (0: off)")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -111,13 +124,18 @@ def run(args: argparse.Namespace) -> int:
             resync_seconds=args.resync_seconds,
             retry_delay_seconds=args.retry_delay,
             watch_timeout_seconds=args.watch_timeout,
+            peering_lifetime_seconds=args.peering_lifetime,
             webhook=_webhook(args),
         ),
     )
+    # kopf pauses *every* replica when live peers share a priority: a random one per process makes
+    # the highest-priority replica the single active one, and the next one take over when it dies.
+    priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     kopf.run(
         registry=registry,
         standalone=args.standalone or None,
         peering_name=None if args.standalone else args.peering,
+        priority=priority,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,

@@ -36,6 +36,7 @@ class LoopConfig:
     retry_delay_seconds: float = 2.0
     retry_max_seconds: float = 60.0
     watch_timeout_seconds: float | None = 300.0
+    peering_lifetime_seconds: int = 60
     webhook: kopf.WebhookServer | None = None
 
     def retry_delay(self, attempt: int) -> float:
@@ -101,6 +102,10 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=names.GROUP, key="last-handled-configuration"
         )
+        # HA: always the cluster-wide peering object (the chart's ClusterKopfPeering), also when only
+        # some namespaces are served.
+        settings.peering.clusterwide = True
+        settings.peering.lifetime = config.peering_lifetime_seconds
         settings.posting.reporting_component = names.MANAGER
         settings.posting.level = logging.WARNING  # our own events carry the decisions
         settings.watching.server_timeout = config.watch_timeout_seconds

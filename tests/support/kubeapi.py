@@ -16,7 +16,8 @@ or as a pytest fixture: ``from tests.support.kubeapi import fake_kube_api  # noq
 test module, then take ``fake_kube_api`` (a ``RunningKubeAPI``). ``kube.url`` is the base URL,
 ``kube.kubeconfig`` a kubeconfig file pointing at it (token auth, plain HTTP) for kopf, kubectl-less
 clients and subprocesses. ``running_fake_api(tmp_path, monitoring=True)`` also serves the
-Prometheus Operator's ``monitoring.coreos.com/v1`` kinds.
+Prometheus Operator's ``monitoring.coreos.com/v1`` kinds; kopf's peering kinds (``kopf.dev/v1``) are
+always served.
 
 kmock (``KubernetesScaffold``) gives the HTTP server, request parsing, the request log and API
 discovery from the declared resources. This layer keeps the objects and adds what kmock 0.8 lacks:
@@ -93,6 +94,10 @@ BUILT_IN_KINDS = (
         "KunlunInferenceService",
         subresources=("status", "scale"),
     ),
+)
+PEERING_KINDS = (
+    Kind("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False),
+    Kind("kopf.dev", "v1", "kopfpeerings", "KopfPeering"),
 )
 MONITORING_KINDS = (
     Kind("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor"),
@@ -196,7 +201,7 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
         super().__init__()
         self.kinds = {
             (k.group, k.version, k.plural): k
-            for k in (*BUILT_IN_KINDS, *(MONITORING_KINDS if monitoring else ()))
+            for k in (*BUILT_IN_KINDS, *PEERING_KINDS, *(MONITORING_KINDS if monitoring else ()))
         }
         for k in self.kinds.values():
             self.resources[f"{k.group}/{k.version}/{k.plural}" if k.group else f"v1/{k.plural}"] = (

@@ -96,7 +96,7 @@ class Cluster:
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.operators: list[OperatorProcess] = []
 
-    def start_operator(self, *extra: str) -> OperatorProcess:
+    def start_operator(self, *extra: str, standalone: bool = True) -> OperatorProcess:
         health, webhook = free_port(), free_port()
         log_path = self.tmp_path / f"operator-{len(self.operators)}.log"
         args = [
@@ -104,7 +104,7 @@ class Cluster:
             "-m",
             "kunlun_operator.cli",
             "run",
-            "--standalone",
+            *(["--standalone"] if standalone else []),
             "--metrics-port",
             "0",
             "--liveness",
