@@ -1,0 +1,47 @@
+"""docs/operator.md's `kubectl get kis` output is what the printer columns show for kis-minimal.yaml."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from kunlun_operator.reconcile import reconcile
+from kunlun_operator.spec import ServiceRef
+from kunlun_operator.status import DeploymentFacts
+from tests.unit.operator.crd_schema import load_crd
+from tests.unit.operator.factories import NOW, load_example, make_facts
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "operator.md"
+
+
+def _column(obj: dict[str, Any], json_path: str) -> str:
+    value: Any = obj
+    for key in json_path.strip(".").split("."):
+        value = value.get(key, "") if isinstance(value, dict) else ""
+    return str(value)
+
+
+def test_the_documented_kubectl_get_row_matches_the_printer_columns() -> None:
+    header, row = re.search(r"kubectl get kis\n```\n```\n(.+)\n(.+)\n```", DOC.read_text()).groups()
+    example = load_example("kis-minimal.yaml")
+    ref = ServiceRef(example["metadata"]["name"], "default", "uid-1", 1)
+    ready = DeploymentFacts(
+        spec_replicas=1,
+        replicas=1,
+        ready_replicas=1,
+        updated_replicas=1,
+        generation=1,
+        observed_generation=1,
+        progressing_reason="NewReplicaSetAvailable",
+    )
+    status = reconcile(ref, example["spec"], None, make_facts(deployment=ready), now=NOW).status
+    columns = [
+        c for c in load_crd()["spec"]["versions"][0]["additionalPrinterColumns"] if not c.get("priority")
+    ]
+    obj = {**example, "status": status}
+    shown = [example["metadata"]["name"]] + [
+        _column(obj, c["jsonPath"]) for c in columns if c["name"] != "Age"
+    ]
+    assert header.split() == ["NAME"] + [c["name"].upper() for c in columns]
+    assert row.split()[:-1] == shown  # all but AGE
