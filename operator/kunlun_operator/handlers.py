@@ -102,9 +102,6 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=names.GROUP, key="last-handled-configuration"
         )
-        # HA: always the cluster-wide peering object (the chart's ClusterKopfPeering), also when only
-        # some namespaces are served.
-        settings.peering.clusterwide = True
         settings.peering.lifetime = config.peering_lifetime_seconds
         settings.posting.reporting_component = names.MANAGER
         settings.posting.level = logging.WARNING  # our own events carry the decisions
