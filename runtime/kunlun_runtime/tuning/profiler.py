@@ -58,7 +58,7 @@ BLOCK_SWEEP_CONTEXT = 256
 MAX_REPEATS = 3
 DECODE_TOKENS = 12  # tokens each decode-point sequence may generate (the timed steps need MAX_REPEATS)
 SLOW_STEP_SECONDS = 1.0  # two runs of a step this slow are enough
-GROWTH_MARGIN = 1.25  # a doubled point is predicted to cost this much more than proportionally
+GROWTH_MARGIN = 1.25  # predicted costs are raised by this factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,18 @@ class ProfileOptions:
     max_model_len: int | None = None  # the context length to plan KV memory for (default: the model's)
     budget_seconds: float = 60.0
     seed: int = 0
+
+
+def predict_cost(costs: list[tuple[int, float]], size: int) -> float:
+    """Cost of measuring ``size``, extrapolated linearly from the last two (size, seconds) points
+    (one point: proportional to size), never below the last cost, with a safety margin."""
+    last_size, last_cost = costs[-1]
+    if len(costs) == 1:
+        slope = last_cost / last_size
+    else:
+        before_size, before_cost = costs[-2]
+        slope = max(0.0, (last_cost - before_cost) / (last_size - before_size))
+    return max(last_cost, last_cost + slope * (size - last_size)) * GROWTH_MARGIN
 
 
 class Profiler:
@@ -200,22 +212,20 @@ class Profiler:
     def _sweep(
         self, name: str, sizes: list[int], measure: Callable[[int], T], first_cost: float | None = None
     ) -> list[T]:
-        """Measure ``sizes`` in order while the budget's phase allows the next point, predicted from
-        the last one. The first point always runs unless ``first_cost`` predicts it too long."""
+        """Measure ``sizes`` in order while the budget's phase allows the next point. The first point
+        always runs unless ``first_cost`` predicts it too long; later ones are predicted from the
+        cost of the points before (``predict_cost``)."""
         points: list[T] = []
-        last_cost, last_size = 0.0, None
+        costs: list[tuple[int, float]] = []
         for index, size in enumerate(sizes):
-            if last_size is None:
-                allowed = first_cost is None or self.budget.allows(first_cost)
-            else:
-                allowed = self.budget.allows(last_cost * size / last_size * GROWTH_MARGIN)
-            if not allowed:
+            predicted = first_cost if not costs else predict_cost(costs, size)
+            if predicted is not None and not self.budget.allows(predicted):
                 self.skipped += [f"{name} {s} (budget)" for s in sizes[index:]]
                 break
             start = time.perf_counter()
             points.append(measure(size))
-            last_cost, last_size = time.perf_counter() - start, size
-            logger.info("tune: %s %d: %.1f s", name, size, last_cost)
+            costs.append((size, time.perf_counter() - start))
+            logger.info("tune: %s %d: %.1f s", name, size, costs[-1][1])
         return points
 
     @staticmethod
@@ -232,7 +242,10 @@ class Profiler:
         extra = DECODE_TOKENS + 2  # tokens each sequence grows by while it is measured
         demands = ((max(DECODE_SEQS), self.context + extra), (BLOCK_SWEEP_SEQS, self.block_context + extra))
         engines = {16: self._engine(16, demands, self.prefill_sizes[-1])}
-        self.prefill_point(engines[16], 16)  # warm-up, not recorded
+        warm_up = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        engines[16].add_request("tune-warm-up", self._tokens(16), warm_up)  # not recorded
+        while engines[16].has_unfinished_requests():
+            engines[16].step()
         model = self._model_facts(engines[16])
         self.budget.phase(0.35)
         prefill = self._sweep(

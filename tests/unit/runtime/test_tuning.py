@@ -26,6 +26,7 @@ from kunlun_runtime.tuning.measurements import (
     PlatformFacts,
     PrefillPoint,
 )
+from kunlun_runtime.tuning.profiler import predict_cost
 
 GIB, MIB = 1 << 30, 1 << 20
 P800 = PlatformFacts("kunlun", 8, 96 * GIB, "device memory per card")
@@ -275,3 +276,9 @@ def test_card_count_of_cpu_and_kunlun_fixture_host() -> None:
     fixture = Path(__file__).resolve().parents[2] / "fixtures" / "xpu" / "p800-8"
     kunlun = KunlunPlatform(XpuSource(str(fixture / "xpu-smi"), fixture / "root"), env={})
     assert (count_cards(CpuPlatform()), count_cards(kunlun)) == (1, 8)
+
+
+def test_point_costs_are_extrapolated_from_the_last_two() -> None:
+    assert predict_cost([(16, 1.0)], 32) == 2.5  # proportional to size, × 1.25
+    assert predict_cost([(16, 1.0), (32, 1.2)], 64) == pytest.approx((1.2 + 32 * 0.2 / 16) * 1.25)
+    assert predict_cost([(16, 2.0), (32, 1.0)], 64) == 1.25  # never below the last cost
