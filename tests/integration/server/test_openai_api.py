@@ -77,6 +77,23 @@ def test_echo_prepends_the_prompt(client, live_server) -> None:
     assert echoed.choices[0].text == "the" + plain.choices[0].text
 
 
+def test_streamed_echo_completion_equals_the_non_streamed_one(client, live_server) -> None:
+    options = {"model": live_server.model_name, "prompt": "the", "max_tokens": 6, "seed": 9, "echo": True}
+    whole = client.completions.create(**options)
+    chunks = list(client.completions.create(**options, stream=True))
+    assert whole.choices[0].text.startswith("the")
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_streamed_chat_logprobs_cover_every_token(client, live_server) -> None:
+    chunks = list(chat(client, live_server, max_tokens=7, logprobs=True, top_logprobs=1, stream=True,
+                       stream_options={"include_usage": True}, extra_body=NO_EOS))  # fmt: skip
+    entries = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert len(entries) == chunks[-1].usage.completion_tokens == 7
+
+
 def test_streamed_chat_concatenates_to_the_non_streamed_text_for_the_same_seed(client, live_server) -> None:
     whole = chat(client, live_server, max_tokens=24, seed=11, temperature=1.0)
     stream = chat(client, live_server, max_tokens=24, seed=11, temperature=1.0, stream=True,
