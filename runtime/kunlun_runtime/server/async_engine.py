@@ -145,6 +145,10 @@ class AsyncEngine:
 
     def _submit(self, command: _Add | list[str]) -> None:
         with self._cond:
+            if self._dead is not None:  # nobody will read the inbox again
+                if isinstance(command, _Add):
+                    command.done.set_exception(EngineDeadError(f"the engine has failed: {self._dead}"))
+                return
             self._inbox.append(command)
             self._cond.notify()
 
@@ -174,16 +178,17 @@ class AsyncEngine:
                 self._deliver(deliveries)
         except BaseException as error:  # the engine cannot continue: fail every stream, then stop
             logger.exception("engine loop failed")
-            self._dead = error
             dead = EngineDeadError(f"the engine has failed: {error}")
+            with self._cond:
+                self._dead = error
+                for command in self._inbox:
+                    if isinstance(command, _Add):
+                        command.done.set_exception(dead)
+                self._inbox = []
             self._deliver([(queue, dead) for queue in self._queues.values()])
             if self._on_dead is not None and self._loop is not None:
                 with contextlib.suppress(RuntimeError):
                     self._loop.call_soon_threadsafe(self._on_dead, error)
-            with self._cond:
-                for command in self._inbox:
-                    if isinstance(command, _Add):
-                        command.done.set_exception(dead)
 
     def _apply(self, command: _Add | list[str]) -> list[RequestOutput]:
         """Apply one inbox command; returns the outputs of requests it aborted."""
