@@ -49,6 +49,7 @@ METRIC_NAMES = (
     "vllm:iteration_tokens_total",
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
     "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
     "vllm:request_inference_time_seconds",
@@ -175,6 +176,13 @@ class EngineMetrics:
             "Histogram of inter-token latency in seconds.",
             ITL_BUCKETS_SECONDS,
         )
+        # Deprecated in vLLM for vllm:inter_token_latency_seconds but still on its stock Grafana
+        # dashboard; vLLM v1 observes the same per-token intervals into both.
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            ITL_BUCKETS_SECONDS,
+        )
         phases = {
             "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
             "queue": (
@@ -255,6 +263,7 @@ class EngineMetrics:
             self.ttft.observe(seconds)
         for seconds in stats.inter_token_latencies_seconds:
             self.itl.observe(seconds)
+            self.tpot.observe(seconds)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self.success[stats.finished_reason].inc()

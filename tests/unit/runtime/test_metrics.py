@@ -32,6 +32,7 @@ VLLM_TYPES = {
     "vllm:prefix_cache_hits": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_prefill_time_seconds": "histogram",
@@ -80,6 +81,7 @@ def test_histogram_buckets_are_vllms(registry) -> None:
     assert bounds("vllm:time_to_first_token_seconds") == list(TTFT_BUCKETS_SECONDS)
     assert TTFT_BUCKETS_SECONDS[:3] == (0.001, 0.005, 0.01) and TTFT_BUCKETS_SECONDS[-1] == 2560.0
     assert bounds("vllm:inter_token_latency_seconds") == list(ITL_BUCKETS_SECONDS)
+    assert bounds("vllm:time_per_output_token_seconds") == list(ITL_BUCKETS_SECONDS)
     assert bounds("vllm:e2e_request_latency_seconds") == list(REQUEST_LATENCY_BUCKETS_SECONDS)
     assert bounds("vllm:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100]
     assert bounds("vllm:iteration_tokens_total")[:3] == [1, 8, 16]
@@ -96,7 +98,9 @@ def test_a_step_sets_gauges_and_adds_counters(registry) -> None:
     metrics.record_step(StepStats(3, 2, 0.25, num_prompt_tokens=10, num_generation_tokens=3, ran_step=True,
                                   num_prefix_queries=32, num_prefix_hits=16, num_preemptions=1,
                                   time_to_first_tokens_seconds=(0.003,)))  # fmt: skip
-    metrics.record_step(StepStats(1, 0, 0.0, num_generation_tokens=1, ran_step=True))
+    metrics.record_step(
+        StepStats(1, 0, 0.0, num_generation_tokens=1, ran_step=True, inter_token_latencies_seconds=(0.02,))
+    )
     _, values = scrape(registry)
     assert values[("vllm:num_requests_running", labels())] == 1
     assert values[("vllm:num_requests_waiting", labels())] == 0
@@ -111,6 +115,8 @@ def test_a_step_sets_gauges_and_adds_counters(registry) -> None:
     assert values[("vllm:iteration_tokens_total_sum", labels())] == 14
     assert values[("vllm:time_to_first_token_seconds_bucket", labels(le="0.001"))] == 0
     assert values[("vllm:time_to_first_token_seconds_bucket", labels(le="0.005"))] == 1
+    assert values[("vllm:inter_token_latency_seconds_sum", labels())] == pytest.approx(0.02)
+    assert values[("vllm:time_per_output_token_seconds_count", labels())] == 1
 
 
 def test_an_idle_update_is_not_an_iteration(registry) -> None:
