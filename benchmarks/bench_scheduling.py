@@ -193,12 +193,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rep {rep} {policy}: {runs[policy][-1].makespan_seconds:.1f} s", file=sys.stderr)
     summary = {policy: summarize(runs[policy], workloads) for policy in POLICIES}
     ratios = {key: summary["feedback"][key] / summary["fixed"][key] for key in summary["fixed"]}
-    print_table(summary, ratios, shape, reps, args)
+    paired = paired_ratios(runs, workloads)
+    print_table(summary, ratios, paired, shape, reps, args)
     if args.json is not None:
-        args.json.write_text(
-            json.dumps({"shape": shape_dict(shape), "reps": reps, **summary, "ratio": ratios}, indent=2)
-        )
+        results = {
+            "shape": shape_dict(shape),
+            "reps": reps,
+            **summary,
+            "ratio": ratios,
+            "paired_ratio": paired,
+        }
+        args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def paired_ratios(runs: dict[str, list[RunResult]], workloads: list[list[Job]]) -> dict[str, float]:
+    """Median over repetitions of feedback/fixed within each repetition: the two runs of a pair
+    are adjacent in time, so slow drift of a shared machine cancels out of the ratio."""
+    per_rep = [
+        (summarize([runs["fixed"][i]], [jobs]), summarize([runs["feedback"][i]], [jobs]))
+        for i, jobs in enumerate(workloads)
+    ]
+    return {
+        key: statistics.median(feedback[key] / fixed[key] for fixed, feedback in per_rep)
+        for key in per_rep[0][0]
+    }
 
 
 def _tail(shape: Shape) -> tuple:
@@ -216,16 +235,19 @@ def shape_dict(shape: Shape) -> dict:
     return {name: getattr(shape, name) for name in Shape.__slots__}
 
 
-def print_table(summary: dict, ratios: dict, shape: Shape, reps: int, args: argparse.Namespace) -> None:
+def print_table(
+    summary: dict, ratios: dict, paired: dict, shape: Shape, reps: int, args: argparse.Namespace
+) -> None:
     print(
         f"mixed workload: {shape.num_requests} requests/rep × {reps} reps, {shape.rate_per_second}/s, "
         f"{shape.doc_fraction:.0%} documents of {shape.doc_tokens[0]}-{shape.doc_tokens[1]} tokens; "
         f"threads={args.threads}, max_num_batched_tokens={args.max_num_batched_tokens}, "
         f"target_step_seconds={args.target_step_seconds or 'derived'}"
     )
-    print(f"{'metric':<18}{'fixed':>12}{'feedback':>12}{'feedback/fixed':>16}")
+    print(f"{'metric':<18}{'fixed':>12}{'feedback':>12}{'feedback/fixed':>16}{'paired median':>15}")
     for key in summary["fixed"]:
-        print(f"{key:<18}{summary['fixed'][key]:>12.3f}{summary['feedback'][key]:>12.3f}{ratios[key]:>16.2f}")
+        fixed, feedback = summary["fixed"][key], summary["feedback"][key]
+        print(f"{key:<18}{fixed:>12.3f}{feedback:>12.3f}{ratios[key]:>16.2f}{paired[key]:>15.2f}")
 
 
 if __name__ == "__main__":

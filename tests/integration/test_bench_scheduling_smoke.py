@@ -39,7 +39,7 @@ def test_quick_run_reports_both_policies_and_their_ratios(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("mixed workload: 8 requests/rep × 1 reps")
-    assert lines[1].split() == ["metric", "fixed", "feedback", "feedback/fixed"]
+    assert lines[1].split() == ["metric", "fixed", "feedback", "feedback/fixed", "paired", "median"]
     assert [line.split()[0] for line in lines[2:]] == METRICS
     data = json.loads(results.read_text())
     assert data["reps"] == 1
@@ -49,3 +49,4 @@ def test_quick_run_reports_both_policies_and_their_ratios(tmp_path):
         assert all(value > 0 and math.isfinite(value) for value in data[policy].values())
     for key in METRICS:
         assert data["ratio"][key] == data["feedback"][key] / data["fixed"][key]
+        assert data["paired_ratio"][key] == data["ratio"][key]  # one repetition: the pair is the whole run
