@@ -38,12 +38,27 @@ class PackedLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """INT8 weights (per output channel). Without an activation scale (W8A16, the default):
+    small batches (decode) go through ``_weight_int8pack_mm`` with BF16 activations, larger ones
+    through the weight dequantized to BF16. With a calibrated static ``input_scale`` (W8A8, where
+    calibration showed it accurate), larger batches run on the INT8 matrix units via ``_int_mm``."""
+
+    SMALL_BATCH = 4
+
+    def __init__(
+        self,
+        weight_int8: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_scale: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
         self.register_buffer("weight_int8", weight_int8.contiguous())
         self.register_buffer("scales", scales.to(torch.bfloat16))
-        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+        self.register_buffer("scales_fp32", scales.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -51,16 +66,23 @@ class Int8Linear(nn.Module):
         return cls(q, scales, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales)
+        if x.shape[0] <= self.SMALL_BATCH:
+            out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales).float()
+        elif self.input_scale is None:
+            weight = (self.weight_int8.to(torch.bfloat16) * self.scales[:, None]).to(x.dtype)
+            out = torch.nn.functional.linear(x, weight).float()
+        else:
+            xq = torch.clamp(torch.round(x.float() / self.input_scale), -127, 127).to(torch.int8)
+            out = torch._int_mm(xq, self.weight_int8.t()).float() * (self.input_scale * self.scales_fp32)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype)
 
 
-def _replace(model: nn.Module, make) -> int:  # noqa: ANN001
+def _replace(model: nn.Module, make, skip: frozenset[str] = frozenset()) -> int:  # noqa: ANN001
     count = 0
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and name not in skip:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, make(module))
             count += 1
@@ -68,15 +90,17 @@ def _replace(model: nn.Module, make) -> int:  # noqa: ANN001
 
 
 def convert_linears(model: nn.Module, *, backend: str, quantization: str | None) -> int:
-    """Convert every ``nn.Linear`` of ``model`` in place; returns how many were converted.
+    """Convert the ``nn.Linear`` layers of ``model`` in place; returns how many were converted.
 
-    ``quantization="int8"`` → Int8Linear (weight-only, BF16 activations); otherwise
-    ``backend="prepacked"`` → PackedLinear for BF16 models on CPU; ``"plain"`` leaves them.
+    ``quantization="int8"`` → Int8Linear (W8A16) for every linear but ``lm_head`` (quantizing the
+    vocabulary projection costs accuracy for little speed); then ``backend="prepacked"`` →
+    PackedLinear for the remaining BF16 linears on CPU; ``"plain"`` leaves them.
     """
+    count = 0
     if quantization == "int8":
-        return _replace(model, Int8Linear.from_linear)
+        count += _replace(model, Int8Linear.from_linear, skip=frozenset({"lm_head"}))
     if backend == "prepacked":
-        weight = next(model.parameters())
+        weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
         if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            return _replace(model, PackedLinear)
-    return 0
+            count += _replace(model, PackedLinear)
+    return count

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from kunlun_runtime.errors import ModelLoadError
+from kunlun_runtime.errors import ConfigError, ModelLoadError
+from kunlun_runtime.layers.linear import Int8Linear
 from kunlun_runtime.layers.rotary import RotaryEmbedding
 from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
@@ -53,8 +54,13 @@ def load_model(
     params = dict(model.named_parameters())
     parts: dict[str, dict[int, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict[str, torch.Tensor]] = {}  # linear module → int8 weight and scales
     for name, tensor in iter_weights(model_dir):
         if _IGNORED.search(name):
+            continue
+        module_name, _, kind = name.removeprefix("model.").rpartition(".")
+        if kind in ("weight_scale", "input_scale") or (kind == "weight" and tensor.dtype == torch.int8):
+            quantized.setdefault(module_name, {})[kind] = tensor
             continue
         match = _LAYER_RE.match(name)
         if match:
@@ -71,8 +77,15 @@ def load_model(
         if len(pieces) != expected:
             raise ModelLoadError(f"{model_dir}: incomplete projection weights for {name}")
         state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
-    if "lm_head.weight" not in state and "embed_tokens.weight" in state:
+    if "lm_head.weight" not in state and "lm_head" not in quantized and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    if quantized and tp_world > 1:
+        raise ConfigError(
+            "tensor_parallel_size: INT8 checkpoints are served on one rank; quantize after sharding is not supported",
+            field="tensor_parallel_size",
+        )
+    for module_name in quantized:
+        params.pop(f"{module_name}.weight", None)
     if tp_world > 1:
         state = {name: shard_weight(name, tensor, config, tp_rank, tp_world) for name, tensor in state.items()}
     missing = sorted(set(params) - set(state))
@@ -91,5 +104,10 @@ def load_model(
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         owner._parameters[attr] = torch.nn.Parameter(converted[id(source)], requires_grad=False)
+    for module_name, pieces in quantized.items():
+        linear = model.get_submodule(module_name)
+        owner_name, _, attr = module_name.rpartition(".")
+        int8 = Int8Linear(pieces["weight"], pieces["weight_scale"], linear.bias, pieces.get("input_scale"))
+        setattr(model.get_submodule(owner_name) if owner_name else model, attr, int8.to(device))
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     return model.requires_grad_(False).eval(), config
