@@ -81,7 +81,7 @@ class _StepPlan:
 
     target: float | None  # seconds this step may take; None = uncapped
     num_decodes_left: int  # decodes not yet scheduled: the token budget kept for them
-    batch: StepFeatures = field(default_factory=StepFeatures)
+    batch: StepFeatures  # predicted composition: every running decode, plus what is scheduled
 
 
 class Scheduler:
@@ -125,8 +125,8 @@ class Scheduler:
         plan = None
         if self.policy is not None:
             decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-            target = self.policy.step_target(batch_features((r.num_computed_tokens, 1) for r in decodes))
-            plan = _StepPlan(target, len(decodes))
+            decode_features = batch_features((r.num_computed_tokens, 1) for r in decodes)
+            plan = _StepPlan(self.policy.step_target(decode_features), len(decodes), decode_features)
         budget = self._schedule_running(out, budget, plan)
         if plan is None:
             self._admit_waiting(out, budget)
@@ -150,17 +150,19 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if plan is not None:
                 num_new = self._feedback_chunk(request, num_new, budget, plan)
-                if num_new == 0:
-                    index += 1  # no time left in this step for its prefill: it keeps its blocks
+                if num_new == 0:  # no time left in this step for its prefill: it keeps its blocks,
+                    scheduled_ids.add(request.request_id)  # and lower-ranked ones may not take them
+                    index += 1
                     continue
             if self._make_room(request, num_new, scheduled_ids, out):
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 scheduled_ids.add(request.request_id)
                 budget -= num_new
                 index += 1
-                if plan is not None:
+                if plan is not None and num_new == request.num_tokens - request.num_computed_tokens == 1:
+                    plan.num_decodes_left -= 1  # its cost is in plan.batch from the start
+                elif plan is not None:
                     plan.batch = plan.batch + chunk_features(request.num_computed_tokens, num_new)
-                    plan.num_decodes_left -= num_new == 1
             elif request.status is RequestStatus.WAITING:  # it preempted itself
                 continue
             else:

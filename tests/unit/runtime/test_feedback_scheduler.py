@@ -171,6 +171,30 @@ def test_among_equals_the_request_with_resident_prefix_blocks_goes_first_and_is_
     assert order == {"fixed": [("cold", 12)], "feedback": [("hit", 4)]}
 
 
+def running(scheduler, request, num_computed, num_allocated):
+    """Put ``request`` in the running set with ``num_computed`` tokens and room for ``num_allocated``."""
+    request.num_computed_tokens = 0
+    assert scheduler.kv.allocate(request, num_allocated)
+    request.num_computed_tokens = num_computed
+    request.status = RequestStatus.RUNNING
+    scheduler.running.append(request)
+
+
+def test_a_prefill_left_out_for_time_keeps_its_blocks_against_a_lower_ranked_decode():
+    scheduler = make_scheduler(num_blocks=10, block=4, budget=64, target=1e-6)
+    running(scheduler, make_request("A", 40, priority=0), num_computed=8, num_allocated=24)
+    running(scheduler, make_request("P", 40, priority=1), num_computed=8, num_allocated=8)
+    decode = make_request("D", 8, priority=2)
+    decode.output_token_ids.append(1)
+    running(scheduler, decode, num_computed=8, num_allocated=8)  # its 9th token needs a third block
+    out = scheduler.schedule()
+    # A, the first prefill, gets the minimum chunk; P gets no time; D finds no free block and may
+    # not take P's (P ranks above it), so D preempts itself.
+    assert summary(out) == [("A", 16)]
+    assert [r.request_id for r in out.preempted] == ["D"]
+    assert scheduler.kv.block_ids("P") != [] and [r.request_id for r in scheduler.running] == ["A", "P"]
+
+
 def test_observe_step_feeds_the_cost_model_with_the_step_composition():
     scheduler = make_scheduler(trained=False)
     start_decoding(scheduler, "d1")
