@@ -182,7 +182,7 @@ def run_golden_command(args: argparse.Namespace) -> int:
     token_ids = Tokenizer(model_dir).encode(args.prompt)
     if args.tensor_parallel_size > 1:
         from kunlun_runtime.models.model_config import load_model_config
-        from kunlun_runtime.parallel.golden_tp import capture_tensor_parallel
+        from kunlun_runtime.golden_tp import capture_tensor_parallel
 
         ours = capture_tensor_parallel(model_dir, token_ids, args.tensor_parallel_size, dtype)
         num_layers = load_model_config(model_dir).num_layers

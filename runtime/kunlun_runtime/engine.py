@@ -21,7 +21,7 @@ from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
-from kunlun_runtime.parallel.sharding import shard_model_config
+from kunlun_runtime.models.sharding import shard_model_config
 from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
 from kunlun_runtime.model_runner import ModelRunner
 from kunlun_runtime.models.model_config import load_model_config

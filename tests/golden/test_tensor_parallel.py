@@ -7,7 +7,7 @@ from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.golden import capture_engine, compare, layer_names
 from kunlun_runtime.models.loader import load_model
-from kunlun_runtime.parallel.golden_tp import capture_tensor_parallel
+from kunlun_runtime.golden_tp import capture_tensor_parallel
 
 TOKENS = [(13 * i + 5) % 300 for i in range(40)]
 

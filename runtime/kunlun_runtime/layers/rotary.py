@@ -7,11 +7,13 @@ position per step, so a step costs one index_select, not a trigonometric evaluat
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kunlun_runtime.models.model_config import RopeConfig
+if TYPE_CHECKING:  # a value object only: layers do not depend on model loading
+    from kunlun_runtime.models.model_config import RopeConfig
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -8,16 +8,20 @@ fused at load time (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kunlun_runtime.kv.cache import KVCache
 from kunlun_runtime.layers.attention import AttentionMetadata, paged_attention
 from kunlun_runtime.layers.norm import RMSNorm
 from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kunlun_runtime.models.model_config import ModelConfig
+
+if TYPE_CHECKING:  # the cache is handed in; models do not depend on kv
+    from kunlun_runtime.kv.cache import KVCache
 
 
 def _weight(rows: int, cols: int) -> nn.Parameter:

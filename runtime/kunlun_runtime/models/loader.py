@@ -18,7 +18,7 @@ from kunlun_runtime.layers.rotary import RotaryEmbedding
 from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.weights import iter_weights
-from kunlun_runtime.parallel.sharding import shard_model_config, shard_weight
+from kunlun_runtime.models.sharding import shard_model_config, shard_weight
 
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
