@@ -131,9 +131,9 @@ def run_scenarios(args: argparse.Namespace) -> dict:
         table[name] = entry
 
     side_by_side("single_256_128", single, sizes["new"])
-    table["single_256_128"]["roofline_fraction"] = table["single_256_128"]["ours_decode_tok_s"] / results[
-        "roofline_tok_s_bf16"
-    ]
+    table["single_256_128"]["roofline_fraction"] = (
+        table["single_256_128"]["ours_decode_tok_s"] / results["roofline_tok_s_bf16"]
+    )
     side_by_side("batch8_128_128", batch, sizes["new"])
     side_by_side("long_2048_ttft", long_prompt, 2)
 
@@ -147,7 +147,7 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     del int8
 
     history = prompts_of(1, sizes["history"], vocab)[0]
-    follow_up = [history + [42, 43, 44]]
+    follow_up = [[*history, 42, 43, 44]]
     cold, warm = [], []
     for _ in range(args.reps):
         ours.reset_prefix_cache()
@@ -173,20 +173,29 @@ ABLATIONS = {
 
 
 def run_ablation(args, model_dir: str, common: dict, prompts, new_tokens: int) -> dict:
-    engines = {name: Ours(model_dir, kv_cache_memory="1GiB", **common, **opts) for name, opts in ABLATIONS.items()}
+    engines = {
+        name: Ours(model_dir, kv_cache_memory="1GiB", **common, **opts) for name, opts in ABLATIONS.items()
+    }
     rates: dict[str, list[float]] = {name: [] for name in ABLATIONS}
     for _ in range(args.reps):  # interleaved
         for name, engine in engines.items():
             engine.reset_prefix_cache()
             rates[name].append(decode_rate(engine.run, prompts, new_tokens)[1])
     base = statistics.median(rates["all on"])
-    return {name: {"decode_tok_s": statistics.median(r), "vs_all_on": statistics.median(r) / base} for name, r in rates.items()}
+    return {
+        name: {"decode_tok_s": statistics.median(r), "vs_all_on": statistics.median(r) / base}
+        for name, r in rates.items()
+    }
 
 
 def format_table(results: dict) -> str:
-    lines = [f"model {results['model']}  threads {results['threads']}  DRAM read {results['bandwidth_gbs']:.1f} GB/s"]
+    lines = [
+        f"model {results['model']}  threads {results['threads']}  DRAM read {results['bandwidth_gbs']:.1f} GB/s"
+    ]
     lines.append(f"BF16 decode roofline {results['roofline_tok_s_bf16']:.1f} tok/s")
-    lines.append(f"{'scenario':<20}{'ours tok/s':>12}{'HF tok/s':>10}{'speedup':>9}{'ours TTFT':>11}{'HF TTFT':>9}{'ratio':>7}")
+    lines.append(
+        f"{'scenario':<20}{'ours tok/s':>12}{'HF tok/s':>10}{'speedup':>9}{'ours TTFT':>11}{'HF TTFT':>9}{'ratio':>7}"
+    )
     for name, row in results["scenarios"].items():
         if "hf_decode_tok_s" in row:
             lines.append(
@@ -212,7 +221,9 @@ def write_chart(results: dict, path: Path) -> None:
     names = list(rows)
     xs = range(len(names))
     axis.bar([x - 0.2 for x in xs], [rows[n]["hf_decode_tok_s"] for n in names], 0.4, label="HF transformers")
-    axis.bar([x + 0.2 for x in xs], [rows[n]["ours_decode_tok_s"] for n in names], 0.4, label="kunlun-runtime")
+    axis.bar(
+        [x + 0.2 for x in xs], [rows[n]["ours_decode_tok_s"] for n in names], 0.4, label="kunlun-runtime"
+    )
     axis.set_xticks(list(xs), names)
     axis.set_ylabel("output tok/s (median)")
     axis.legend()

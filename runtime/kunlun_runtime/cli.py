@@ -20,7 +20,7 @@ from kunlun_runtime.errors import KunlunRuntimeError
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
 
-def command(name: str, help_text: str, configure: Callable[[argparse.ArgumentParser], None]):  # noqa: ANN201
+def command(name: str, help_text: str, configure: Callable[[argparse.ArgumentParser], None]):
     """Register a subcommand: ``configure`` adds its flags, the decorated function runs it."""
 
     def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -48,9 +48,37 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument("--quantization", default=None, choices=["int8"])
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="engine options YAML (e.g. the output of `kunlun-runtime tune`); flags given explicitly win",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the parsed flags; options from ``--config`` fill every flag left at its
+    default. Raises ConfigError naming the option (or the file and key)."""
+    config = _config_from_flags(args)
+    if getattr(args, "config", None) is None:
+        return config
+    from dataclasses import replace
+
+    from kunlun_runtime.config_file import load_engine_options
+
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_engine_args(defaults)
+    default_config = _config_from_flags(defaults.parse_args([]))
+    file_options = load_engine_options(args.config)
+    overrides = {
+        key: value
+        for key, value in file_options.items()
+        if getattr(config, key) == getattr(default_config, key)  # not set on the command line
+    }
+    return replace(config, **overrides).validate()
+
+
+def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -136,7 +164,7 @@ def run_chat(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     printed = 0
 
-    def stream(output) -> None:  # noqa: ANN001
+    def stream(output) -> None:
         nonlocal printed
         text = output.outputs[0].text
         print(text[printed:], end="", flush=True)
@@ -181,8 +209,8 @@ def run_golden_command(args: argparse.Namespace) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     token_ids = Tokenizer(model_dir).encode(args.prompt)
     if args.tensor_parallel_size > 1:
-        from kunlun_runtime.models.model_config import load_model_config
         from kunlun_runtime.golden_tp import capture_tensor_parallel
+        from kunlun_runtime.models.model_config import load_model_config
 
         ours = capture_tensor_parallel(model_dir, token_ids, args.tensor_parallel_size, dtype)
         num_layers = load_model_config(model_dir).num_layers
@@ -279,4 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the registered module, not this __main__ copy: subcommands register on kunlun_runtime.cli.
+    from kunlun_runtime.cli import main as registered_main
+
+    sys.exit(registered_main())

@@ -17,9 +17,16 @@ BLOCK_BYTES_ALL_LAYERS = 2 * 2 * (1024 + 64)
 
 def make_llm(model_dir, num_blocks, policy="fixed", target_step_seconds=None):
     llm = LLM(
-        str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=64, max_num_batched_tokens=24,
-        kv_cache_memory_bytes=num_blocks * BLOCK_BYTES_ALL_LAYERS, max_preemptions=MAX_PREEMPTIONS,
-        priority_aging_steps=8, scheduling_policy=policy, target_step_seconds=target_step_seconds,
+        str(model_dir),
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=64,
+        max_num_batched_tokens=24,
+        kv_cache_memory_bytes=num_blocks * BLOCK_BYTES_ALL_LAYERS,
+        max_preemptions=MAX_PREEMPTIONS,
+        priority_aging_steps=8,
+        scheduling_policy=policy,
+        target_step_seconds=target_step_seconds,
     )
     engine = llm.engine
     if engine.scheduler.limits.scheduling_policy != policy:  # engine not yet passing the policy through
@@ -55,8 +62,14 @@ def test_random_workload_finishes_batch_invariant_without_leaks(engines, workloa
     small, roomy = engines
     engine = small.engine
     prompts = [[(first + 13 * i) % 300 for i in range(length)] for length, _, _, _, first in workload]
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True) for _, max_tokens, *_ in workload]
-    alone = [roomy.generate({"prompt_token_ids": p}, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for _, max_tokens, *_ in workload
+    ]
+    alone = [
+        roomy.generate({"prompt_token_ids": p}, sp)[0].outputs[0].token_ids
+        for p, sp in zip(prompts, params, strict=True)
+    ]
 
     pending = sorted(range(len(workload)), key=lambda i: workload[i][3])
     finished, preemptions, step = {}, {}, 0
@@ -78,13 +91,21 @@ def test_random_workload_finishes_batch_invariant_without_leaks(engines, workloa
 
 def test_stream_of_short_high_priority_requests_does_not_starve_a_long_low_priority_one(engines):
     engine = engines[0].engine
-    engine.add_request("long", {"prompt_token_ids": list(range(1, 31))},
-                       SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), priority=9)
+    engine.add_request(
+        "long",
+        {"prompt_token_ids": list(range(1, 31))},
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        priority=9,
+    )
     long_done_at = None
     for step in range(400):
         if step % 2 == 0:
-            engine.add_request(f"short-{step}", {"prompt_token_ids": [3, 4, 5, 6, 7, 8, 9, 10, 11]},
-                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), priority=0)
+            engine.add_request(
+                f"short-{step}",
+                {"prompt_token_ids": [3, 4, 5, 6, 7, 8, 9, 10, 11]},
+                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                priority=0,
+            )
         if any(o.request_id == "long" and o.finished for o in engine.step()):
             long_done_at = step
             break
@@ -100,7 +121,9 @@ def test_tiny_pool_really_preempts_and_outputs_still_match(engines):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     before = small.engine.scheduler.num_preemptions_total
     got = [o.outputs[0].token_ids for o in small.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    want = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    want = [
+        o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
     assert small.engine.scheduler.num_preemptions_total > before
     assert got == want
     assert small.engine.block_pool.num_free == small.engine.block_pool.num_blocks

@@ -37,7 +37,9 @@ def test_bad_prompts_are_refused_with_the_field_and_leak_nothing(llm, prompt, me
 
 def test_mistral_refuses_max_model_len_beyond_its_sliding_window(tmp_path):
     spec = TINY_SPECS["mistral"]
-    model_dir = make_tiny_model(tmp_path / "mistral", type(spec)(**{**spec.__dict__, "extra": {"sliding_window": 32}}))
+    model_dir = make_tiny_model(
+        tmp_path / "mistral", type(spec)(**{**spec.__dict__, "extra": {"sliding_window": 32}})
+    )
     with pytest.raises(ConfigError, match="exceeds the sliding window \\(32\\)") as error:
         LLM(str(model_dir), dtype="float32", max_model_len=48)
     assert error.value.field == "max_model_len"
@@ -45,14 +47,18 @@ def test_mistral_refuses_max_model_len_beyond_its_sliding_window(tmp_path):
 
 
 def test_kv_budget_too_small_is_a_clear_error(llm):
-    with pytest.raises(ConfigError, match="kv_cache_memory: .* one sequence of max_model_len=64 needs"):
+    with pytest.raises(ConfigError, match=r"kv_cache_memory: .* one sequence of max_model_len=64 needs"):
         LLM(str(llm.engine.model_dir), dtype="float32", max_model_len=64, kv_cache_memory="4KiB")
 
 
 def test_max_tokens_and_length_limit_finish_with_length(llm):
-    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    out = llm.generate(
+        {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    )
     assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].finish_reason == "length"
-    out = llm.generate({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=None, ignore_eos=True))
+    out = llm.generate(
+        {"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=None, ignore_eos=True)
+    )
     assert len(out[0].outputs[0].token_ids) == 4  # 60 + 4 = max_model_len
 
 
@@ -61,7 +67,9 @@ def test_stop_token_ids_and_stop_strings_end_generation(llm):
     full = llm.generate("the", greedy)[0].outputs[0]
     stop_token = full.token_ids[3]
     first = full.token_ids.index(stop_token)
-    out = llm.generate("the", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_token]))
+    out = llm.generate(
+        "the", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_token])
+    )
     assert out[0].outputs[0].token_ids == full.token_ids[: first + 1]
     assert (out[0].outputs[0].finish_reason, out[0].outputs[0].stop_reason) == ("stop", stop_token)
     stop_text = full.text[4:6]
@@ -83,13 +91,17 @@ def test_n_samples_are_distinct_and_reproducible_with_a_seed(llm):
 
 def test_chat_applies_the_template(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, ignore_eos=True))[0]
-    expected = llm.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    expected = llm.tokenizer.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     assert out.prompt_token_ids == expected
 
 
 def test_abort_returns_every_block(llm):
     engine = llm.engine
-    engine.add_request("x", {"prompt_token_ids": list(range(30))}, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request(
+        "x", {"prompt_token_ids": list(range(30))}, SamplingParams(max_tokens=20, ignore_eos=True)
+    )
     engine.step()
     assert engine.block_pool.num_free < engine.block_pool.num_blocks
     aborted = engine.abort_request("x")
@@ -102,6 +114,6 @@ def test_second_turn_reuses_the_first_turns_blocks(llm):
     engine = llm.engine
     history = list(range(40, 80 - 20))
     llm.generate({"prompt_token_ids": history}, SamplingParams(max_tokens=1))
-    second = llm.generate({"prompt_token_ids": history + [5, 6]}, SamplingParams(max_tokens=1))[0]
+    second = llm.generate({"prompt_token_ids": [*history, 5, 6]}, SamplingParams(max_tokens=1))[0]
     assert second.num_cached_tokens == (len(history) // engine.config.block_size) * engine.config.block_size
     assert engine.kv.num_prefix_hits > 0

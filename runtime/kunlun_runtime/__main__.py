@@ -1,0 +1,7 @@
+"""``python -m kunlun_runtime``: the same as the ``kunlun-runtime`` command."""
+
+import sys
+
+from kunlun_runtime.cli import main
+
+sys.exit(main())
