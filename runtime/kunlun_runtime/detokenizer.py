@@ -13,7 +13,9 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])

@@ -21,11 +21,11 @@ from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
-from kunlun_runtime.models.sharding import shard_model_config
-from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
 from kunlun_runtime.model_runner import ModelRunner
 from kunlun_runtime.models.model_config import load_model_config
+from kunlun_runtime.models.sharding import shard_model_config
 from kunlun_runtime.outputs import CompletionOutput, RequestOutput, RequestTimes
+from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
 from kunlun_runtime.platforms import Platform, detect
 from kunlun_runtime.request import Request, RequestStatus
 from kunlun_runtime.sampling import Sampler, make_logprob
@@ -137,7 +137,12 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d (%.1f MiB)",
-            self.model_dir, self.dtype, self.device, self.max_model_len, num_blocks, self.kv_cache.nbytes / 2**20,
+            self.model_dir,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            num_blocks,
+            self.kv_cache.nbytes / 2**20,
         )
 
     def close(self) -> None:
@@ -153,7 +158,7 @@ class LLMEngine:
             "skew": self.config.kv_block_skew,
         }
 
-    def _resolve_max_model_len(self, model_config) -> int:  # noqa: ANN001
+    def _resolve_max_model_len(self, model_config) -> int:
         limit = model_config.max_position_embeddings
         window = model_config.sliding_window
         wanted = self.config.max_model_len
@@ -209,7 +214,9 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        self._tracked[request_id] = _Tracked(request, prompt_text, detokenizer, RequestTimes(request.arrival_time))
+        self._tracked[request_id] = _Tracked(
+            request, prompt_text, detokenizer, RequestTimes(request.arrival_time)
+        )
         self.scheduler.add(request)
         return request
 
@@ -266,9 +273,11 @@ class LLMEngine:
             request.prompt_logprobs.append(None)
         for offset in range(rows.shape[0]):
             next_token = request.prompt_token_ids[first_pos + offset + 1]
-            request.prompt_logprobs.append(make_logprob(logprobs[offset], next_token, request.params.prompt_logprobs))
+            request.prompt_logprobs.append(
+                make_logprob(logprobs[offset], next_token, request.params.prompt_logprobs)
+            )
 
-    def _append_token(self, tracked: _Tracked, token_id: int, logprob, now: float) -> RequestOutput:  # noqa: ANN001
+    def _append_token(self, tracked: _Tracked, token_id: int, logprob, now: float) -> RequestOutput:
         request = tracked.request
         request.output_token_ids.append(token_id)
         if logprob is not None:
@@ -308,7 +317,9 @@ class LLMEngine:
         tracked.text = text[: len(text) - hold] if hold else text
         return None
 
-    def _finish(self, tracked: _Tracked, status: RequestStatus, new_token_ids: list[int] = ()) -> RequestOutput:
+    def _finish(
+        self, tracked: _Tracked, status: RequestStatus, new_token_ids: list[int] = ()
+    ) -> RequestOutput:
         request = tracked.request
         self.scheduler.finish(request, status)
         self.sampler.forget(request.request_id)

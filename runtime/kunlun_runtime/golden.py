@@ -54,7 +54,7 @@ def _hook_outputs(modules: dict[str, torch.nn.Module], store: dict[str, list[tor
     handles = []
     for name, module in modules.items():
 
-        def hook(_module, _inputs, output, name=name) -> None:  # noqa: ANN001
+        def hook(_module, _inputs, output, name=name) -> None:
             tensor = output[0] if isinstance(output, tuple) else output
             store.setdefault(name, []).append(tensor.detach().float().reshape(-1, tensor.shape[-1]))
 
@@ -106,7 +106,9 @@ def capture_reference(model_dir: Path, token_ids: Sequence[int]) -> dict[str, to
     """The same layers from HF ``transformers`` in FP32 (eager attention)."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    reference = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
     reference.eval()
     inner = reference.model
     modules = {"embed_tokens": inner.embed_tokens, "norm": inner.norm}

@@ -17,12 +17,16 @@ from kunlun_runtime.parallel.group import collective_preflight, free_port, init_
 from kunlun_runtime.parallel.workers import threads_per_rank
 
 
-def _rank_main(model_dir: str, dtype: torch.dtype, token_ids: list[int], world: int, port: int, rank: int, results) -> None:  # noqa: ANN001, E501
+def _rank_main(
+    model_dir: str, dtype: torch.dtype, token_ids: list[int], world: int, port: int, rank: int, results
+) -> None:
     torch.set_num_threads(threads_per_rank(world))
     try:
         init_group(rank, world, port, "gloo")
         collective_preflight(rank, world, "gloo", torch.device("cpu"))
-        model, _ = load_model(Path(model_dir), dtype, torch.device("cpu"), len(token_ids) + 1, tp_rank=rank, tp_world=world)
+        model, _ = load_model(
+            Path(model_dir), dtype, torch.device("cpu"), len(token_ids) + 1, tp_rank=rank, tp_world=world
+        )
         captured = capture_engine(model, token_ids)
         # numpy arrays: torch tensors would travel as shared-memory handles of an exiting process
         arrays = {name: t.numpy() for name, t in captured.items()} if rank == 0 else None
@@ -40,7 +44,9 @@ def capture_tensor_parallel(
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_rank_main, args=(str(model_dir), dtype, list(token_ids), world, port, rank, results))
+        context.Process(
+            target=_rank_main, args=(str(model_dir), dtype, list(token_ids), world, port, rank, results)
+        )
         for rank in range(world)
     ]
     for process in processes:

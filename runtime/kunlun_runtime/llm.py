@@ -40,7 +40,7 @@ class LLM:
         return llm
 
     @property
-    def tokenizer(self):  # noqa: ANN201
+    def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(
@@ -89,7 +89,7 @@ class LLM:
         prompts = [{"prompt_token_ids": self.engine.tokenizer.encode_chat(c)} for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
-    def _per_prompt(self, params, count: int) -> list[SamplingParams]:  # noqa: ANN001
+    def _per_prompt(self, params, count: int) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams() for _ in range(count)]
         if isinstance(params, SamplingParams):

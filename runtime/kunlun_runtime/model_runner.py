@@ -34,7 +34,9 @@ class StepInputs:
 class StepLogits:
     sample_logits: torch.Tensor  # [S, V] FP32: one row per request that gets a new token
     sample_request_ids: list[str]
-    prompt_logits: dict[str, tuple[int, torch.Tensor]]  # request id → (first position, [n, V]) for prompt logprobs
+    prompt_logits: dict[
+        str, tuple[int, torch.Tensor]
+    ]  # request id → (first position, [n, V]) for prompt logprobs
 
 
 class StepBroadcaster(Protocol):
@@ -44,7 +46,9 @@ class StepBroadcaster(Protocol):
 
 
 @torch.inference_mode()
-def run_forward(model: DecoderModel, kv_cache: KVCache, inputs: StepInputs, device: torch.device) -> torch.Tensor:
+def run_forward(
+    model: DecoderModel, kv_cache: KVCache, inputs: StepInputs, device: torch.device
+) -> torch.Tensor:
     """One forward pass over a step's flat batch; returns final hidden states [T, hidden]."""
     meta = build_attention_metadata(
         inputs.query_lens,

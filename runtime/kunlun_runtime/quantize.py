@@ -18,15 +18,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kunlun_runtime.layers.linear import quantize_per_channel_int8
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
+from kunlun_runtime.layers.linear import quantize_per_channel_int8
 from kunlun_runtime.model_runner import StepInputs, run_forward
 from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.tokenizer import Tokenizer
 
 QUANT_METHOD = "kunlun-int8"
 STATIC_MAX_REL_ERR = 0.01  # relative output error of W8A8 on the calibration set
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +48,16 @@ def _run(model: DecoderModel, token_chunks: list[list[int]]) -> None:
     for chunk in token_chunks:
         spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, 16, dtype)
         num_blocks = -(-len(chunk) // 16)
-        cache = KVCache(spec, num_blocks, torch.device("cpu"), cache_line_bytes=64, cache_num_sets=64, skew=False)
-        inputs = StepInputs(chunk, list(range(len(chunk))), [len(chunk)], [len(chunk)], [list(range(num_blocks))])
+        cache = KVCache(
+            spec, num_blocks, torch.device("cpu"), cache_line_bytes=64, cache_num_sets=64, skew=False
+        )
+        inputs = StepInputs(
+            chunk, list(range(len(chunk))), [len(chunk)], [len(chunk)], [list(range(num_blocks))]
+        )
         run_forward(model, cache, inputs, torch.device("cpu"))
 
 
-def _with_hooks(model: DecoderModel, token_chunks: list[list[int]], make_hook) -> None:  # noqa: ANN001
+def _with_hooks(model: DecoderModel, token_chunks: list[list[int]], make_hook) -> None:
     handles = [
         module.register_forward_hook(make_hook(name))
         for name, module in model.named_modules()
@@ -69,14 +78,14 @@ def calibrate(
     absmax: dict[str, float] = {}
     errors: dict[str, list[float]] = {}
 
-    def record_absmax(name: str):  # noqa: ANN202
-        def hook(_module, inputs, _output) -> None:  # noqa: ANN001
+    def record_absmax(name: str):
+        def hook(_module, inputs, _output) -> None:
             absmax[name] = max(absmax.get(name, 0.0), float(inputs[0].detach().abs().max()))
 
         return hook
 
-    def record_error(name: str):  # noqa: ANN202
-        def hook(module, inputs, output) -> None:  # noqa: ANN001
+    def record_error(name: str):
+        def hook(module, inputs, output) -> None:
             x = inputs[0].detach().float()
             scale = max(absmax[name], 1e-12) / 127.0
             xq = torch.clamp(torch.round(x / scale), -127, 127) * scale
@@ -97,14 +106,18 @@ def calibrate(
     return result
 
 
-def read_calibration_chunks(path: Path, tokenizer: Tokenizer, chunk_tokens: int = 256, max_chunks: int = 16) -> list[list[int]]:
+def read_calibration_chunks(
+    path: Path, tokenizer: Tokenizer, chunk_tokens: int = 256, max_chunks: int = 16
+) -> list[list[int]]:
     ids = tokenizer.encode(path.read_text(), add_special_tokens=False)
     if not ids:
         raise ValueError(f"{path}: calibration file is empty")
     return [ids[i : i + chunk_tokens] for i in range(0, len(ids), chunk_tokens)][:max_chunks]
 
 
-def write_quantized(model: DecoderModel, source_dir: Path, out_dir: Path, calibration: dict[str, LayerCalibration]) -> Path:
+def write_quantized(
+    model: DecoderModel, source_dir: Path, out_dir: Path, calibration: dict[str, LayerCalibration]
+) -> Path:
     """Save ``model`` with INT8 linears (our fused names) next to the source's config and tokenizer."""
     tensors: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
@@ -134,5 +147,7 @@ def write_quantized(model: DecoderModel, source_dir: Path, out_dir: Path, calibr
     for name in _TOKENIZER_FILES:
         if (source_dir / name).exists():
             shutil.copy(source_dir / name, out_dir / name)
-    (out_dir / "quantization.json").write_text(json.dumps([asdict(v) for v in calibration.values()], indent=2))
+    (out_dir / "quantization.json").write_text(
+        json.dumps([asdict(v) for v in calibration.values()], indent=2)
+    )
     return out_dir

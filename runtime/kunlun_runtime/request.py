@@ -16,7 +16,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
 
 
-FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,11 +30,15 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
             counts = torch.bincount(
                 torch.tensor(request.output_token_ids, device=logits.device), minlength=logits.shape[1]
             ).to(logits.dtype)
-            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+                logits.dtype
+            )
     return logits
 
 
-def suppress_stop_tokens(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int]) -> None:
+def suppress_stop_tokens(
+    logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int]
+) -> None:
     """While a request has fewer than ``min_tokens`` outputs, it may not emit EOS or a stop token."""
     for row, request in enumerate(requests):
         params = request.params
@@ -90,7 +94,9 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[tuple[int, TokenLogprob | None]]:
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> list[tuple[int, TokenLogprob | None]]:
         """Pick one token per row of FP32 ``logits`` [S, V]; returns (token id, logprob or None)."""
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):

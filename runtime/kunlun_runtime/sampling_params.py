@@ -54,13 +54,25 @@ class SamplingParams:
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, "top_k", f"must be -1 (disabled) or at least 1, got {self.top_k}")
         _require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _require(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         _require(
-            -2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}"
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
         )
-        _require(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
         _require(
-            self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}"
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _require(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be positive, got {self.repetition_penalty}",
+        )
+        _require(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            f"must be at least 1, got {self.max_tokens}",
         )
         _require(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         _require(
@@ -68,12 +80,20 @@ class SamplingParams:
             "min_tokens",
             f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})",
         )
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids")
+        _require(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be token ids",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(
-                value is None or 0 <= value <= _MAX_LOGPROBS, name, f"must be in [0, {_MAX_LOGPROBS}], got {value}"
+                value is None or 0 <= value <= _MAX_LOGPROBS,
+                name,
+                f"must be in [0, {_MAX_LOGPROBS}], got {value}",
             )
 
 

@@ -71,7 +71,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         """The prompt text for ``messages``; raises InvalidRequestError for a template error."""
         if self._compiled is None:
             raise InvalidRequestError("messages: this model has no chat template", field="messages")

@@ -15,19 +15,32 @@ NEW_TOKENS = 32
 def hf_greedy(model_dir, prompt):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = model.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-        output_scores=True, return_dict_in_generate=True,
+        torch.tensor([prompt]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
     )
-    tokens = ids.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(ids.scores, tokens, strict=True)]
+    tokens = ids.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(ids.scores, tokens, strict=True)
+    ]
     return tokens, logprobs
 
 
 @pytest.mark.parametrize("name", sorted(TINY_SPECS))
 def test_batched_chunked_greedy_equals_hf(tiny_model_dirs, name):
     # A 16-token budget forces the 40-token prompt into chunks that share steps with decodes.
-    llm = LLM(str(tiny_model_dirs[name]), dtype="float32", kv_cache_memory="8MiB", block_size=8,
-              max_num_batched_tokens=16, max_model_len=128)
+    llm = LLM(
+        str(tiny_model_dirs[name]),
+        dtype="float32",
+        kv_cache_memory="8MiB",
+        block_size=8,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+    )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
@@ -43,7 +56,9 @@ def test_batched_chunked_greedy_equals_hf(tiny_model_dirs, name):
 def test_prompt_logprobs_match_hf(tiny_model_dirs):
     model_dir = tiny_model_dirs["llama-gqa"]
     prompt = PROMPTS[2]
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16, max_model_len=128)
+    llm = LLM(
+        str(model_dir), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16, max_model_len=128
+    )
     output = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():

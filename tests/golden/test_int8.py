@@ -19,7 +19,9 @@ INT8_BOUND = 0.15  # relative per-token error bound of INT8 (W8A16) vs FP32, tin
 @pytest.fixture(scope="module")
 def calibration_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("calib") / "calibration.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. " * 40 + "in an ancient land, the king ran.")
+    path.write_text(
+        "the quick brown fox jumps over the lazy dog. " * 40 + "in an ancient land, the king ran."
+    )
     return path
 
 
@@ -35,7 +37,12 @@ def test_weight_only_int8_stays_within_its_bound(tiny_model_dirs):
 def test_quantize_cli_writes_a_checkpoint_that_serves(tiny_model_dirs, calibration_file, tmp_path, capsys):
     model_dir = tiny_model_dirs["qwen2-bias"]
     out = tmp_path / "int8"
-    assert main(["quantize", "--model", str(model_dir), "--calibration", str(calibration_file), "--out", str(out)]) == 0
+    assert (
+        main(
+            ["quantize", "--model", str(model_dir), "--calibration", str(calibration_file), "--out", str(out)]
+        )
+        == 0
+    )
     assert "8 INT8 linears" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "kunlun-int8"

@@ -6,8 +6,8 @@ import torch
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.golden import capture_engine, compare, layer_names
-from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.golden_tp import capture_tensor_parallel
+from kunlun_runtime.models.loader import load_model
 
 TOKENS = [(13 * i + 5) % 300 for i in range(40)]
 
@@ -40,5 +40,7 @@ def test_tp2_engine_generates_the_same_tokens_and_logprobs(tiny_model_dirs):
 
 
 def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(tiny_model_dirs):
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 3 does not divide the model's num_attention_heads \(4\)"):
+    with pytest.raises(
+        ConfigError, match=r"tensor_parallel_size: 3 does not divide the model's num_attention_heads \(4\)"
+    ):
         LLM(str(tiny_model_dirs["llama-gqa"]), dtype="float32", tensor_parallel_size=3)

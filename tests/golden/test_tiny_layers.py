@@ -19,7 +19,13 @@ def test_every_layer_matches_hf_fp32(tiny_model_dirs, name):
         token_ids = [(7 * i + 3) % 300 for i in range(length)]
         report = run_golden(model, tiny_model_dirs[name], token_ids, chunk_size=chunk)
         assert report.passed, (length, [(layer.name, layer.max_rel_err) for layer in report.layers])
-        assert [layer.name for layer in report.layers] == ["embed_tokens", "layers.0", "layers.1", "norm", "logits"]
+        assert [layer.name for layer in report.layers] == [
+            "embed_tokens",
+            "layers.0",
+            "layers.1",
+            "norm",
+            "logits",
+        ]
         assert max(layer.max_rel_err for layer in report.layers) <= 1e-5
 
 

@@ -11,9 +11,11 @@ def python_blocks(text: str) -> list[str]:
 
 
 def test_offline_api_snippet_runs_as_written(capsys):
-    (snippet,) = [block for block in python_blocks(README.read_text()) if "from kunlun_runtime import" in block]
+    (snippet,) = [
+        block for block in python_blocks(README.read_text()) if "from kunlun_runtime import" in block
+    ]
     namespace: dict = {}
-    exec(compile(snippet, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    exec(compile(snippet, "README.md", "exec"), namespace)
     out = namespace["out"]
     assert len(out) == 2 and out[1].prompt_token_ids == [1, 504, 3575]
     assert all(o.outputs[0].finish_reason in {"stop", "length"} for o in out)

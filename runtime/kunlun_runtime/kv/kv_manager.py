@@ -46,7 +46,9 @@ class KVManager:
         after the request's computed ones and the ``cached`` prefix blocks. Returns False, changing
         nothing, when the pool cannot provide them."""
         blocks = self._blocks.get(request.request_id, [])
-        total_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens + reserve_tokens
+        total_tokens = (
+            request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens + reserve_tokens
+        )
         num_needed = max(0, -(-total_tokens // self.block_size) - len(blocks) - len(cached))
         num_reviving = sum(1 for block in cached if block.ref_count == 0)
         if num_needed + num_reviving > self.pool.num_free:

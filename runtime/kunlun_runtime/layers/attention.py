@@ -101,7 +101,12 @@ def paged_attention(
         queries = padded.view(num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
     if fused:
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_heads != keys.shape[1]
+            queries,
+            keys,
+            values,
+            attn_mask=meta.attn_mask,
+            scale=scale,
+            enable_gqa=num_heads != keys.shape[1],
         )
     else:
         out = _unfused_attention(queries, keys, values, meta.attn_mask, scale)

@@ -79,7 +79,7 @@ class Int8Linear(nn.Module):
         return out.to(x.dtype)
 
 
-def _replace(model: nn.Module, make, skip: frozenset[str] = frozenset()) -> int:  # noqa: ANN001
+def _replace(model: nn.Module, make, skip: frozenset[str] = frozenset()) -> int:
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name not in skip:
@@ -101,6 +101,10 @@ def convert_linears(model: nn.Module, *, backend: str, quantization: str | None)
         count += _replace(model, Int8Linear.from_linear, skip=frozenset({"lm_head"}))
     if backend == "prepacked":
         weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        if (
+            weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+        ):
             count += _replace(model, PackedLinear)
     return count

@@ -33,11 +33,17 @@ class Attention(nn.Module):
         super().__init__()
         self.tp_world = tp_world
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
         self.fused_attention = True  # switched off only for the benchmark's ablation
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -100,7 +106,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp_world)
 
-    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:  # noqa: ANN001
+    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -17,8 +17,8 @@ from kunlun_runtime.layers.linear import Int8Linear
 from kunlun_runtime.layers.rotary import RotaryEmbedding
 from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
-from kunlun_runtime.models.weights import iter_weights
 from kunlun_runtime.models.sharding import shard_model_config, shard_weight
+from kunlun_runtime.models.weights import iter_weights
 
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -27,7 +27,9 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$")
+_LAYER_RE = re.compile(
+    r"^model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$"
+)
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
@@ -87,7 +89,9 @@ def load_model(
     for module_name in quantized:
         params.pop(f"{module_name}.weight", None)
     if tp_world > 1:
-        state = {name: shard_weight(name, tensor, config, tp_rank, tp_world) for name, tensor in state.items()}
+        state = {
+            name: shard_weight(name, tensor, config, tp_rank, tp_world) for name, tensor in state.items()
+        }
     missing = sorted(set(params) - set(state))
     if missing:
         raise ModelLoadError(f"{model_dir}: missing weights {missing[:5]}{' …' if len(missing) > 5 else ''}")

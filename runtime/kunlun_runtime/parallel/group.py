@@ -31,7 +31,9 @@ def init_group(rank: int, world: int, port: int, backend: str) -> None:
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=INIT_TIMEOUT
         )
     except Exception as error:  # any backend failure here is fatal and must be named
-        raise EngineDeadError(f"tensor parallel: rank {rank} could not join the {backend} group: {error}") from error
+        raise EngineDeadError(
+            f"tensor parallel: rank {rank} could not join the {backend} group: {error}"
+        ) from error
 
 
 def collective_preflight(rank: int, world: int, backend: str, device: torch.device) -> None:
@@ -39,7 +41,7 @@ def collective_preflight(rank: int, world: int, backend: str, device: torch.devi
     values = torch.full((4,), float(rank + 1), device=device)
     try:
         dist.all_reduce(values)
-    except Exception as error:  # noqa: BLE001 - reported with rank and backend
+    except Exception as error:
         raise EngineDeadError(
             f"tensor parallel preflight: all-reduce failed on rank {rank} of {world} (backend {backend}): {error}"
         ) from error

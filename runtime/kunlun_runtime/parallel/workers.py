@@ -54,7 +54,9 @@ class RankSpec:
 
 def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.device]:
     """Load rank ``rank``'s model shard and allocate its KV cache."""
-    device = torch.device(spec.device_type) if spec.device_type == "cpu" else torch.device(spec.device_type, rank)
+    device = (
+        torch.device(spec.device_type) if spec.device_type == "cpu" else torch.device(spec.device_type, rank)
+    )
     model, _ = load_model(
         Path(spec.model_dir), spec.dtype, device, spec.max_positions, tp_rank=rank, tp_world=spec.world
     )
@@ -62,7 +64,9 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
     for layer in model.layers:
         layer.self_attn.fused_attention = spec.fused_attention
     local = model.config
-    cache_spec = KVCacheSpec(local.num_layers, local.num_kv_heads, local.head_dim, spec.block_size, spec.dtype)
+    cache_spec = KVCacheSpec(
+        local.num_layers, local.num_kv_heads, local.head_dim, spec.block_size, spec.dtype
+    )
     cache = KVCache(
         cache_spec,
         spec.num_blocks,
@@ -106,7 +110,9 @@ class TensorParallelGroup:
         context = multiprocessing.get_context("spawn")
         self._status = context.Queue()
         self._workers = [
-            context.Process(target=worker_main, args=(spec, rank, self._status), daemon=True, name=f"tp-rank-{rank}")
+            context.Process(
+                target=worker_main, args=(spec, rank, self._status), daemon=True, name=f"tp-rank-{rank}"
+            )
             for rank in range(1, spec.world)
         ]
         for worker in self._workers:

@@ -22,10 +22,22 @@ BASE = {
 
 def test_old_and_new_rope_dialects_parse_to_the_same_rope():
     old = parse_model_config(
-        {**BASE, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}}
+        {
+            **BASE,
+            "rope_theta": 5e5,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192},
+        }
     )
     new = parse_model_config(
-        {**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "original_max_position_embeddings": 8192}}
+        {
+            **BASE,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
     )
     assert old.rope == new.rope
     assert (old.rope.theta, old.rope.rope_type, old.rope.factor) == (5e5, "llama3", 8.0)
@@ -33,7 +45,12 @@ def test_old_and_new_rope_dialects_parse_to_the_same_rope():
 
 def test_head_dim_is_derived_when_absent_and_kv_heads_default_to_heads():
     config = parse_model_config(BASE)
-    assert (config.head_dim, config.num_kv_heads, config.qk_norm, config.attention_bias) == (16, 4, False, False)
+    assert (config.head_dim, config.num_kv_heads, config.qk_norm, config.attention_bias) == (
+        16,
+        4,
+        False,
+        False,
+    )
 
 
 def test_qwen_variants_get_bias_and_qk_norm():
@@ -42,7 +59,9 @@ def test_qwen_variants_get_bias_and_qk_norm():
 
 
 def test_unknown_architecture_names_it_and_the_supported_list():
-    with pytest.raises(ModelLoadError, match=r"'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(
+        ModelLoadError, match=r"'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM"
+    ):
         parse_model_config({**BASE, "architectures": ["GPT2LMHeadModel"]})
 
 
@@ -76,5 +95,7 @@ def test_missing_shard_listed_in_the_index_is_named(tiny_dir, tmp_path):
     (broken / "model.safetensors").rename(broken / "model-00001-of-00002.safetensors")
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelLoadError, match=r"model-00002-of-00002\.safetensors: weight file listed .* is missing"):
+    with pytest.raises(
+        ModelLoadError, match=r"model-00002-of-00002\.safetensors: weight file listed .* is missing"
+    ):
         list(iter_weights(broken))
