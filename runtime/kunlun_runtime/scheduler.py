@@ -21,7 +21,8 @@ prefill chunks are capped so the predicted step stays under the target; the toke
 for the decodes ranked below a prefill; small waiting requests (whole prompt in one step) are merged
 when the step has room; among waiting requests of equal effective priority those with more blocks
 resident in the prefix cache go first; and a request waiting for memory may be overtaken by small
-requests that fit, only until it has waited ``priority_aging_steps`` steps and never when protected.
+requests that fit, during at most ``MAX_OVERTAKEN_STEPS`` (16; or ``priority_aging_steps`` if
+fewer) of its waiting steps, and never when it is protected.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.request import Request, RequestStatus
-from kunlun_runtime.scheduling_policy import FeedbackPolicy
+from kunlun_runtime.scheduling_policy import MAX_OVERTAKEN_STEPS, FeedbackPolicy
 from kunlun_runtime.step_cost import StepCostModel, StepFeatures, batch_features, chunk_features
 
 
@@ -243,9 +244,8 @@ class Scheduler:
                 if small
                 else policy.prefill_cap(plan.batch, plan.target, num_cached_tokens, remaining, budget)
             )
-            may_be_overtaken = (
-                not request.protected and request.waited_steps < self.limits.priority_aging_steps
-            )
+            bound = min(self.limits.priority_aging_steps, MAX_OVERTAKEN_STEPS)
+            may_be_overtaken = not request.protected and request.waited_steps < bound
             if blocked and not small:
                 continue
             reserve = (

@@ -26,6 +26,9 @@ MERGE_SLACK_RATIO = 0.5
 # Below this utilisation the device idles between steps: any request that fits is merged.
 UNDERUSED_UTILIZATION_RATIO = 0.5
 DEFAULT_MIN_PREFILL_CHUNK = 16
+# A request that does not fit may be overtaken by small ones for at most this many of its waiting
+# steps (or priority_aging_steps, if fewer); then it blocks the queue as under the fixed policy.
+MAX_OVERTAKEN_STEPS = 16
 
 
 class FeedbackPolicy:

@@ -146,6 +146,18 @@ def test_a_small_request_overtakes_one_that_waits_for_memory_only_until_it_has_w
     assert [r.request_id for r in scheduler.waiting] == ["B", "S3", "S4"]
 
 
+def test_with_slow_aging_overtaking_still_stops_after_sixteen_waiting_steps():
+    scheduler = make_scheduler(num_blocks=40, block=4, budget=128, aging=1000, trained=False)
+    scheduler.add(make_request("R", 100, max_tokens=30))
+    run_step(scheduler)  # R holds 26 of 40 blocks and grows by one every 4 steps
+    scheduler.add(make_request("B", 60, first_token=500))  # needs 15 blocks: never fits meanwhile
+    admitted = []
+    for step in range(1, 21):
+        scheduler.add(make_request(f"S{step}", 3, max_tokens=1, first_token=100 + 10 * step))
+        admitted.append([name for name, _ in summary(run_step(scheduler)) if name != "R"])
+    assert admitted == [[f"S{step}"] for step in range(1, 17)] + [[]] * 4
+
+
 def test_fixed_policy_never_overtakes():
     admitted, _ = overtaking_scenario("fixed")
     assert admitted == [[], [], [], []]
