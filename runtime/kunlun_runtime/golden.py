@@ -56,7 +56,7 @@ def _hook_outputs(modules: dict[str, torch.nn.Module], store: dict[str, list[tor
 
         def hook(_module, _inputs, output, name=name) -> None:
             tensor = output[0] if isinstance(output, tuple) else output
-            store.setdefault(name, []).append(tensor.detach().float().reshape(-1, tensor.shape[-1]))
+            store.setdefault(name, []).append(tensor.detach().float().cpu().reshape(-1, tensor.shape[-1]))
 
         handles.append(module.register_forward_hook(hook))
     return handles
@@ -92,7 +92,7 @@ def capture_engine(
                 cache,
                 meta,
             )
-            logits.append(model.compute_logits(hidden))
+            logits.append(model.compute_logits(hidden).cpu())
     finally:
         for handle in handles:
             handle.remove()

@@ -30,8 +30,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        self.weight = linear.weight.detach()  # kept for golden/introspection (shares no compute)
+        self.bias = None if linear.bias is None else linear.bias.detach()  # the plain weight is dropped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
