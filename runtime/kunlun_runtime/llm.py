@@ -59,7 +59,8 @@ class LLM:
         try:
             for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 base = f"offline-{next(self._ids)}"
-                ids = []
+                ids: list[str] = []
+                groups.append(ids)  # before adding: a later failure must abort what was added
                 for child in range(params.n):
                     child_params = replace(params, n=1)
                     if params.seed is not None:
@@ -69,7 +70,6 @@ class LLM:
                         request_id, prompt, child_params, priority=priority[index] if priority else 0
                     )
                     ids.append(request_id)
-                groups.append(ids)
             finished = self._run(on_output)
         except BaseException:
             for ids in groups:

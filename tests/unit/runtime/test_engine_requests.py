@@ -117,3 +117,9 @@ def test_second_turn_reuses_the_first_turns_blocks(llm):
     second = llm.generate({"prompt_token_ids": [*history, 5, 6]}, SamplingParams(max_tokens=1))[0]
     assert second.num_cached_tokens == (len(history) // engine.config.block_size) * engine.config.block_size
     assert engine.kv.num_prefix_hits > 0
+
+
+def test_a_bad_prompt_in_a_batch_aborts_the_ones_already_queued(llm):
+    with pytest.raises(InvalidRequestError, match="prompt: must not be empty"):
+        llm.generate(["the", ""], SamplingParams(n=2, max_tokens=4))
+    assert all_free(llm)
