@@ -2,12 +2,16 @@
 the token budget kept for decodes, small requests merged, bounded overtaking of a request waiting
 for memory, prefix-resident requests first, and the fairness guarantees under adversarial input."""
 
+import argparse
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kunlun_runtime.cli import add_engine_args, engine_config_from_args
+from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.request import Request, RequestStatus
@@ -264,3 +268,32 @@ def test_a_stream_of_short_high_priority_requests_does_not_starve_a_long_low_pri
     else:
         pytest.fail("the long low-priority request starved")
     assert step < 600
+
+
+def parse_engine_flags(*flags):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_config_from_args(parser.parse_args(list(flags)))
+
+
+def test_the_policy_and_target_come_from_the_flags_and_reach_the_scheduler_limits():
+    config = parse_engine_flags("--scheduling-policy", "feedback", "--target-step-seconds", "0.25")
+    assert (config.scheduling_policy, config.target_step_seconds) == ("feedback", 0.25)
+    assert SchedulerLimits.from_config(config) == SchedulerLimits(64, 2048, 3, 256, "feedback", 0.25)
+    default = parse_engine_flags()
+    assert (default.scheduling_policy, default.target_step_seconds) == ("fixed", None)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"scheduling_policy": "adaptive"}, "scheduling_policy"),
+        ({"target_step_seconds": 0.0}, "target_step_seconds"),
+        ({"target_step_seconds": -1.0}, "target_step_seconds"),
+        ({"target_step_seconds": float("nan")}, "target_step_seconds"),
+    ],
+)
+def test_invalid_scheduling_options_are_refused_naming_the_field(options, field):
+    with pytest.raises(ConfigError, match=f"^{field}: ") as error:
+        EngineConfig(**options).validate()
+    assert error.value.field == field
