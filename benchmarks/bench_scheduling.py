@@ -138,18 +138,13 @@ def summarize(runs: list[RunResult], jobs_per_rep: list[list[Job]]) -> dict[str,
 
 def make_llm(model: str | None, policy: str, args: argparse.Namespace):
     from kunlun_runtime import LLM
-    from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
 
     options = {"scheduling_policy": policy, "max_num_batched_tokens": args.max_num_batched_tokens}
     if policy == "feedback" and args.target_step_seconds is not None:
         options["target_step_seconds"] = args.target_step_seconds
     if args.dtype:
         options["dtype"] = args.dtype
-    llm = LLM(model, **options)
-    engine = llm.engine
-    if engine.scheduler.limits.scheduling_policy != policy:  # engine not yet passing the policy through
-        engine.scheduler = Scheduler(SchedulerLimits.from_config(engine.config), engine.kv)
-    return llm
+    return LLM(model, **options)
 
 
 def main(argv: list[str] | None = None) -> int:

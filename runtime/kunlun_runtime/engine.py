@@ -120,15 +120,7 @@ class LLMEngine:
         )
         self.block_pool = BlockPool(num_blocks)
         self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerLimits(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_preemptions=config.max_preemptions,
-                priority_aging_steps=config.priority_aging_steps,
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader())
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, broadcaster=self.tp_group)
         self.eos_token_ids = model_config.eos_token_ids
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
@@ -144,6 +136,21 @@ class LLMEngine:
             num_blocks,
             self.kv_cache.nbytes / 2**20,
         )
+
+    def _utilization_reader(self):
+        """Device utilisation for the feedback policy, read at most once a second (xpu-smi is a
+        subprocess). None on CPU: psutil reports the whole machine, not this engine's device."""
+        if self.platform.device_type == "cpu":
+            return None
+        cached: list[float] = [0.0, 0.0]  # (read at, value)
+
+        def read() -> float | None:
+            now = time.monotonic()
+            if now - cached[0] >= 1.0:
+                cached[:] = [now, self.platform.telemetry().utilization_ratio or 0.0]
+            return cached[1]
+
+        return read
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (no-op without tensor parallelism)."""

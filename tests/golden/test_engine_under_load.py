@@ -7,7 +7,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kunlun_runtime import LLM, SamplingParams
-from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
 
 MAX_PREEMPTIONS = 2
 BLOCK = 8
@@ -29,8 +28,6 @@ def make_llm(model_dir, num_blocks, policy="fixed", target_step_seconds=None):
         target_step_seconds=target_step_seconds,
     )
     engine = llm.engine
-    if engine.scheduler.limits.scheduling_policy != policy:  # engine not yet passing the policy through
-        engine.scheduler = Scheduler(SchedulerLimits.from_config(engine.config), engine.kv)
     assert (engine.scheduler.policy is not None) == (policy == "feedback")
     return llm
 
