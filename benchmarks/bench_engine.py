@@ -35,16 +35,20 @@ def measure_bandwidth_gbs(size_mb: int) -> float:
     return 3 * buffer.numel() * 4 / (time.perf_counter() - start) / 1e9
 
 
+def weight_bytes_per_token(config, quantization: str | None) -> int:  # noqa: ANN001
+    """Bytes of weights one decode step reads: every linear (INT8 or BF16) plus lm_head (BF16)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden + 3 * hidden * inter
+    linear_bytes = 1 if quantization == "int8" else 2
+    return config.num_layers * per_layer * linear_bytes + config.vocab_size * hidden * 2
+
+
 class Ours:
     def __init__(self, model_dir: str, **options) -> None:
         from kunlun_runtime import LLM
 
         self.llm = LLM(model_dir, **options)
-        self.weight_bytes = sum(
-            t.numel() * t.element_size()
-            for name, t in self.llm.engine.model.state_dict().items()
-            if "embed_tokens" not in name
-        )
+        self.weight_bytes = weight_bytes_per_token(self.llm.engine.model_config, options.get("quantization"))
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
         """(seconds to the first token of the first request, total seconds)."""
