@@ -35,7 +35,7 @@ def measure_bandwidth_gbs(size_mb: int) -> float:
     return 3 * buffer.numel() * 4 / (time.perf_counter() - start) / 1e9
 
 
-def weight_bytes_per_token(config, quantization: str | None) -> int:  # noqa: ANN001
+def weight_bytes_per_token(config, quantization: str | None) -> int:
     """Bytes of weights one decode step reads: every linear (INT8 or BF16) plus lm_head (BF16)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden + 3 * hidden * inter

@@ -24,6 +24,7 @@ class AttentionMetadata:
     query_padded_index: torch.Tensor  # [T] row of each token in the padded [B * max_query_len] layout
     attn_mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size] True = may attend
     max_query_len: int
+    is_fresh_single_prefill: bool = False  # one sequence prefilled from position 0 (no earlier KV)
 
 
 def build_attention_metadata(
@@ -67,6 +68,9 @@ def build_attention_metadata(
         query_padded_index=(seq_of_token * max_q + index_in_seq).to(device),
         attn_mask=mask.unsqueeze(1).to(device),
         max_query_len=max_q,
+        is_fresh_single_prefill=(
+            num_seqs == 1 and max_q > 1 and context_lens[0] == query_lens[0] and sliding_window is None
+        ),
     )
 
 
@@ -103,14 +107,18 @@ def paged_attention(
         padded = q.new_zeros((num_seqs * meta.max_query_len, num_heads, head_dim))
         padded[meta.query_padded_index] = q
         queries = padded.view(num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
-    if fused:
+    gqa = num_heads != keys.shape[1]
+    if fused and meta.is_fresh_single_prefill:
+        # One prompt from position 0: plain causal attention without a mask tensor, so SDPA can
+        # take its flash path (the long-prompt TTFT case).
+        length = meta.max_query_len
+        keys, values = keys[:, :, :length], values[:, :, :length]
         out = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=meta.attn_mask,
-            scale=scale,
-            enable_gqa=num_heads != keys.shape[1],
+            queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    elif fused:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=gqa
         )
     else:
         out = _unfused_attention(queries, keys, values, meta.attn_mask, scale)
