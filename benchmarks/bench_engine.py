@@ -130,7 +130,11 @@ def run_scenarios(args: argparse.Namespace) -> dict:
         for who, values in rows.items():
             entry[f"{who}_ttft_s"] = statistics.median(v[0] for v in values)
             entry[f"{who}_decode_tok_s"] = statistics.median(v[1] for v in values)
-        entry["decode_speedup"] = entry["ours_decode_tok_s"] / entry["hf_decode_tok_s"]
+        if new_tokens <= 2:  # a TTFT scenario: there is no decode phase to rate
+            for who in rows:
+                del entry[f"{who}_decode_tok_s"]
+        else:
+            entry["decode_speedup"] = entry["ours_decode_tok_s"] / entry["hf_decode_tok_s"]
         entry["ttft_ratio"] = entry["ours_ttft_s"] / entry["hf_ttft_s"]
         table[name] = entry
 
@@ -201,7 +205,12 @@ def format_table(results: dict) -> str:
         f"{'scenario':<20}{'ours tok/s':>12}{'HF tok/s':>10}{'speedup':>9}{'ours TTFT':>11}{'HF TTFT':>9}{'ratio':>7}"
     )
     for name, row in results["scenarios"].items():
-        if "hf_decode_tok_s" in row:
+        if "hf_ttft_s" in row and "hf_decode_tok_s" not in row:
+            lines.append(
+                f"{name:<20}{'-':>12}{'-':>10}{'-':>9}{row['ours_ttft_s']:>10.3f}s{row['hf_ttft_s']:>8.3f}s"
+                f"{row['ttft_ratio']:>7.2f}"
+            )
+        elif "hf_decode_tok_s" in row:
             lines.append(
                 f"{name:<20}{row['ours_decode_tok_s']:>12.1f}{row['hf_decode_tok_s']:>10.1f}{row['decode_speedup']:>8.2f}x"
                 f"{row['ours_ttft_s']:>10.3f}s{row['hf_ttft_s']:>8.3f}s{row['ttft_ratio']:>7.2f}"

@@ -35,6 +35,8 @@ def test_bench_engine_quick_run_writes_results_and_chart(tmp_path, capsys):
     single = results["scenarios"]["single_256_128"]
     assert single["ours_decode_tok_s"] > 0 and single["hf_decode_tok_s"] > 0
     assert single["decode_speedup"] == single["ours_decode_tok_s"] / single["hf_decode_tok_s"]
+    long_prompt = results["scenarios"]["long_2048_ttft"]
+    assert "ours_decode_tok_s" not in long_prompt and long_prompt["ttft_ratio"] > 0  # a TTFT-only row
     assert set(results["ablation"]) == {
         "all on",
         "unfused attention",
