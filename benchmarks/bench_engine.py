@@ -224,22 +224,31 @@ def format_table(results: dict) -> str:
 
 
 def write_chart(results: dict, path: Path) -> None:
+    """Bars of ours-vs-HF ratios (> 1 is better for us): decode throughput and TTFT speed-up."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = {k: v for k, v in results["scenarios"].items() if "hf_decode_tok_s" in v}
-    figure, axis = plt.subplots(figsize=(7, 3.5))
-    names = list(rows)
-    xs = range(len(names))
-    axis.bar([x - 0.2 for x in xs], [rows[n]["hf_decode_tok_s"] for n in names], 0.4, label="HF transformers")
-    axis.bar(
-        [x + 0.2 for x in xs], [rows[n]["ours_decode_tok_s"] for n in names], 0.4, label="kunlun-runtime"
-    )
-    axis.set_xticks(list(xs), names)
-    axis.set_ylabel("output tok/s (median)")
-    axis.legend()
+    labels, ratios = [], []
+    for name, row in results["scenarios"].items():
+        if "decode_speedup" in row:
+            labels.append(f"{name}\ndecode")
+            ratios.append(row["decode_speedup"])
+        if "ttft_ratio" in row:
+            labels.append(f"{name}\nTTFT")
+            ratios.append(1 / row["ttft_ratio"])
+    labels.append("INT8 decode\nvs our BF16")
+    ratios.append(results["scenarios"]["int8_single"]["vs_bf16"])
+    labels.append("2nd turn TTFT\nwarm vs cold")
+    ratios.append(results["scenarios"]["second_turn_reuse"]["speedup"])
+    figure, axis = plt.subplots(figsize=(9, 3.8))
+    axis.bar(range(len(ratios)), ratios, color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_xticks(range(len(ratios)), labels, fontsize=7)
+    axis.set_yscale("log")
+    axis.set_ylabel("speed-up (x, log scale)")
+    axis.set_title("kunlun-runtime vs HF transformers, same run (median)")
     figure.tight_layout()
     figure.savefig(path)
 
