@@ -33,7 +33,9 @@ def parse_memory(text: str | int, *, field_name: str = "kv_cache_memory") -> int
     else:
         match = _MEMORY_RE.match(text)
         if not match:
-            raise ConfigError(f"{field_name}: cannot parse memory size {text!r} (e.g. 2GiB)", field=field_name)
+            raise ConfigError(
+                f"{field_name}: cannot parse memory size {text!r} (e.g. 2GiB)", field=field_name
+            )
         number, unit = match.group(1), (match.group(2) or "").lower()
         base = 1024 if "i" in unit else 1000
         scale = base ** "bkmgt".index(unit[0]) if unit else 1
@@ -73,7 +75,11 @@ class EngineConfig:
         """Check every field on its own; return self. Raises ConfigError naming the field."""
         _check(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         _check(self.device in DEVICES, "device", f"must be one of {sorted(DEVICES)}, got {self.device!r}")
-        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        _check(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            f"must be 8, 16, 32, 64 or 128, got {self.block_size}",
+        )
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(
             self.max_num_batched_tokens >= 1,

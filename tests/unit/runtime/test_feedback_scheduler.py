@@ -18,6 +18,7 @@ from kunlun_runtime.request import Request, RequestStatus
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.step_cost import StepFeatures
+from tests.support.scheduling import run_step, summary
 
 # Synthetic device: 10 ms per step, 0.1 ms per prefill token, 1 ms per decode, attention free.
 COST = (0.010, 1e-4, 1e-3, 0.0)
@@ -51,24 +52,6 @@ def make_request(request_id, prompt_len, max_tokens=8, priority=0, first_token=1
     prompt = [(first_token + i) % 1000 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     return Request(request_id, prompt, params, max_total_tokens=prompt_len + max_tokens, priority=priority)
-
-
-def run_step(scheduler):
-    """Apply one schedule as the engine would: compute tokens, sample a fake token, finish."""
-    out = scheduler.schedule()
-    for item in out.scheduled:
-        request = item.request
-        request.num_computed_tokens += item.num_new_tokens
-        scheduler.kv.cache_computed_blocks(request)
-        if request.num_computed_tokens == request.num_tokens:
-            request.output_token_ids.append(1)
-            if request.num_tokens >= request.max_total_tokens:
-                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-    return out
-
-
-def summary(out):
-    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
 
 
 def start_decoding(scheduler, *names, prompt_len=4, max_tokens=50):

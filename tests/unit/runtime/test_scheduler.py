@@ -5,6 +5,7 @@ from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.request import Request, RequestStatus
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
+from tests.support.scheduling import run_step, summary
 
 BLOCK = 4
 
@@ -19,24 +20,6 @@ def make_request(request_id, prompt_len, max_tokens=4, priority=0, first_token=1
     prompt = list(range(first_token, first_token + prompt_len))
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     return Request(request_id, prompt, params, max_total_tokens=prompt_len + max_tokens, priority=priority)
-
-
-def run_step(scheduler):
-    """Apply one schedule as the engine would: compute tokens, sample a fake token, finish."""
-    out = scheduler.schedule()
-    for item in out.scheduled:
-        request = item.request
-        request.num_computed_tokens += item.num_new_tokens
-        scheduler.kv.cache_computed_blocks(request)
-        if request.num_computed_tokens == request.num_tokens:
-            request.output_token_ids.append(1)
-            if request.num_tokens >= request.max_total_tokens:
-                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-    return out
-
-
-def summary(out):
-    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
 
 
 def test_new_prompts_are_prefilled_then_decoded_one_token_per_step():
