@@ -22,7 +22,7 @@ from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.model_runner import ModelRunner
-from kunlun_runtime.models.model_config import load_model_config
+from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.sharding import shard_model_config
 from kunlun_runtime.outputs import CompletionOutput, RequestOutput, RequestTimes
 from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
@@ -75,36 +75,12 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(self.model_dir)
         self.max_model_len = self._resolve_max_model_len(model_config)
+        self.model_config = model_config
+        self.tokenizer = Tokenizer(self.model_dir)  # before any worker starts: fail fast, leak nothing
         self.tp_group: TensorParallelGroup | None = None
-        world = config.tensor_parallel_size
-        local_config = shard_model_config(model_config, world) if world > 1 else model_config
-        spec = KVCacheSpec(
-            num_layers=local_config.num_layers,
-            num_kv_heads=local_config.num_kv_heads,
-            head_dim=local_config.head_dim,
-            block_size=config.block_size,
-            dtype=self.dtype,
-        )
-        probe = KVCache(spec, 1, torch.device("meta"), **self._layout_args())
-        num_blocks = plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, self.max_model_len)
-        rank_spec = RankSpec(
-            model_dir=str(self.model_dir),
-            dtype=self.dtype,
-            device_type=self.device.type,
-            max_positions=self.max_model_len,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            cache_line_bytes=self.platform.cache_line_bytes,
-            cache_num_sets=self.platform.cache_num_sets,
-            kv_block_skew=config.kv_block_skew,
-            linear_backend="prepacked" if config.linear_backend == "auto" else config.linear_backend,
-            quantization=config.quantization,
-            fused_attention=config.fused_attention,
-            world=world,
-            backend=self.platform.distributed_backend,
-            port=TensorParallelGroup.new_port() if world > 1 else 0,
-        )
-        if world > 1:
+        rank_spec = self._plan_ranks(model_config)
+        num_blocks = rank_spec.num_blocks
+        if rank_spec.world > 1:
             self.tp_group = TensorParallelGroup(rank_spec)
         try:
             self.model, self.kv_cache, _ = build_rank(rank_spec, 0)
@@ -113,14 +89,14 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        self.model_config = model_config
-        self.tokenizer = Tokenizer(self.model_dir)
         self.served_model_name = config.served_model_name or (
             config.model.rstrip("/").split("/")[-1] if config.model else "SmolLM2-135M-Instruct"
         )
         self.block_pool = BlockPool(num_blocks)
         self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader())
+        self.scheduler = Scheduler(
+            SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader()
+        )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, broadcaster=self.tp_group)
         self.eos_token_ids = model_config.eos_token_ids
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
@@ -135,6 +111,36 @@ class LLMEngine:
             self.max_model_len,
             num_blocks,
             self.kv_cache.nbytes / 2**20,
+        )
+
+    def _plan_ranks(self, model_config: ModelConfig) -> RankSpec:
+        """What every tensor-parallel rank builds: its shard's KV cache sized from the budget."""
+        config, world = self.config, self.config.tensor_parallel_size
+        local_config = shard_model_config(model_config, world) if world > 1 else model_config
+        spec = KVCacheSpec(
+            num_layers=local_config.num_layers,
+            num_kv_heads=local_config.num_kv_heads,
+            head_dim=local_config.head_dim,
+            block_size=config.block_size,
+            dtype=self.dtype,
+        )
+        probe = KVCache(spec, 1, torch.device("meta"), **self._layout_args())
+        return RankSpec(
+            model_dir=str(self.model_dir),
+            dtype=self.dtype,
+            device_type=self.device.type,
+            max_positions=self.max_model_len,
+            num_blocks=plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, self.max_model_len),
+            block_size=config.block_size,
+            cache_line_bytes=self.platform.cache_line_bytes,
+            cache_num_sets=self.platform.cache_num_sets,
+            kv_block_skew=config.kv_block_skew,
+            linear_backend="prepacked" if config.linear_backend == "auto" else config.linear_backend,
+            quantization=config.quantization,
+            fused_attention=config.fused_attention,
+            world=world,
+            backend=self.platform.distributed_backend,
+            port=TensorParallelGroup.new_port() if world > 1 else 0,
         )
 
     def _utilization_reader(self):
