@@ -1,4 +1,4 @@
-"""Every `helm install` / `helm upgrade` command in docs/chart.md and the chart README renders:
+"""Every `helm install` / `helm upgrade` command in docs/chart.md, the chart README and the top README renders:
 each is run as the equivalent `helm template` (no cluster here), so a documented value that the
 schema rejects or a values file that moved fails this test."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from tests.chart.tools import CHART, REPO, helm
 
-DOCS = [REPO / "docs" / "chart.md", CHART / "README.md"]
+DOCS = [REPO / "docs" / "chart.md", CHART / "README.md", REPO / "README.md"]
 CLUSTER_ONLY_FLAGS = {"--create-namespace", "--reuse-values", "--wait", "--atomic"}
 
 
