@@ -52,7 +52,7 @@ class NodeReport:
 
 
 def version_mismatches(node: NodeFacts, versions: VersionsSpec) -> list[str]:
-    """``["driver 5.0.20 (want 5.0.21)", ...]``: how ``node`` differs from the locked versions."""
+    """``["driver 5.0.20 (want 5.0.21.26)", ...]``: how ``node`` differs from the locked versions."""
     out = []
     for key, label in _VERSION_LABELS:
         wanted = getattr(versions, key)

@@ -104,8 +104,8 @@ def test_driver_drift_accepts_every_matrix_version_including_extra_entries() -> 
         "compatibility": {"extraEntries": [
             {"runtime": "0.1.0", "driver": ["5.1.0"], "firmware": ["1.4.0"], "kml": ["3.3.0"]}]}})
     expr = {r["alert"]: r["expr"] for r in alerts(rendered)}["KunlunXPUDriverVersionDrift"]
-    assert 'driver_version!~"(5\\\\.0\\\\.21|5\\\\.1\\\\.0)(\\\\..+)?"' in expr
-    assert 'firmware_version!~"(1\\\\.3\\\\.8|1\\\\.4\\\\.0)(\\\\..+)?"' in expr
+    assert 'driver_version!~"(5\\\\.0\\\\.21\\\\.26|5\\\\.1\\\\.0)(\\\\..+)?"' in expr
+    assert 'firmware_version!~"(1\\\\.0\\\\.2\\\\.14\\\\.1\\\\.54|1\\\\.4\\\\.0)(\\\\..+)?"' in expr
 
 
 def test_monitoring_objects_are_off_by_default(default_render: Rendered) -> None:

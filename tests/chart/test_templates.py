@@ -309,7 +309,7 @@ def test_compatibility_configmap_parses_with_the_operators_own_parser(
     text = rendered_sets["ha-values"].one("ConfigMap", "-compatibility")["data"][matrix.MATRIX_KEY]
     parsed = matrix.parse_matrix(text, source="chart ConfigMap")
     assert [(e.runtime, sorted(e.driver)) for e in parsed.entries] == [
-        ("0.1.0", ["5.0.21"]),
+        ("0.1.0", ["5.0.21.26"]),
         ("0.1.0", ["5.0.22"]),
     ]
 

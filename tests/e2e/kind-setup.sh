@@ -37,8 +37,8 @@ nodes:
       kunlun.dev/xpu.present: "true"
       kunlun.dev/xpu.product: P800
       kunlun.dev/xpu.count: "8"
-      kunlun.dev/xpu.driver-version: "5.0.21"
-      kunlun.dev/xpu.firmware-version: "1.3.8"
+      kunlun.dev/xpu.driver-version: "5.0.21.26"
+      kunlun.dev/xpu.firmware-version: "1.0.2.14.1.54"
       kunlun.dev/xpu.kml-version: "3.2.0"
 YAML
 fi

@@ -36,7 +36,7 @@ DRIVER_LABEL = "kunlun.dev/xpu.driver-version"
 EMPTY = types.SimpleNamespace(conditions=None)  # a CRD status not written yet
 SPEC = {
     "model": {"name": "qwen", "source": {"hostPath": {"path": "/data/qwen"}}, "parameters": "135M"},
-    "versions": {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0"},
+    "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"},
 }
 
 

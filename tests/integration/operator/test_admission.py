@@ -21,7 +21,7 @@ SPEC = {
         "architecture": {"numLayers": 32, "numKVHeads": 32, "headDim": 128},
     },
     "runtime": {"maxModelLen": 8192},
-    "versions": {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0"},
+    "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"},
     "resources": {"xpuProduct": "P800"},
 }
 
@@ -73,13 +73,13 @@ def test_webhook_allows_denies_and_warns_naming_the_field(cluster: Cluster) -> N
     assert allowed["allowed"] is True and "warnings" not in allowed
 
     unsupported = review(
-        port, {**copy.deepcopy(SPEC), "versions": {"driver": "5.0.20", "firmware": "1.3.8", "kml": "3.2.0"}}
+        port, {**copy.deepcopy(SPEC), "versions": {"driver": "5.0.20", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"}}
     )
     assert unsupported["allowed"] is False
     assert unsupported["status"] == {
         "code": 422,
         "message": "spec.versions.driver: driver 5.0.20 is not "
-        "supported by runtime 0.1.0 (supported: 5.0.21)",
+        "supported by runtime 0.1.0 (supported: 5.0.21.26)",
     }
 
     too_big = copy.deepcopy(SPEC)

@@ -20,7 +20,7 @@ from tests.integration.operator.test_admission import _accepts, review
 pytestmark = pytest.mark.slow
 SPEC = {
     "model": {"name": "qwen", "source": {"pvc": {"claimName": "models", "path": "qwen"}}},
-    "versions": {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0", "policy": "Warn"},
+    "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"},
     "autoscaling": {"enabled": True, "maxReplicas": 3},
 }
 
@@ -45,7 +45,7 @@ def test_the_operator_calls_exactly_the_documented_api(cluster: Cluster) -> None
             "metadata": {"name": "matrix"},
             "data": {
                 "matrix.yaml": "entries:\n"
-                "- {runtime: 0.1.0, driver: [5.0.21], firmware: [1.3.8], kml: [3.2.0]}\n"
+                "- {runtime: 0.1.0, driver: [5.0.21.26], firmware: [1.0.2.14.1.54], kml: [3.2.0]}\n"
             },
         },
     )

@@ -10,7 +10,7 @@ import pytest
 from tests.integration.operator.conftest import NAMESPACE, Cluster, free_port, wait_for
 
 pytestmark = pytest.mark.slow
-VERSIONS = {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0"}
+VERSIONS = {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"}
 SPEC = {
     "model": {"name": "qwen", "source": {"hostPath": {"path": "/data/qwen"}}, "parameters": "7B"},
     "versions": VERSIONS,
@@ -92,12 +92,12 @@ def test_node_label_changes_update_compatible_nodes_and_conditions(cluster: Clus
     assert cluster.condition("DevicesAvailable") == (
         "False",
         "NoCompatibleNodes",
-        "no Kunlun node matches driver=5.0.21 firmware=1.3.8 kml=3.2.0 xpus>=1; Kunlun nodes have: "
-        "driver=5.0.20 firmware=1.3.8 kml=3.2.0 product=P800 xpus=8 (2 nodes)",
+        "no Kunlun node matches driver=5.0.21.26 firmware=1.0.2.14.1.54 kml=3.2.0 xpus>=1; Kunlun nodes have: "
+        "driver=5.0.20 firmware=1.0.2.14.1.54 kml=3.2.0 product=P800 xpus=8 (2 nodes)",
     )
     assert cluster.status()["phase"] == "Pending"
     cluster.wait_for_events("NoCompatibleNodes")
-    cluster.core.patch_node("xpu-2", {"metadata": {"labels": {"kunlun.dev/xpu.driver-version": "5.0.21"}}})
+    cluster.core.patch_node("xpu-2", {"metadata": {"labels": {"kunlun.dev/xpu.driver-version": "5.0.21.26"}}})
     wait_for("one compatible node again", lambda: cluster.status().get("compatibleNodes") == 1)
     assert cluster.condition("DevicesAvailable")[:2] == ("True", "CompatibleNodesFound")
 

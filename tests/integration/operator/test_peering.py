@@ -13,7 +13,7 @@ from tests.integration.operator.conftest import Cluster, wait_for
 pytestmark = pytest.mark.slow
 SPEC = {
     "model": {"name": "qwen", "source": {"hostPath": {"path": "/data/qwen"}}},
-    "versions": {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0"},
+    "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"},
 }
 
 

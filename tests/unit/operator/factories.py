@@ -15,7 +15,7 @@ from kunlun_operator.reconcile import ClusterFacts
 from kunlun_operator.spec import ServiceRef
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
-VERSIONS = {"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0"}
+VERSIONS = {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"}
 NOW = "2026-01-01T00:00:00Z"
 
 
@@ -36,8 +36,8 @@ def make_ref(name: str = "qwen", namespace: str = "ml", generation: int = 1) -> 
 def make_node(
     name: str,
     *,
-    driver: str = "5.0.21",
-    firmware: str = "1.3.8",
+    driver: str = "5.0.21.26",
+    firmware: str = "1.0.2.14.1.54",
     kml: str = "3.2.0",
     count: int = 8,
     product: str = "P800",

@@ -57,8 +57,8 @@ def _meta(name: str = "qwen", **extra: Any) -> dict[str, Any]:
 def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
     spec = parse_spec(make_raw_spec())
     lock = [
-        {"key": "kunlun.dev/xpu.driver-version", "operator": "In", "values": ["5.0.21"]},
-        {"key": "kunlun.dev/xpu.firmware-version", "operator": "In", "values": ["1.3.8"]},
+        {"key": "kunlun.dev/xpu.driver-version", "operator": "In", "values": ["5.0.21.26"]},
+        {"key": "kunlun.dev/xpu.firmware-version", "operator": "In", "values": ["1.0.2.14.1.54"]},
         {"key": "kunlun.dev/xpu.kml-version", "operator": "In", "values": ["3.2.0"]},
     ]
     assert build_deployment(
@@ -106,9 +106,9 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
                             "args": [
                                 "preflight",
                                 "--expect-driver",
-                                "5.0.21",
+                                "5.0.21.26",
                                 "--expect-firmware",
-                                "1.3.8",
+                                "1.0.2.14.1.54",
                                 "--expect-kml",
                                 "3.2.0",
                                 "--min-cards",
@@ -173,7 +173,7 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
 
 def test_warn_policy_has_no_affinity_and_no_preflight() -> None:
     spec = parse_spec(
-        make_raw_spec(versions={"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0", "policy": "Warn"})
+        make_raw_spec(versions={"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"})
     )
     deployment = build_deployment(
         make_ref(), spec, image=IMAGE, config_hash="abc", image_volumes=False, replicas=2

@@ -89,8 +89,8 @@ def test_no_compatible_nodes_lists_what_the_kunlun_nodes_have() -> None:
     devices = next(c for c in plan.status["conditions"] if c["type"] == "DevicesAvailable")
     assert devices["status"] == "False" and devices["reason"] == "NoCompatibleNodes"
     assert devices["message"] == (
-        "no Kunlun node matches driver=5.0.21 firmware=1.3.8 kml=3.2.0 xpus>=1; Kunlun nodes have: "
-        "driver=5.0.20 firmware=1.3.8 kml=3.2.0 product=P800 xpus=8 (2 nodes)"
+        "no Kunlun node matches driver=5.0.21.26 firmware=1.0.2.14.1.54 kml=3.2.0 xpus>=1; Kunlun nodes have: "
+        "driver=5.0.20 firmware=1.0.2.14.1.54 kml=3.2.0 product=P800 xpus=8 (2 nodes)"
     )
     assert plan.status["phase"] == "Pending" and plan.status["compatibleNodes"] == 0
     assert [(e.type, e.reason) for e in plan.events] == [("Warning", "NoCompatibleNodes")]
@@ -102,7 +102,7 @@ def test_no_kunlun_nodes_at_all() -> None:
 
 
 def test_warn_policy_reports_pods_on_mismatching_nodes() -> None:
-    raw = make_raw_spec(versions={"driver": "5.0.21", "firmware": "1.3.8", "kml": "3.2.0", "policy": "Warn"})
+    raw = make_raw_spec(versions={"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"})
     nodes = (make_node("good"), make_node("old", kml="3.1.0"))
     pods = (PodFacts("qwen-1", "good"), PodFacts("qwen-2", "old"), PodFacts("qwen-3", None))
     plan = reconcile(make_ref(), raw, None, make_facts(nodes=nodes, pods=pods), now=NOW)
@@ -116,20 +116,20 @@ def test_warn_policy_reports_pods_on_mismatching_nodes() -> None:
 
 
 def test_unsupported_versions_fail_under_strict_and_only_warn_under_warn() -> None:
-    strict = make_raw_spec(versions={"driver": "9.9.9", "firmware": "1.3.8", "kml": "3.2.0"})
+    strict = make_raw_spec(versions={"driver": "9.9.9", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"})
     plan = reconcile(make_ref(), strict, None, make_facts(), now=NOW)
     assert plan.apply == () and plan.delete == ()
     assert plan.status["phase"] == "Failed"
     assert plan.status["lastFailure"] == {
         "reason": "UnsupportedVersions",
         "time": NOW,
-        "message": "spec.versions.driver: driver 9.9.9 is not supported by runtime 0.1.0 (supported: 5.0.21)",
+        "message": "spec.versions.driver: driver 9.9.9 is not supported by runtime 0.1.0 (supported: 5.0.21.26)",
     }
     assert [(e.type, e.reason) for e in plan.events] == [("Warning", "UnsupportedVersions")]
     again = reconcile(make_ref(), strict, plan.status, make_facts(), now=LATER)
     assert again.events == () and again.status["lastFailure"]["time"] == NOW
 
-    warn = make_raw_spec(versions={"driver": "9.9.9", "firmware": "1.3.8", "kml": "3.2.0", "policy": "Warn"})
+    warn = make_raw_spec(versions={"driver": "9.9.9", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"})
     plan = reconcile(make_ref(), warn, None, make_facts(), now=NOW)
     assert len(plan.apply) == 4
     assert _conditions(plan.status)["VersionsCompatible"] == ("False", "UnsupportedVersions")
