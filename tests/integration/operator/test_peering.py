@@ -27,11 +27,16 @@ def test_one_replica_reconciles_and_the_standby_takes_over(cluster: Cluster) -> 
     )
     peering = ["--peering", "kunlun-operator", "--peering-lifetime", "3"]
     active = cluster.start_operator(*peering, "--priority", "200", standalone=False)
+    # Start the standby once the active replica runs: two replicas starting in the same instant can
+    # each miss the other's peering record for a moment (seen once in CI) and both reconcile.
+    wait_for("the active replica to run", lambda: "Resuming operations" in active.log())
     standby = cluster.start_operator(*peering, "--priority", "100", standalone=False)
     # With peering, kopf starts every replica paused until it has seen the peers.
     cluster.create_service(copy.deepcopy(SPEC))
     wait_for("the status", lambda: cluster.status().get("phase"))
-    assert "reconciled ml/qwen" in active.log() and "reconciled ml/qwen" not in standby.log()
+    # The status can land before the replica's log line does: poll the log, then check the standby.
+    wait_for("the active replica's reconcile", lambda: "reconciled ml/qwen" in active.log())
+    assert "reconciled ml/qwen" not in standby.log()
 
     active.kill()
     cluster.patch_service({"spec": {"runtime": {"maxModelLen": 2048}}})
