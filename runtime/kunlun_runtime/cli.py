@@ -17,7 +17,9 @@ from pathlib import Path
 from kunlun_runtime.config import EngineConfig, parse_memory
 from kunlun_runtime.errors import KunlunRuntimeError
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+COMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {}
 
 
 def command(name: str, help_text: str, configure: Callable[[argparse.ArgumentParser], None]):
@@ -44,9 +46,23 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--max-preemptions", type=int, default=3)
     group.add_argument("--scheduling-policy", default="fixed", choices=["fixed", "feedback"])
-    group.add_argument("--target-step-seconds", type=float, default=None, help="feedback: step cap while decoding")
+    group.add_argument(
+        "--target-step-seconds", type=float, default=None, help="feedback: step cap while decoding"
+    )
     group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument("--quantization", default=None, choices=["int8"])
+    group.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "native", "prepacked", "plain"],
+        help="auto: our AVX-512 BF16 decode kernels where the CPU has them, else oneDNN-prepacked",
+    )
+    group.add_argument(
+        "--native-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="BF16 on AVX-512 BF16 CPUs: our RMSNorm and fused decode-attention kernels",
+    )
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
         "--config",
@@ -95,6 +111,8 @@ def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
         target_step_seconds=args.target_step_seconds,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        linear_backend=args.linear_backend,
+        native_kernels=args.native_kernels,
         seed=args.seed,
     ).validate()
 
@@ -192,7 +210,21 @@ def _golden_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="The capital of France is Paris. The capital of Italy is")
     parser.add_argument("--tolerance", type=float, default=None, help="override the dtype's tolerance")
     parser.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="run the engine side split N ways")
+    parser.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "native", "prepacked", "plain"],
+        help="the linear kernels to check (a chunk size of at most 8 exercises the decode kernels)",
+    )
+    parser.add_argument(
+        "--native-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="BF16: check our RMSNorm and decode-attention kernels too (decode steps: --chunk-size 1)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="run the engine side split N ways"
+    )
     parser.add_argument("--json", action="store_true")
 
 
@@ -216,7 +248,15 @@ def run_golden_command(args: argparse.Namespace) -> int:
         num_layers = load_model_config(model_dir).num_layers
         report = report_against_reference(ours, model_dir, token_ids, dtype, num_layers, args.tolerance)
     else:
-        model, _ = load_model(model_dir, dtype, torch.device("cpu"), max(len(token_ids), 1) + 1)
+        from kunlun_runtime.layers.linear import choose_linear_backend, convert_linears
+
+        device = torch.device("cpu")
+        model, _ = load_model(model_dir, dtype, device, max(len(token_ids), 1) + 1)
+        convert_linears(
+            model, backend=choose_linear_backend(args.linear_backend, dtype, device), quantization=None
+        )
+        if args.native_kernels:
+            model.enable_native_kernels()
         report = run_golden(model, model_dir, token_ids, tolerance=args.tolerance, chunk_size=args.chunk_size)
     print(json.dumps(report.to_dict()) if args.json else format_report(report))
     return 0 if report.passed else 1
@@ -239,11 +279,15 @@ def run_import_gguf(args: argparse.Namespace) -> int:
 
 def _quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF-format model directory (default: embedded SmolLM2)")
-    parser.add_argument("--calibration", type=Path, required=True, help="text file for activation calibration")
+    parser.add_argument(
+        "--calibration", type=Path, required=True, help="text file for activation calibration"
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory for the INT8 checkpoint")
     parser.add_argument("--max-chunks", type=int, default=16, help="calibration chunks of 256 tokens")
     parser.add_argument(
-        "--static-max-error", type=float, default=0.01,
+        "--static-max-error",
+        type=float,
+        default=0.01,
         help="use W8A8 static for a layer only if its calibration output error stays below this",
     )
 
@@ -259,15 +303,19 @@ def run_quantize(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model_dir(args.model)
     if not args.calibration.is_file():
-        print(f"kunlun-runtime quantize: error: --calibration {args.calibration}: no such file", file=sys.stderr)
+        print(
+            f"kunlun-runtime quantize: error: --calibration {args.calibration}: no such file", file=sys.stderr
+        )
         return 2
     chunks = read_calibration_chunks(args.calibration, Tokenizer(model_dir), max_chunks=args.max_chunks)
     model, _ = load_model(model_dir, torch.float32, torch.device("cpu"), max(len(c) for c in chunks) + 1)
     calibration = calibrate(model, chunks, args.static_max_error)
     write_quantized(model, model_dir, args.out, calibration)
     num_static = sum(entry.static for entry in calibration.values())
-    print(f"{args.out}: {len(calibration)} INT8 linears, {num_static} with static activation scales "
-          f"(calibrated on {sum(len(c) for c in chunks)} tokens)")
+    print(
+        f"{args.out}: {len(calibration)} INT8 linears, {num_static} with static activation scales "
+        f"(calibrated on {sum(len(c) for c in chunks)} tokens)"
+    )
     return 0
 
 
@@ -296,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.run(args)
     except KunlunRuntimeError as error:

@@ -14,7 +14,7 @@ from kunlun_runtime.errors import ConfigError
 
 DTYPES = frozenset({"auto", "float32", "bfloat16", "float16"})
 QUANTIZATIONS = frozenset({"int8"})
-LINEAR_BACKENDS = frozenset({"auto", "plain", "prepacked"})
+LINEAR_BACKENDS = frozenset({"auto", "plain", "prepacked", "native"})
 DEVICES = frozenset({"auto", "cpu", "cuda", "kunlun"})
 SCHEDULING_POLICIES = frozenset({"fixed", "feedback"})
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
@@ -64,8 +64,11 @@ class EngineConfig:
     scheduling_policy: str = "fixed"  # fixed | feedback (step-time model caps prefill; docs/scheduling.md)
     target_step_seconds: float | None = None  # feedback: step cap while decodes run; None = 3 decode steps
     kv_block_skew: bool = True  # the seed's second lesson: skew block starts across cache sets
-    linear_backend: str = "auto"  # auto = the platform's fastest weight format (prepacked BF16 on CPU)
+    linear_backend: str = (
+        "auto"  # auto: our native decode kernels for BF16 on AVX-512 BF16 CPUs, else prepacked
+    )
     fused_attention: bool = True  # one fused SDPA call per layer (False: unfused, for ablations)
+    native_kernels: bool = True  # BF16 on AVX-512 BF16 CPUs: our RMSNorm and fused decode attention
     tensor_parallel_size: int = 1
     quantization: str | None = None
     seed: int = 0

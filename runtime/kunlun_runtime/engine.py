@@ -21,6 +21,7 @@ from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
+from kunlun_runtime.layers.linear import choose_linear_backend
 from kunlun_runtime.model_runner import ModelRunner
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.sharding import shard_model_config
@@ -135,9 +136,10 @@ class LLMEngine:
             cache_line_bytes=self.platform.cache_line_bytes,
             cache_num_sets=self.platform.cache_num_sets,
             kv_block_skew=config.kv_block_skew,
-            linear_backend="prepacked" if config.linear_backend == "auto" else config.linear_backend,
+            linear_backend=choose_linear_backend(config.linear_backend, self.dtype, self.device),
             quantization=config.quantization,
             fused_attention=config.fused_attention,
+            native_kernels=config.native_kernels,
             world=world,
             backend=self.platform.distributed_backend,
             port=TensorParallelGroup.new_port() if world > 1 else 0,

@@ -24,6 +24,8 @@ class AttentionMetadata:
     query_padded_index: torch.Tensor  # [T] row of each token in the padded [B * max_query_len] layout
     attn_mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size] True = may attend
     max_query_len: int
+    context_lens: torch.Tensor  # [B] tokens in KV after this step (int64)
+    sliding_window: int = 0  # 0: attend to the whole context
     is_fresh_single_prefill: bool = False  # one sequence prefilled from position 0 (no earlier KV)
 
 
@@ -68,6 +70,8 @@ def build_attention_metadata(
         query_padded_index=(seq_of_token * max_q + index_in_seq).to(device),
         attn_mask=mask.unsqueeze(1).to(device),
         max_query_len=max_q,
+        context_lens=ctx_lens.to(device),
+        sliding_window=sliding_window or 0,
         is_fresh_single_prefill=(
             num_seqs == 1 and max_q > 1 and context_lens[0] == query_lens[0] and sliding_window is None
         ),
@@ -83,6 +87,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     fused: bool = True,
+    enable_gqa: bool | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] → attention output [T, H * D]; stores k/v in the pool.
 
@@ -107,7 +112,7 @@ def paged_attention(
         padded = q.new_zeros((num_seqs * meta.max_query_len, num_heads, head_dim))
         padded[meta.query_padded_index] = q
         queries = padded.view(num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
-    gqa = num_heads != keys.shape[1]
+    gqa = num_heads != kv_heads if enable_gqa is None else enable_gqa
     if fused and meta.is_fresh_single_prefill:
         # One prompt from position 0: plain causal attention without a mask tensor, so SDPA can
         # take its flash path (the long-prompt TTFT case).

@@ -2,6 +2,9 @@
 
 - ``PackedLinear``: BF16 weights reordered into oneDNN's blocked layout (CPU), so each matmul
   streams the weight once without re-layout.
+- ``NativeLinear``: the plain BF16 weight; batches of up to 8 rows (decode) go through our
+  AVX-512 BF16 kernel (``cpu_kernels``: it streams the weight near DRAM speed, where oneDNN's GEMM
+  reaches about a third of it at one row), larger ones (prefill) through ``F.linear``.
 - ``Int8Linear``: weight-only INT8 with one scale per output channel, BF16 activations, through
   ``torch._weight_int8pack_mm`` (measured the fastest decode matmul on AVX-512/AMX CPUs); the
   weight is read at half the bytes of BF16, which is what decode at small batch is bound by.
@@ -12,9 +15,32 @@ Module names are kept (``qkv_proj`` stays ``qkv_proj``), so golden runs hook the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-LINEAR_BACKENDS = frozenset({"plain", "prepacked"})
+from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.layers import cpu_kernels
+
+LINEAR_BACKENDS = frozenset({"plain", "prepacked", "native"})
+
+
+def choose_linear_backend(requested: str, dtype: torch.dtype, device: torch.device) -> str:
+    """Resolves ``auto`` for this dtype and device: our native kernels for BF16 on CPUs that have
+    them, else oneDNN-prepacked weights. An explicit ``native`` that cannot run says why."""
+    if requested == "native" and not cpu_kernels.load():
+        raise ConfigError(
+            f"linear_backend: native is unavailable here: {cpu_kernels.unavailable_reason()}",
+            field="linear_backend",
+        )
+    if requested != "auto":
+        return requested
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load():
+        return "native"
+    return "prepacked"
+
+
+def _uses_small_batch_kernel(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS and x.dtype == torch.bfloat16
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,10 +62,25 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class NativeLinear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared, not copied: a tied lm_head stays the embedding
+        self.bias = linear.bias
+        self.register_buffer("bias_fp32", None if linear.bias is None else linear.bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _uses_small_batch_kernel(x):
+            return cpu_kernels.linear_bf16(x.contiguous(), self.weight, self.bias_fp32)
+        return F.linear(x, self.weight, self.bias)
+
+
 class Int8Linear(nn.Module):
     """INT8 weights (per output channel). Without an activation scale (W8A16, the default):
-    small batches (decode) go through ``_weight_int8pack_mm`` with BF16 activations, larger ones
-    through the weight dequantized to BF16. With a calibrated static ``input_scale`` (W8A8, where
+    small batches (decode) go through our AVX-512 kernel when ``native`` is on (else
+    ``_weight_int8pack_mm``) with BF16 activations, larger ones through the weight dequantized
+    to BF16. With a calibrated static ``input_scale`` (W8A8, where
     calibration showed it accurate), larger batches run on the INT8 matrix units via ``_int_mm``."""
 
     SMALL_BATCH = 4
@@ -58,6 +99,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales_fp32", scales.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
+        self.native = False  # set by convert_linears for the ``native`` backend
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -65,6 +107,8 @@ class Int8Linear(nn.Module):
         return cls(q, scales, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and _uses_small_batch_kernel(x):
+            return cpu_kernels.linear_int8(x.contiguous(), self.weight_int8, self.scales_fp32, self.bias)
         if x.shape[0] <= self.SMALL_BATCH:
             out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales).float()
         elif self.input_scale is None:
@@ -93,11 +137,25 @@ def convert_linears(model: nn.Module, *, backend: str, quantization: str | None)
 
     ``quantization="int8"`` → Int8Linear (W8A16) for every linear but ``lm_head`` (quantizing the
     vocabulary projection costs accuracy for little speed); then ``backend="prepacked"`` →
-    PackedLinear for the remaining BF16 linears on CPU but ``lm_head``; ``"plain"`` leaves them.
+    PackedLinear for the remaining BF16 linears on CPU but ``lm_head``; ``"native"`` →
+    NativeLinear for every remaining BF16 linear, ``lm_head`` included, and our kernel for the INT8
+    ones; ``"plain"`` leaves them.
     """
     count = 0
     if quantization == "int8":
         count += _replace(model, Int8Linear.from_linear, skip=frozenset({"lm_head"}))
+    if backend == "native":
+        if not cpu_kernels.load():
+            raise ConfigError(
+                f"linear_backend: native is unavailable here: {cpu_kernels.unavailable_reason()}",
+                field="linear_backend",
+            )
+        for module in model.modules():
+            if isinstance(module, Int8Linear):
+                module.native = True
+        weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
+        if weight.dtype == torch.bfloat16:
+            count += _replace(model, NativeLinear)
     if backend == "prepacked":
         weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
         if (

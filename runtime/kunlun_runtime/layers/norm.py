@@ -1,4 +1,5 @@
-"""RMSNorm, computed in FP32 and cast back exactly as the HF reference does."""
+"""RMSNorm, computed in FP32 and cast back exactly as the HF reference does (our CPU kernel when
+``native`` is on, for the 2-D BF16 activations of the decoder layers)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kunlun_runtime.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.native = False
+
+    def uses_native(self, x: torch.Tensor) -> bool:
+        return self.native and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_native(x):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # One fused kernel in FP32 (the reference normalises in FP32 too), then the weight in the
         # input dtype, as HF does.
         h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)

@@ -15,7 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import AttentionMetadata, paged_attention
+from kunlun_runtime.layers.linear import Int8Linear, NativeLinear
 from kunlun_runtime.layers.norm import RMSNorm
 from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from kunlun_runtime.models.model_config import ModelConfig
@@ -41,6 +43,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
         self.fused_attention = True  # switched off only for the benchmark's ablation
+        self.native = False  # decode steps through our fused CPU kernel (rotary + KV write + attention)
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
@@ -65,6 +68,22 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.native and self.fused_attention and meta.max_query_len == 1 and q.dtype == torch.bfloat16:
+            cos, sin = cos_sin
+            out = cpu_kernels.decode_attention(
+                q,
+                k,
+                v,
+                cos.view(-1, self.head_dim),
+                sin.view(-1, self.head_dim),
+                kv_cache.k_blocks[self.layer_index],
+                kv_cache.v_blocks[self.layer_index],
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                meta.sliding_window,
+            )
+            return self._project_out(out)
         q, k = apply_rotary(q, k, cos_sin)
         out = paged_attention(
             q,
@@ -75,7 +94,11 @@ class Attention(nn.Module):
             meta,
             self.scale,
             fused=self.fused_attention,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )
+        return self._project_out(out)
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         out = self.o_proj(out)
         if self.tp_world > 1:  # row-parallel: sum the ranks' partial outputs
             dist.all_reduce(out)
@@ -87,12 +110,17 @@ class MLP(nn.Module):
         super().__init__()
         self.tp_world = tp_world
         self.intermediate_size = config.intermediate_size
+        self.native = False  # SiLU(gate) * up through our CPU kernel
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.native and gate_up.dim() == 2 and gate_up.dtype == torch.bfloat16:
+            out = self.down_proj(cpu_kernels.silu_mul(gate_up.contiguous()))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
         if self.tp_world > 1:
             dist.all_reduce(out)
         return out
@@ -107,8 +135,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp_world)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        if norm.uses_native(x):  # the residual add and the norm in one pass, same roundings
+            x, h = cpu_kernels.add_rms_norm(x, attn_out.contiguous(), norm.weight, norm.eps)
+            return x + self.mlp(h)
+        x = x + attn_out
+        return x + self.mlp(norm(x))
 
 
 class DecoderModel(nn.Module):
@@ -123,6 +156,58 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
+        # Set by enable_native_kernels where one C++ call can run every layer of a decode step.
+        self.decode_weights: list[torch.Tensor] | None = None
+
+    def enable_native_kernels(self) -> bool:
+        """Routes BF16 RMSNorm and decode attention through our CPU kernels (``cpu_kernels``);
+        returns False, changing nothing, where they are unavailable or the model is not BF16."""
+        if self.embed_tokens.weight.dtype != torch.bfloat16 or self.embed_tokens.weight.device.type != "cpu":
+            return False
+        if not cpu_kernels.load():
+            return False
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.native = True
+        self.decode_weights = self._collect_decode_weights()
+        return True
+
+    def _collect_decode_weights(self) -> list[torch.Tensor] | None:
+        """The per-layer tensors of ``cpu_kernels.decode_layers``, or None where the layer stack
+        needs Python between operators (tensor-parallel all-reduces, Q/K norms, linears that are
+        not ours, the unfused-attention ablation)."""
+        if self.tp_world > 1 or self.config.qk_norm:
+            return None
+        none = torch.empty(0)
+
+        def linear(module: nn.Module) -> list[torch.Tensor] | None:
+            if isinstance(module, NativeLinear):
+                bias = module.bias_fp32
+                return [module.weight, none, none if bias is None else bias]
+            if isinstance(module, Int8Linear) and module.native:
+                return [module.weight_int8, module.scales_fp32, none if module.bias is None else module.bias]
+            return None
+
+        weights: list[torch.Tensor] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [
+                linear(attn.qkv_proj),
+                linear(attn.o_proj),
+                linear(mlp.gate_up_proj),
+                linear(mlp.down_proj),
+            ]
+            if any(part is None for part in parts) or not attn.fused_attention:
+                return None
+            qkv, o_proj, gate_up, down = parts
+            weights += [
+                layer.input_layernorm.weight,
+                *qkv,
+                *o_proj[:2],
+                layer.post_attention_layernorm.weight,
+            ]
+            weights += [*gate_up[:2], *down[:2]]
+        return weights
 
     def forward(
         self,
@@ -134,9 +219,35 @@ class DecoderModel(nn.Module):
         """Hidden states after the final norm, [T, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
+        if self._runs_fused_decode(meta):
+            cos, sin = cos_sin
+            x = cpu_kernels.decode_layers(
+                x,
+                cos.view(x.shape[0], -1),
+                sin.view(x.shape[0], -1),
+                self.decode_weights,
+                kv_cache.k_blocks,
+                kv_cache.v_blocks,
+                meta.block_tables,
+                meta.context_lens,
+                (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim),
+                self.config.rms_norm_eps,
+                self.config.head_dim**-0.5,
+                meta.sliding_window,
+            )
+            return self.norm(x)
         for layer in self.layers:
             x = layer(x, cos_sin, kv_cache, meta)
         return self.norm(x)
+
+    def _runs_fused_decode(self, meta: AttentionMetadata) -> bool:
+        # Forward hooks on the layers (golden runs, calibration) need the per-layer path.
+        return (
+            self.decode_weights is not None
+            and meta.max_query_len == 1
+            and meta.block_tables.shape[0] <= cpu_kernels.MAX_ROWS
+            and not any(layer._forward_hooks for layer in self.layers)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in FP32 for the given rows of hidden states."""

@@ -47,6 +47,7 @@ class RankSpec:
     linear_backend: str
     quantization: str | None
     fused_attention: bool
+    native_kernels: bool
     world: int
     backend: str
     port: int
@@ -63,6 +64,8 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
     convert_linears(model, backend=spec.linear_backend, quantization=spec.quantization)
     for layer in model.layers:
         layer.self_attn.fused_attention = spec.fused_attention
+    if spec.native_kernels:
+        model.enable_native_kernels()
     local = model.config
     cache_spec = KVCacheSpec(
         local.num_layers, local.num_kv_heads, local.head_dim, spec.block_size, spec.dtype

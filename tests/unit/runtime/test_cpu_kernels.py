@@ -1,0 +1,181 @@
+"""Our AVX-512 BF16 small-batch linear kernels against FP32 references, and how layers pick them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.layers import cpu_kernels
+from kunlun_runtime.layers.linear import (
+    Int8Linear,
+    NativeLinear,
+    choose_linear_backend,
+    quantize_per_channel_int8,
+)
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason=str(cpu_kernels.unavailable_reason()))
+# (N, K): SmolLM2's shapes, and odd ones that leave row and column tails.
+SHAPES = [(960, 576), (576, 1536), (577, 33), (5, 7), (13, 100)]
+BF16_REL = 2**-7  # one rounding of the output to BF16, plus FP32 accumulation-order noise
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    bound = BF16_REL * expected.abs() + 1e-3 * expected.abs().max()
+    assert ((actual.float() - expected).abs() <= bound).all(), (actual.float() - expected).abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_bf16_kernel_matches_fp32_reference(rows):
+    generator = torch.Generator().manual_seed(rows)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=generator).bfloat16()
+        x = torch.randn(rows, k, generator=generator).bfloat16()
+        bias = torch.randn(n, generator=generator)
+        _close(cpu_kernels.linear_bf16(x, w, bias), x.float() @ w.float().T + bias)
+        _close(cpu_kernels.linear_bf16(x, w, None), x.float() @ w.float().T)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_kernel_matches_dequantized_fp32_reference(rows):
+    generator = torch.Generator().manual_seed(100 + rows)
+    for n, k in SHAPES:
+        q, scales = quantize_per_channel_int8(torch.randn(n, k, generator=generator))
+        x = torch.randn(rows, k, generator=generator).bfloat16()
+        bias = torch.randn(n, generator=generator)
+        expected = x.float() @ (q.float() * scales[:, None]).T + bias
+        _close(cpu_kernels.linear_int8(x, q, scales, bias), expected)
+
+
+@needs_kernels
+def test_kernels_reject_bad_inputs_with_a_message():
+    w = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"1\.\.8 rows"):
+        cpu_kernels.linear_bf16(torch.zeros(9, 8, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.linear_bf16(torch.zeros(1, 7, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.linear_bf16(torch.zeros(1, 8), w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.linear_bf16(torch.zeros(1, 8, dtype=torch.bfloat16), w, torch.zeros(3))
+
+
+@needs_kernels
+def test_native_linear_uses_the_kernel_for_decode_and_f_linear_for_prefill():
+    linear = nn.Linear(64, 48, bias=True).to(torch.bfloat16).requires_grad_(False)
+    native = NativeLinear(linear)
+    assert native.weight is linear.weight  # shared: a tied lm_head is not copied
+    prefill = torch.randn(9, 64).bfloat16()
+    assert torch.equal(native(prefill), F.linear(prefill, linear.weight, linear.bias))
+    decode = torch.randn(2, 64).bfloat16()
+    _close(native(decode), decode.float() @ linear.weight.float().T + linear.bias.float())
+
+
+@needs_kernels
+def test_int8_linear_native_and_oneDNN_paths_agree():
+    linear = nn.Linear(96, 40, bias=True).requires_grad_(False)
+    int8 = Int8Linear.from_linear(linear)
+    x = torch.randn(3, 96).bfloat16()
+    reference = int8(x)  # _weight_int8pack_mm
+    int8.native = True
+    _close(int8(x), reference.float())
+
+
+def test_auto_backend_is_native_only_for_bf16_on_cpus_with_the_kernels():
+    cpu = torch.device("cpu")
+    assert choose_linear_backend("auto", torch.float32, cpu) == "prepacked"
+    assert choose_linear_backend("plain", torch.bfloat16, cpu) == "plain"
+    expected = "native" if cpu_kernels.load() else "prepacked"
+    assert choose_linear_backend("auto", torch.bfloat16, cpu) == expected
+
+
+def test_explicit_native_backend_says_why_it_is_unavailable(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: "the CPU lacks avx512_bf16")
+    with pytest.raises(ConfigError, match="avx512_bf16") as caught:
+        choose_linear_backend("native", torch.bfloat16, torch.device("cpu"))
+    assert caught.value.field == "linear_backend"
+    assert choose_linear_backend("auto", torch.bfloat16, torch.device("cpu")) == "prepacked"
+
+
+# ---- RMSNorm and fused decode attention: against the torch paths they replace -----------------
+
+
+@needs_kernels
+def test_rms_norm_kernels_match_the_reference_norm():
+    from kunlun_runtime.layers.norm import RMSNorm
+
+    norm = RMSNorm(96, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    x, delta = torch.randn(5, 96).bfloat16() * 4, torch.randn(5, 96).bfloat16()
+    reference = norm(x)  # native is off: F.rms_norm in FP32, as HF
+    _close(cpu_kernels.rms_norm(x, norm.weight, norm.eps), reference.float())
+    total, normed = cpu_kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(total, x + delta)  # the residual add rounds exactly as the eager add
+    _close(normed, norm(x + delta).float())
+
+
+def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40)):
+    from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
+    from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
+    from kunlun_runtime.models.model_config import RopeConfig
+
+    num_heads, kv_heads = heads
+    cache = KVCache(
+        KVCacheSpec(1, kv_heads, head_dim, 16, torch.bfloat16),
+        12,
+        torch.device("cpu"),
+        cache_line_bytes=64,
+        cache_num_sets=64,
+        skew=True,  # strided blocks: the kernel must honour the pool's block stride
+    )
+    generator = torch.Generator().manual_seed(window + head_dim)
+    for pool in (*cache.k_blocks, *cache.v_blocks):
+        pool.copy_(torch.randn(pool.shape, generator=generator))
+    tables = [[3, 7, 1], [5, 0, 9], [11, 2, 4]][: len(lengths)]
+    batch = len(lengths)
+    q = torch.randn(batch, num_heads, head_dim, generator=generator).bfloat16()
+    k = torch.randn(batch, kv_heads, head_dim, generator=generator).bfloat16()
+    v = torch.randn(batch, kv_heads, head_dim, generator=generator).bfloat16()
+    rotary = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0), 64)
+    cos, sin = rotary.lookup(torch.tensor([n - 1 for n in lengths]), torch.bfloat16)
+    return cache, tables, q, k, v, (cos, sin), apply_rotary
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 9])
+def test_decode_attention_matches_the_torch_paged_path(window):
+    from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
+
+    lengths = (1, 17, 40)
+    cache, tables, q, k, v, cos_sin, apply_rotary = _decode_case(window, lengths=lengths)
+    meta = build_attention_metadata(
+        [1] * len(lengths), list(lengths), tables, 16, torch.device("cpu"), sliding_window=window or None
+    )
+    theirs_k, theirs_v = cache.k_blocks[0].clone(), cache.v_blocks[0].clone()
+    qr, kr = apply_rotary(q, k, cos_sin)
+    expected = paged_attention(qr, kr, v, theirs_k, theirs_v, meta, 0.125)
+    cos, sin = cos_sin
+    out = cpu_kernels.decode_attention(
+        q, k, v, cos.view(-1, 32), sin.view(-1, 32), cache.k_blocks[0], cache.v_blocks[0],
+        meta.block_tables, meta.context_lens, 0.125, window,
+    )  # fmt: skip
+    assert torch.equal(cache.k_blocks[0], theirs_k) and torch.equal(cache.v_blocks[0], theirs_v)
+    _close(out, expected.float())
+
+
+@needs_kernels
+def test_decode_attention_rejects_a_block_table_outside_the_pool():
+    from kunlun_runtime.layers.attention import build_attention_metadata
+
+    cache, _tables, q, k, v, (cos, sin), _ = _decode_case(lengths=(17,))
+    meta = build_attention_metadata([1], [17], [[3, 99]], 16, torch.device("cpu"))
+    before = cache.k_blocks[0].clone()
+    with pytest.raises(RuntimeError, match="block id 99 out of range"):
+        cpu_kernels.decode_attention(
+            q, k, v, cos.view(-1, 32), sin.view(-1, 32), cache.k_blocks[0], cache.v_blocks[0],
+            meta.block_tables, meta.context_lens, 0.125, 0,
+        )  # fmt: skip
+    assert torch.equal(cache.k_blocks[0], before)  # checked before anything is written
