@@ -1,8 +1,10 @@
 """Our own CPU kernels (``csrc/``: small-batch linears, RMSNorm, fused decode attention), built
 once per machine with the local C++ compiler and cached.
 
-``load()`` returns True when ``torch.ops.kunlun_cpu`` is usable: an x86 CPU with AVX-512 BF16, a
-compiler, and a successful build (into ``$TORCH_EXTENSIONS_DIR``, by default
+``load()`` returns True when ``torch.ops.kunlun_cpu`` is usable: an x86 CPU with AVX-512 BF16 and
+either a prebuilt library named by ``$KUNLUN_CPU_KERNELS_LIB`` (what the runtime image ships:
+``python -m kunlun_runtime.layers.cpu_kernels --build-to FILE`` makes it, on any x86 machine with a
+compiler) or a compiler for a build on first use (into ``$TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``; later processes load the cached library in milliseconds).
 Otherwise ``unavailable_reason()`` says what is missing and callers keep the oneDNN path.
 """
@@ -12,7 +14,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -41,31 +46,45 @@ def _missing_cpu_flags() -> list[str]:
     return [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
 
 
+def _compile() -> Path:
+    """Compiles (or finds cached) and loads the library; returns its path."""
+    from torch.utils import cpp_extension
+
+    # The library's name carries a digest of the sources, so an edited kernel is rebuilt.
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))).hexdigest()[:10]
+    name = f"kunlun_cpu_kernels_{digest}"
+    cpp_extension.load(
+        name=name,
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=_COMPILE_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    return Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+
+
 @functools.cache
 def _build() -> str | None:
-    """Builds and loads the library; returns None on success, else why it is unavailable."""
+    """Loads (building if needed) the library; returns None on success, else why it is unavailable."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the CPU kernels need x86-64, this is {platform.machine()}"
     missing = _missing_cpu_flags()
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
-    try:
-        from torch.utils import cpp_extension
-
-        # The library's name carries a digest of the sources, so an edited kernel is rebuilt.
-        digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))).hexdigest()[:10]
-        cpp_extension.load(
-            name=f"kunlun_cpu_kernels_{digest}",
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=_COMPILE_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a compile error: all mean "not here"
-        lines = str(exc).strip().splitlines() or [repr(exc)]
-        first_error = next((line for line in lines if "error" in line.lower()), lines[-1])
-        return f"building the CPU kernels failed: {first_error.strip()}"
+    prebuilt = os.environ.get("KUNLUN_CPU_KERNELS_LIB")
+    if prebuilt:
+        try:
+            torch.ops.load_library(prebuilt)
+        except (OSError, RuntimeError) as exc:
+            return f"loading KUNLUN_CPU_KERNELS_LIB={prebuilt} failed: {exc}"
+    else:
+        try:
+            _compile()
+        except Exception as exc:  # no compiler, no ninja, a compile error: all mean "not here"
+            lines = str(exc).strip().splitlines() or [repr(exc)]
+            first_error = next((line for line in lines if "error" in line.lower()), lines[-1])
+            return f"building the CPU kernels failed: {first_error.strip()}"
     log.info("loaded the AVX-512 BF16 CPU kernels")
     return None
 
@@ -142,3 +161,20 @@ def decode_layers(
     return torch.ops.kunlun_cpu.decode_layers(
         x, cos, sin, weights, k_caches, v_caches, block_tables, context_lens, *shape, eps, scale, window
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--build-to FILE``: compile the library (the CPU need not have AVX-512) and copy it there."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--build-to", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.build_to.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(_compile(), args.build_to)
+    print(f"built {args.build_to}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -179,3 +179,12 @@ def test_decode_attention_rejects_a_block_table_outside_the_pool():
             meta.block_tables, meta.context_lens, 0.125, 0,
         )  # fmt: skip
     assert torch.equal(cache.k_blocks[0], before)  # checked before anything is written
+
+
+def test_a_broken_prebuilt_library_is_reported_not_raised(monkeypatch, tmp_path):
+    library = tmp_path / "kunlun_cpu_kernels.so"
+    library.write_bytes(b"not an ELF file")
+    monkeypatch.setenv("KUNLUN_CPU_KERNELS_LIB", str(library))
+    reason = cpu_kernels._build.__wrapped__()  # uncached: the real load, with this environment
+    assert reason is not None
+    assert str(library) in reason or "CPU" in reason  # a CPU without AVX-512 BF16 stops earlier
