@@ -107,9 +107,10 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     hf = HF(model_dir, torch.bfloat16)
     vocab = ours.llm.engine.model_config.vocab_size
     results: dict = {"model": model_dir, "threads": args.threads, "sizes": sizes, "scenarios": {}}
-    bandwidth = measure_bandwidth_gbs(64 if args.quick else 1024)
-    results["bandwidth_gbs"] = bandwidth
-    results["roofline_tok_s_bf16"] = bandwidth * 1e9 / ours.weight_bytes
+    # Bandwidth is sampled at the start, middle and end, and the best sample is the roofline: on a
+    # shared machine a neighbour's burst lowers one sample, and a lowered roofline would flatter us.
+    bandwidth_mb = 64 if args.quick else 1024
+    samples = [measure_bandwidth_gbs(bandwidth_mb)]
 
     single = prompts_of(1, sizes["prompt"], vocab)
     batch = prompts_of(sizes["batch"], sizes["batch_prompt"], vocab)
@@ -139,10 +140,8 @@ def run_scenarios(args: argparse.Namespace) -> dict:
         table[name] = entry
 
     side_by_side("single_256_128", single, sizes["new"])
-    table["single_256_128"]["roofline_fraction"] = (
-        table["single_256_128"]["ours_decode_tok_s"] / results["roofline_tok_s_bf16"]
-    )
     side_by_side("batch8_128_128", batch, sizes["new"])
+    samples.append(measure_bandwidth_gbs(bandwidth_mb))
     side_by_side("long_2048_ttft", long_prompt, 2)
 
     int8 = Ours(model_dir, kv_cache_memory="1GiB", quantization="int8", **common)
@@ -150,8 +149,8 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     table["int8_single"] = {
         "int8_decode_tok_s": statistics.median(int8_rates),
         "vs_bf16": statistics.median(int8_rates) / table["single_256_128"]["ours_decode_tok_s"],
-        "roofline_tok_s_int8": bandwidth * 1e9 / int8.weight_bytes,
     }
+    int8_weight_bytes = int8.weight_bytes
     del int8
 
     history = prompts_of(1, sizes["history"], vocab)[0]
@@ -169,6 +168,17 @@ def run_scenarios(args: argparse.Namespace) -> dict:
         "speedup": statistics.median(cold) / statistics.median(warm),
     }
     results["ablation"] = run_ablation(args, model_dir, common, single, sizes["new"])
+    samples.append(measure_bandwidth_gbs(bandwidth_mb))
+    bandwidth = max(samples)
+    results["bandwidth_gbs"], results["bandwidth_samples_gbs"] = bandwidth, samples
+    results["roofline_tok_s_bf16"] = bandwidth * 1e9 / ours.weight_bytes
+    table["single_256_128"]["roofline_fraction"] = (
+        table["single_256_128"]["ours_decode_tok_s"] / results["roofline_tok_s_bf16"]
+    )
+    table["int8_single"]["roofline_tok_s_int8"] = bandwidth * 1e9 / int8_weight_bytes
+    table["int8_single"]["roofline_fraction"] = (
+        table["int8_single"]["int8_decode_tok_s"] / table["int8_single"]["roofline_tok_s_int8"]
+    )
     return results
 
 
@@ -206,8 +216,13 @@ def run_ablation(args, model_dir: str, common: dict, prompts, new_tokens: int) -
 def format_table(results: dict) -> str:
     lines = [
         f"model {results['model']}  threads {results['threads']}  DRAM read {results['bandwidth_gbs']:.1f} GB/s"
+        f" (best of {', '.join(f'{g:.1f}' for g in results['bandwidth_samples_gbs'])})"
     ]
-    lines.append(f"BF16 decode roofline {results['roofline_tok_s_bf16']:.1f} tok/s")
+    single = results["scenarios"]["single_256_128"]
+    lines.append(
+        f"BF16 decode roofline {results['roofline_tok_s_bf16']:.1f} tok/s; ours reaches"
+        f" {single['roofline_fraction']:.0%} of it"
+    )
     lines.append(
         f"{'scenario':<20}{'ours tok/s':>12}{'HF tok/s':>10}{'speedup':>9}{'ours TTFT':>11}{'HF TTFT':>9}{'ratio':>7}"
     )
