@@ -26,13 +26,23 @@ log = logging.getLogger(__name__)
 
 SOURCES = (
     Path(__file__).parent / "csrc" / "small_batch_linear.cpp",
+    Path(__file__).parent / "csrc" / "amx_linear.cpp",
     Path(__file__).parent / "csrc" / "decode_ops.cpp",
     Path(__file__).parent / "csrc" / "decode_layers.cpp",
 )
 HEADERS = (Path(__file__).parent / "csrc" / "kernels.h",)
 MAX_ROWS = 8  # the kernels' largest batch (decode steps of up to 8 sequences)
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-_COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+_COMPILE_FLAGS = [
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-fopenmp",
+]
 
 
 def _missing_cpu_flags() -> list[str]:

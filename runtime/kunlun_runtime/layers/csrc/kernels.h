@@ -11,6 +11,9 @@ namespace kunlun_cpu {
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
+bool amx_available();
+bool amx_linear_fits(const at::Tensor& x, const at::Tensor& w);  // up to 16 rows, K % 32 == N % 16 == 0
+at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const float* bias);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
                                                 double eps);

@@ -28,6 +28,7 @@
 namespace {
 
 constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMinAmxRows = 3;  // from this many rows on, the AMX kernel (amx_linear.cpp)
 // Software prefetch distance along the weight stream, in bytes (16 KiB measured best on a 2-core
 // Xeon with AMX; the hardware prefetcher alone left each core at about 7 GB/s).
 constexpr int64_t kPrefetchBytes = 16384;
@@ -201,8 +202,9 @@ namespace kunlun_cpu {
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   check_inputs(x, w, bias);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be bfloat16");
-  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   const float* bias_ptr = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  if (x.size(0) >= kMinAmxRows && amx_linear_fits(x, w)) return linear_bf16_amx(x, w, bias_ptr);
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t K = w.size(1), N = w.size(0);

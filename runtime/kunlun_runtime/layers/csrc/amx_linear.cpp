@@ -1,0 +1,108 @@
+// Small-batch BF16 linear on the AMX tile units, for decode steps of several sequences.
+//
+// With 3..16 activation rows the AVX-512 dot-product kernel is compute-bound on this class of
+// CPU (VDPBF16PS issues about once per 4 cycles), so it falls well below the memory bandwidth.
+// One AMX TDPBF16PS multiplies a 16 × 32 weight tile by a 32 × 16 activation tile: the weight is
+// the A operand, loaded straight from the row-major [N, K] matrix (16 rows at a stride of K), and
+// the activations are the B operand, repacked once per call into AMX's pair-interleaved layout
+// (zero-padded to 16 rows). C[n, m] accumulates in FP32 and is rounded to BF16 once.
+//
+// Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); `amx_available`
+// makes that request once and says whether it was granted.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr long kArchRequestXcompPerm = 0x1023;
+constexpr long kXfeatureXtiledata = 18;
+constexpr int64_t kTileRows = 16;   // output channels per tile, and the most activation rows
+constexpr int64_t kTileK = 32;      // BF16 elements of K per tile
+constexpr int64_t kPrefetchBlocks = 2;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 3; ++t) {  // tmm0: C (16 × 16 FP32), tmm1: A (16 × 32 BF16), tmm2: B (16 pairs × 16)
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+}  // namespace
+
+namespace kunlun_cpu {
+
+bool amx_available() {
+  static const bool granted = syscall(SYS_arch_prctl, kArchRequestXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+bool amx_linear_fits(const at::Tensor& x, const at::Tensor& w) {
+  return x.size(0) <= kTileRows && w.size(1) % kTileK == 0 && w.size(0) % kTileRows == 0 && amx_available();
+}
+
+at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const float* bias) {
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  const int64_t chunks = K / kTileK;
+  // B tiles: for each K chunk, 16 rows of K pairs, each row [m0 k, m0 k+1, m1 k, m1 k+1, ...].
+  std::vector<c10::BFloat16> packed(chunks * kTileRows * 2 * kTileRows, c10::BFloat16(0.0f));
+  const auto* xp = x.const_data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t chunk = k / kTileK, pair = (k % kTileK) / 2, half = k % 2;
+      packed[((chunk * kTileRows + pair) * kTileRows + m) * 2 + half] = xp[m * K + k];
+    }
+  at::Tensor out = at::empty({M, N}, x.options());
+  auto* op = out.mutable_data_ptr<c10::BFloat16>();
+  const auto* wp = w.const_data_ptr<c10::BFloat16>();
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(c10::BFloat16));
+  at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float c[kTileRows * kTileRows];
+    for (int64_t block = begin; block < end; ++block) {
+      const c10::BFloat16* a = wp + block * kTileRows * K;
+      _tile_zero(0);
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        // The tile loads walk 16 rows at once, which the hardware prefetcher follows poorly: fetch
+        // the block kPrefetchBlocks ahead (contiguous) in step, 16 lines per chunk.
+        const char* ahead = reinterpret_cast<const char*>(a + kPrefetchBlocks * kTileRows * K) + chunk * 1024;
+        for (int64_t line = 0; line < 16; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+        _tile_loadd(1, a + chunk * kTileK, row_bytes);
+        _tile_loadd(2, packed.data() + chunk * kTileRows * 2 * kTileRows, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, c, 64);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < kTileRows; ++i) {
+          const int64_t n = block * kTileRows + i;
+          op[m * N + n] = c10::BFloat16(c[i * kTileRows + m] + (bias ? bias[n] : 0.0f));
+        }
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+}  // namespace kunlun_cpu
