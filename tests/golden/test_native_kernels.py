@@ -1,6 +1,7 @@
 """The native CPU kernels, layer by layer against the FP32 reference: decode-sized steps (a chunk
-size of at most 8 rows sends every linear through our kernel; a chunk of 1 is a decode step, which
-takes the fused decode-attention kernel) stay within the BF16 bound and no less accurate than the
+size of at most 16 rows sends every linear through our kernels — AVX-512 for 1-2 rows, AMX tiles
+for 3-16 where the shapes allow; a chunk of 1 is a decode step, which takes the fused
+decode-attention kernel) stay within the BF16 bound and no less accurate than the
 oneDNN/ATen path."""
 
 import pytest
@@ -25,7 +26,7 @@ def _golden(model_dir, backend: str, chunk: int):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
-@pytest.mark.parametrize("chunk", [1, 5])
+@pytest.mark.parametrize("chunk", [1, 5, 16])
 def test_native_bf16_decode_steps_match_fp32_reference(tiny_model_dirs, name, chunk):
     model, native = _golden(tiny_model_dirs[name], "native", chunk)
     assert isinstance(model.lm_head, NativeLinear) and isinstance(model.layers[0].mlp.down_proj, NativeLinear)
@@ -51,24 +52,33 @@ def test_golden_cli_checks_the_native_kernels_on_smollm2(capsys):
 
 
 @pytest.mark.parametrize(
-    ("name", "quantization"), [("llama-gqa", None), ("qwen2-bias", None), ("qwen2-bias", "int8")]
+    ("name", "quantization", "sequences"),
+    [("llama-gqa", None, 3), ("llama-gqa", None, 13), ("qwen2-bias", None, 3), ("qwen2-bias", "int8", 3)],
 )
-def test_one_call_layer_stack_is_bit_identical_to_the_per_layer_path(tiny_model_dirs, name, quantization):
-    """Decode steps of up to 8 sequences run every layer in one C++ call (decode_layers); the
-    per-layer path, checked against HF above, must give the very same logprobs."""
+def test_one_call_layer_stack_is_bit_identical_to_the_per_layer_path(
+    tiny_model_dirs, name, quantization, sequences, monkeypatch
+):
+    """Decode steps of up to 16 sequences (8 with INT8 weights) run every layer in one C++ call
+    (decode_layers); the per-layer path, checked against HF above, must give the same logprobs."""
     from kunlun_runtime import LLM, SamplingParams
 
     llm = LLM(str(tiny_model_dirs[name]), dtype="bfloat16", kv_cache_memory="8MiB", quantization=quantization)
     model = llm.engine.model
     assert model.decode_weights is not None
-    prompts = [{"prompt_token_ids": [(11 * i + 7 * b) % 300 + 3 for i in range(5 + 9 * b)]} for b in range(3)]
+    prompts = [
+        {"prompt_token_ids": [(11 * i + 7 * b) % 300 + 3 for i in range(5 + 9 * b)]} for b in range(sequences)
+    ]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 
     def run():
         llm.engine.block_pool.reset_prefix_cache()  # both runs prefill the same way
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
+    calls = []
+    real = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     fused = run()
+    assert max(calls) == sequences  # every sequence decoded together in one call per step
     weights, model.decode_weights = model.decode_weights, None
     per_layer = run()
     model.decode_weights = weights

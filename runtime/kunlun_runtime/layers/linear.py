@@ -2,8 +2,8 @@
 
 - ``PackedLinear``: BF16 weights reordered into oneDNN's blocked layout (CPU), so each matmul
   streams the weight once without re-layout.
-- ``NativeLinear``: the plain BF16 weight; batches of up to 8 rows (decode) go through our
-  AVX-512 BF16 kernel (``cpu_kernels``: it streams the weight near DRAM speed, where oneDNN's GEMM
+- ``NativeLinear``: the plain BF16 weight; batches of up to 16 rows (decode) go through our
+  AVX-512 BF16 / AMX kernels (``cpu_kernels``: it streams the weight near DRAM speed, where oneDNN's GEMM
   reaches about a third of it at one row), larger ones (prefill) through ``F.linear``.
 - ``Int8Linear``: weight-only INT8 with one scale per output channel, BF16 activations, through
   ``torch._weight_int8pack_mm`` (measured the fastest decode matmul on AVX-512/AMX CPUs); the
@@ -39,8 +39,8 @@ def choose_linear_backend(requested: str, dtype: torch.dtype, device: torch.devi
     return "prepacked"
 
 
-def _uses_small_batch_kernel(x: torch.Tensor) -> bool:
-    return x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS and x.dtype == torch.bfloat16
+def _uses_small_batch_kernel(x: torch.Tensor, max_rows: int = cpu_kernels.MAX_ROWS) -> bool:
+    return x.dim() == 2 and x.shape[0] <= max_rows and x.dtype == torch.bfloat16
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +107,7 @@ class Int8Linear(nn.Module):
         return cls(q, scales, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and _uses_small_batch_kernel(x):
+        if self.native and _uses_small_batch_kernel(x, cpu_kernels.INT8_MAX_ROWS):
             return cpu_kernels.linear_int8(x.contiguous(), self.weight_int8, self.scales_fp32, self.bias)
         if x.shape[0] <= self.SMALL_BATCH:
             out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales).float()

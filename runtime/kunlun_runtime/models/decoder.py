@@ -156,8 +156,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
-        # Set by enable_native_kernels where one C++ call can run every layer of a decode step.
+        # Set by enable_native_kernels where one C++ call can run every layer of a decode step of
+        # up to decode_max_rows sequences.
         self.decode_weights: list[torch.Tensor] | None = None
+        self.decode_max_rows = cpu_kernels.MAX_ROWS
 
     def enable_native_kernels(self) -> bool:
         """Routes BF16 RMSNorm and decode attention through our CPU kernels (``cpu_kernels``);
@@ -189,6 +191,8 @@ class DecoderModel(nn.Module):
             return None
 
         weights: list[torch.Tensor] = []
+        quantized = any(isinstance(module, Int8Linear) for module in self.layers.modules())
+        self.decode_max_rows = cpu_kernels.INT8_MAX_ROWS if quantized else cpu_kernels.MAX_ROWS
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             parts = [
@@ -245,7 +249,7 @@ class DecoderModel(nn.Module):
         return (
             self.decode_weights is not None
             and meta.max_query_len == 1
-            and meta.block_tables.shape[0] <= cpu_kernels.MAX_ROWS
+            and meta.block_tables.shape[0] <= self.decode_max_rows
             and not any(layer._forward_hooks for layer in self.layers)
         )
 

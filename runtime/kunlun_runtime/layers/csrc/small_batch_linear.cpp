@@ -4,7 +4,8 @@
 // per step, so it is bound by how fast the weight streams in. oneDNN's BF16 GEMM, built for large
 // M, reaches about a third of the memory bandwidth at M = 1 on this class of CPU. These kernels
 // stream each weight row once for all (up to 8) activation rows, accumulate in FP32 and round
-// once; a larger M runs in passes of 8 rows:
+// once; a larger M runs in passes of 8 rows, and 3..16 rows of whole tiles go to the AMX kernel
+// (amx_linear.cpp) where the CPU grants AMX:
 //
 //   kunlun_cpu::linear_bf16(x bf16 [M, K], w bf16 [N, K], bias fp32 [N]?)              -> bf16 [M, N]
 //   kunlun_cpu::linear_int8(x bf16 [M, K], w int8 [N, K], scales fp32 [N], bias fp32 [N]?) -> bf16 [M, N]
