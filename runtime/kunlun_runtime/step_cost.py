@@ -1,9 +1,13 @@
 """An online model of one engine step's time as a function of the batch's composition.
 
     seconds ≈ c0 + c_prefill · prefill tokens + c_decode · decode sequences + c_attend · attended tokens
+              + c_mixed · [the step has any prefill]
 
 ``attended tokens`` is Σ (new tokens × context length after the step) over the batch: the work of
-attention, which grows with context while the other terms do not. The coefficients are an exact
+attention, which grows with context while the other terms do not. ``c_mixed`` is the fixed price of
+leaving the pure-decode path: on CPUs with our kernels a pure decode step is one fused C++ call,
+and any prefill chunk sends the whole step through the per-layer path (measured: ~3× the time of
+the decode step it joins, whatever the chunk's size). The coefficients are an exact
 least-squares fit over a sliding window of the latest observations (so the model follows drift:
 another tenant on the device, thermal throttling), with non-negative slopes (a bigger batch never
 predicts a shorter step). Pure Python: no torch, no clock; the caller supplies the seconds.
@@ -18,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFAULT_WINDOW = 256
-_NUM_TERMS = 4  # intercept + three features
+_NUM_TERMS = 5  # intercept + four features
 _RIDGE = 1e-9  # per row, on RMS-scaled columns: keeps rank-deficient windows solvable
 
 
@@ -37,12 +41,13 @@ class StepFeatures:
             self.num_attended_tokens + other.num_attended_tokens,
         )
 
-    def row(self) -> tuple[float, float, float, float]:
+    def row(self) -> tuple[float, float, float, float, float]:
         return (
             1.0,
             float(self.num_prefill_tokens),
             float(self.num_decode_seqs),
             float(self.num_attended_tokens),
+            1.0 if self.num_prefill_tokens > 0 else 0.0,
         )
 
 
@@ -117,7 +122,7 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> tuple[float, ...] | None:
-        """(c0, c_prefill, c_decode, c_attend), or None before the first observation."""
+        """(c0, c_prefill, c_decode, c_attend, c_mixed), or None before the first observation."""
         if self._stale:
             self._coefficients = _fit_nonnegative(self._gram, self._rhs, len(self._rows))
             self._stale = False

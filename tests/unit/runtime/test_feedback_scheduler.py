@@ -21,7 +21,7 @@ from kunlun_runtime.step_cost import StepFeatures
 from tests.support.scheduling import run_step, summary
 
 # Synthetic device: 10 ms per step, 0.1 ms per prefill token, 1 ms per decode, attention free.
-COST = (0.010, 1e-4, 1e-3, 0.0)
+COST = (0.010, 1e-4, 1e-3, 0.0, 0.0)
 
 
 def make_scheduler(
@@ -43,7 +43,8 @@ def make_scheduler(
     if trained:
         rng = random.Random(0)
         for _ in range(40):
-            features = StepFeatures(rng.randint(0, 2048), rng.randint(0, 64), rng.randint(0, 4_000_000))
+            prefill = rng.randint(1, 2048) if rng.random() < 0.6 else 0  # pure-decode steps too
+            features = StepFeatures(prefill, rng.randint(0, 64), rng.randint(0, 4_000_000))
             scheduler.cost.observe(features, sum(c * x for c, x in zip(COST, features.row(), strict=True)))
     return scheduler
 

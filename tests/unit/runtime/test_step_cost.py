@@ -7,7 +7,8 @@ import pytest
 
 from kunlun_runtime.step_cost import StepCostModel, StepFeatures, batch_features, chunk_features
 
-TRUE = (0.002, 1e-5, 3e-4, 1e-8)  # intercept, per prefill token, per decode, per attended token
+# intercept, per prefill token, per decode, per attended token, once for a step with any prefill
+TRUE = (0.002, 1e-5, 3e-4, 1e-8, 0.004)
 
 
 def synthetic_seconds(features, coefficients=TRUE):
@@ -15,7 +16,8 @@ def synthetic_seconds(features, coefficients=TRUE):
 
 
 def random_features(rng):
-    return StepFeatures(rng.randint(0, 2048), rng.randint(0, 64), rng.randint(0, 4_000_000))
+    prefill = rng.randint(1, 2048) if rng.random() < 0.6 else 0  # pure-decode steps too
+    return StepFeatures(prefill, rng.randint(0, 64), rng.randint(0, 4_000_000))
 
 
 def test_a_one_token_chunk_is_a_decode_and_a_longer_one_is_prefill():
@@ -43,7 +45,10 @@ def test_noise_free_steps_recover_the_coefficients_exactly():
         model.observe(features, synthetic_seconds(features))
     assert model.coefficients == pytest.approx(TRUE, rel=1e-6)
     probe = StepFeatures(512, 16, 300_000)
-    assert model.predict(probe) == pytest.approx(0.002 + 512e-5 + 16 * 3e-4 + 300_000e-8, rel=1e-6)
+    assert model.predict(probe) == pytest.approx(0.002 + 512e-5 + 16 * 3e-4 + 300_000e-8 + 0.004, rel=1e-6)
+    assert model.predict(StepFeatures(0, 16, 300_000)) == pytest.approx(
+        0.002 + 16 * 3e-4 + 300_000e-8, rel=1e-6
+    )
 
 
 def test_the_window_forgets_old_steps_and_follows_a_slower_device():
@@ -78,12 +83,14 @@ def test_a_slope_that_fits_negative_is_dropped_and_the_rest_refit():
     ]
     for features, seconds in points * 3:
         model.observe(features, seconds)
-    c0, c_prefill, c_decode, c_attend = model.coefficients
+    c0, c_prefill, c_decode, c_attend, c_mixed = model.coefficients
     assert (c_decode, c_attend) == (0.0, 0.0)
-    # Least squares of (0.010, 0.002, 0.020) on intercept + prefill: intercept = mean of the two
-    # decode-only steps, prefill slope from the third.
+    # Least squares of (0.010, 0.002, 0.020) on intercept + prefill (slope and step price, which
+    # one prefill size cannot tell apart): intercept = mean of the two decode-only steps, and the
+    # prefill step predicted exactly.
     assert c0 == pytest.approx(0.006, rel=1e-6)
-    assert c_prefill == pytest.approx(0.014 / 100, rel=1e-6)
+    assert c_prefill >= 0 and c_mixed >= 0
+    assert model.predict(StepFeatures(100, 0, 0)) == pytest.approx(0.020, rel=1e-6)
 
 
 def test_only_decodes_seen_still_predicts_them_and_is_monotone():
