@@ -26,6 +26,8 @@ MERGE_SLACK_RATIO = 0.5
 # Below this utilisation the device idles between steps: any request that fits is merged.
 UNDERUSED_UTILIZATION_RATIO = 0.5
 DEFAULT_MIN_PREFILL_CHUNK = 16
+# The largest chunk the amortization rule may demand (the token budget caps it anyway).
+AMORTIZE_LIMIT = 1 << 20
 # A request that does not fit may be overtaken by small ones for at most this many of its waiting
 # steps (or priority_aging_steps, if fewer); then it blocks the queue as under the fixed policy.
 MAX_OVERTAKEN_STEPS = 16
@@ -63,13 +65,17 @@ class FeedbackPolicy:
         """The largest chunk of a prefill (``num_remaining`` tokens left after ``num_computed``)
         that keeps the predicted step time of ``batch`` plus the chunk within ``target``.
 
-        Never more than ``budget`` tokens; at least ``min_prefill_chunk`` (or what is left) when
-        ``batch`` holds no prefill yet, so that prefills always progress; 0 when the step is full.
+        Never more than ``budget`` tokens; when ``batch`` holds no prefill yet, at least
+        ``min_prefill_chunk`` (or what is left), so that prefills always progress, and at least
+        enough tokens that the chunk's own work pays the fixed price of a step with prefill
+        (``amortized_chunk``); 0 when the step is full.
         """
         limit = min(num_remaining, budget)
         if limit <= 0 or target is None or self.cost.coefficients is None:
             return max(limit, 0)
-        floor = min(limit, self.min_prefill_chunk) if batch.num_prefill_tokens == 0 else 0
+        floor = 0
+        if batch.num_prefill_tokens == 0:
+            floor = min(limit, max(self.min_prefill_chunk, self.amortized_chunk()))
         if self._predict(batch, num_computed, limit) <= target:
             return limit
         low, high = floor, limit  # invariant: low fits (or is the floor), high does not
@@ -80,6 +86,17 @@ class FeedbackPolicy:
             else:
                 high = middle
         return low
+
+    def amortized_chunk(self) -> int:
+        """Prefill tokens whose work equals the fixed price of leaving the pure-decode path
+        (``c_mixed / c_prefill``): a smaller chunk would spend most of its step on that price."""
+        coefficients = self.cost.coefficients
+        if coefficients is None:
+            return 0
+        c_prefill, c_mixed = coefficients[1], coefficients[4]
+        if c_mixed <= 0.0:
+            return 0
+        return AMORTIZE_LIMIT if c_prefill <= 0.0 else min(AMORTIZE_LIMIT, round(c_mixed / c_prefill))
 
     def can_merge(
         self, batch: StepFeatures, target: float | None, num_computed: int, num_tokens: int

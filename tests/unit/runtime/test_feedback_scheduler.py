@@ -36,6 +36,7 @@ def make_scheduler(
     caching=False,
     target=None,
     trained=True,
+    cost=COST,
 ):
     kv = KVManager(BlockPool(num_blocks), block, enable_prefix_caching=caching)
     limits = SchedulerLimits(max_num_seqs, budget, max_preemptions, aging, policy, target)
@@ -45,7 +46,7 @@ def make_scheduler(
         for _ in range(40):
             prefill = rng.randint(1, 2048) if rng.random() < 0.6 else 0  # pure-decode steps too
             features = StepFeatures(prefill, rng.randint(0, 64), rng.randint(0, 4_000_000))
-            scheduler.cost.observe(features, sum(c * x for c, x in zip(COST, features.row(), strict=True)))
+            scheduler.cost.observe(features, sum(c * x for c, x in zip(cost, features.row(), strict=True)))
     return scheduler
 
 
@@ -81,6 +82,17 @@ def test_without_a_target_the_cap_is_three_decode_steps_of_the_learned_model():
     chunk = dict(summary(run_step(scheduler)))["doc"]
     assert chunk in (239, 240)
     assert scheduler.policy.step_target(StepFeatures(0, 2, 0)) == pytest.approx(0.036, rel=1e-6)
+
+
+def test_a_chunk_that_leaves_the_decode_path_is_at_least_worth_its_fixed_price():
+    # A step with any prefill costs 20 ms more (the per-layer path instead of the fused decode
+    # call): the 36 ms target alone would allow (36 - 12 - 20) / 0.1 = 40 tokens, a step spent
+    # mostly on that price. The chunk is at least c_mixed / c_prefill = 200 tokens instead.
+    scheduler = make_scheduler(max_num_seqs=8, cost=(0.010, 1e-4, 1e-3, 0.0, 0.020))
+    assert scheduler.policy.amortized_chunk() == 200
+    start_decoding(scheduler, "d1", "d2")
+    scheduler.add(make_request("doc", 1000))
+    assert dict(summary(run_step(scheduler)))["doc"] == 200
 
 
 def test_before_any_measurement_feedback_caps_nothing():
