@@ -51,24 +51,28 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     )
     group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument("--quantization", default=None, choices=["int8"])
-    group.add_argument(
-        "--linear-backend",
-        default="auto",
-        choices=["auto", "native", "prepacked", "plain"],
-        help="auto: our AVX-512 BF16 decode kernels where the CPU has them, else oneDNN-prepacked",
-    )
-    group.add_argument(
-        "--native-kernels",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="BF16 on AVX-512 BF16 CPUs: our RMSNorm and fused decode-attention kernels",
-    )
+    _add_kernel_args(group)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
         "--config",
         type=Path,
         default=None,
         help="engine options YAML (e.g. the output of `kunlun-runtime tune`); flags given explicitly win",
+    )
+
+
+def _add_kernel_args(parser) -> None:
+    parser.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "native", "prepacked", "plain"],
+        help="auto: our AVX-512 BF16 / AMX decode kernels where the CPU has them, else oneDNN-prepacked",
+    )
+    parser.add_argument(
+        "--native-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="BF16 on AVX-512 BF16 CPUs: our RMSNorm, decode-attention and one-call layer-stack kernels",
     )
 
 
@@ -210,18 +214,7 @@ def _golden_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="The capital of France is Paris. The capital of Italy is")
     parser.add_argument("--tolerance", type=float, default=None, help="override the dtype's tolerance")
     parser.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
-    parser.add_argument(
-        "--linear-backend",
-        default="auto",
-        choices=["auto", "native", "prepacked", "plain"],
-        help="the linear kernels to check (a chunk size of at most 8 exercises the decode kernels)",
-    )
-    parser.add_argument(
-        "--native-kernels",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="BF16: check our RMSNorm and decode-attention kernels too (decode steps: --chunk-size 1)",
-    )
+    _add_kernel_args(parser)  # a chunk size of at most 16 exercises the decode kernels, 1 attention too
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="run the engine side split N ways"
     )
