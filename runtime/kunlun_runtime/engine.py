@@ -118,13 +118,7 @@ class LLMEngine:
         """What every tensor-parallel rank builds: its shard's KV cache sized from the budget."""
         config, world = self.config, self.config.tensor_parallel_size
         local_config = shard_model_config(model_config, world) if world > 1 else model_config
-        spec = KVCacheSpec(
-            num_layers=local_config.num_layers,
-            num_kv_heads=local_config.num_kv_heads,
-            head_dim=local_config.head_dim,
-            block_size=config.block_size,
-            dtype=self.dtype,
-        )
+        spec = KVCacheSpec.for_model(local_config, config.block_size, self.dtype)
         probe = KVCache(spec, 1, torch.device("meta"), **self._layout_args())
         return RankSpec(
             model_dir=str(self.model_dir),

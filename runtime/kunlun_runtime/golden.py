@@ -71,7 +71,7 @@ def capture_engine(
     config = model.config
     device = next(model.parameters()).device
     dtype = model.embed_tokens.weight.dtype
-    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    spec = KVCacheSpec.for_model(config, block_size, dtype)
     num_blocks = -(-len(token_ids) // block_size)
     cache = KVCache(spec, num_blocks, device, cache_line_bytes=64, cache_num_sets=64, skew=True)
     # Reverse block order: the paged path must not depend on blocks being contiguous.

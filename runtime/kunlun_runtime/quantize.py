@@ -46,7 +46,7 @@ def _run(model: DecoderModel, token_chunks: list[list[int]]) -> None:
     config = model.config
     dtype = model.embed_tokens.weight.dtype
     for chunk in token_chunks:
-        spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, 16, dtype)
+        spec = KVCacheSpec.for_model(config, 16, dtype)
         num_blocks = -(-len(chunk) // 16)
         cache = KVCache(
             spec, num_blocks, torch.device("cpu"), cache_line_bytes=64, cache_num_sets=64, skew=False

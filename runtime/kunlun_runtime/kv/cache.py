@@ -23,6 +23,12 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
 
+    @classmethod
+    def for_model(cls, config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The cache of a model config (anything with num_layers, num_kv_heads and head_dim: a
+        ``ModelConfig``, or one rank's shard of it)."""
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+
     @property
     def block_bytes(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()

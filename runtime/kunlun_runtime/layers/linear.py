@@ -66,7 +66,12 @@ class NativeLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # shared, not copied: a tied lm_head stays the embedding
+        # Shared, not copied (a tied lm_head stays the embedding); the kernels need it contiguous.
+        self.weight = (
+            linear.weight
+            if linear.weight.is_contiguous()
+            else nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
+        )
         self.bias = linear.bias
         self.register_buffer("bias_fp32", None if linear.bias is None else linear.bias.detach().float())
 

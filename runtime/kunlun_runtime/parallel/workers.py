@@ -66,10 +66,7 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
         layer.self_attn.fused_attention = spec.fused_attention
     if spec.native_kernels:
         model.enable_native_kernels()
-    local = model.config
-    cache_spec = KVCacheSpec(
-        local.num_layers, local.num_kv_heads, local.head_dim, spec.block_size, spec.dtype
-    )
+    cache_spec = KVCacheSpec.for_model(model.config, spec.block_size, spec.dtype)
     cache = KVCache(
         cache_spec,
         spec.num_blocks,

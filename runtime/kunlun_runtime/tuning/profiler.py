@@ -127,7 +127,7 @@ class Profiler:
         """One KV block of all layers (K and V), padded as the engine lays it out on this platform."""
         mc = self.model_config
         dtype = resolve_dtype(self.options.dtype, self.platform)
-        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, block_size, dtype)
+        spec = KVCacheSpec.for_model(mc, block_size, dtype)
         layout = build_block_layout(
             spec.block_bytes,
             cache_line_bytes=self.platform.cache_line_bytes,

@@ -188,3 +188,14 @@ def test_a_broken_prebuilt_library_is_reported_not_raised(monkeypatch, tmp_path)
     reason = cpu_kernels._build.__wrapped__()  # uncached: the real load, with this environment
     assert reason is not None
     assert str(library) in reason or "CPU" in reason  # a CPU without AVX-512 BF16 stops earlier
+
+
+@needs_kernels
+def test_native_linear_accepts_a_non_contiguous_weight():
+    linear = nn.Linear(64, 48, bias=False).to(torch.bfloat16).requires_grad_(False)
+    linear.weight = nn.Parameter(
+        torch.randn(64, 48).bfloat16().t(), requires_grad=False
+    )  # a column slice's layout
+    native = NativeLinear(linear)
+    x = torch.randn(2, 64).bfloat16()
+    _close(native(x), x.float() @ linear.weight.float().T)
