@@ -30,7 +30,7 @@ SOURCES = (
     Path(__file__).parent / "csrc" / "decode_ops.cpp",
     Path(__file__).parent / "csrc" / "decode_layers.cpp",
 )
-HEADERS = (Path(__file__).parent / "csrc" / "kernels.h",)
+HEADERS = (Path(__file__).parent / "csrc" / "kernels.h", Path(__file__).parent / "csrc" / "bf16_vec.h")
 # The largest batches our linears take instead of oneDNN: BF16 runs 3-16 rows in one AMX pass
 # (measured faster than oneDNN up to 16 rows); the INT8 kernel is compute-bound above 8.
 MAX_ROWS = 16

@@ -103,18 +103,31 @@ def test_explicit_native_backend_says_why_it_is_unavailable(monkeypatch):
 
 
 @needs_kernels
-def test_rms_norm_kernels_match_the_reference_norm():
+@pytest.mark.parametrize("rows,hidden", [(5, 96), (37, 100)])  # decode-sized; prefill-sized with a lane tail
+def test_rms_norm_kernels_match_the_reference_norm(rows, hidden):
     from kunlun_runtime.layers.norm import RMSNorm
 
-    norm = RMSNorm(96, 1e-5).to(torch.bfloat16)
+    norm = RMSNorm(hidden, 1e-5).to(torch.bfloat16)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(96))
-    x, delta = torch.randn(5, 96).bfloat16() * 4, torch.randn(5, 96).bfloat16()
+        norm.weight.copy_(torch.randn(hidden))
+    x, delta = torch.randn(rows, hidden).bfloat16() * 4, torch.randn(rows, hidden).bfloat16()
     reference = norm(x)  # native is off: F.rms_norm in FP32, as HF
     _close(cpu_kernels.rms_norm(x, norm.weight, norm.eps), reference.float())
     total, normed = cpu_kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
     assert torch.equal(total, x + delta)  # the residual add rounds exactly as the eager add
     _close(normed, norm(x + delta).float())
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,inner", [(1, 1536), (37, 100)])
+def test_silu_mul_matches_the_eager_roundings(rows, inner):
+    gate_up = (torch.randn(rows, 2 * inner) * 4).bfloat16()
+    gate, up = gate_up.split(inner, dim=-1)
+    expected = F.silu(gate) * up  # eager BF16: silu rounded to BF16, then the product
+    actual = cpu_kernels.silu_mul(gate_up)
+    # Our exp differs from ATen's by an FP32 ulp or so: at most one BF16 step apart, mostly equal.
+    _close(actual, expected.float())
+    assert (actual == expected).float().mean() > 0.99
 
 
 def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40)):
@@ -146,11 +159,15 @@ def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40)
 
 @needs_kernels
 @pytest.mark.parametrize("window", [0, 9])
-def test_decode_attention_matches_the_torch_paged_path(window):
+# head_dim 32/64/128 take the kernel's specialised widths, 48 the generic one and scalar rotary;
+# (heads, KV heads) cover GQA groups of 3 and 1; one thread and two split the head tiles differently.
+@pytest.mark.parametrize("heads,head_dim", [((6, 2), 32), ((9, 3), 64), ((4, 4), 128), ((6, 3), 48)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_matches_the_torch_paged_path(window, heads, head_dim, threads):
     from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
 
     lengths = (1, 17, 40)
-    cache, tables, q, k, v, cos_sin, apply_rotary = _decode_case(window, lengths=lengths)
+    cache, tables, q, k, v, cos_sin, apply_rotary = _decode_case(window, heads, head_dim, lengths=lengths)
     meta = build_attention_metadata(
         [1] * len(lengths), list(lengths), tables, 16, torch.device("cpu"), sliding_window=window or None
     )
@@ -158,10 +175,15 @@ def test_decode_attention_matches_the_torch_paged_path(window):
     qr, kr = apply_rotary(q, k, cos_sin)
     expected = paged_attention(qr, kr, v, theirs_k, theirs_v, meta, 0.125)
     cos, sin = cos_sin
-    out = cpu_kernels.decode_attention(
-        q, k, v, cos.view(-1, 32), sin.view(-1, 32), cache.k_blocks[0], cache.v_blocks[0],
-        meta.block_tables, meta.context_lens, 0.125, window,
-    )  # fmt: skip
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.decode_attention(
+            q, k, v, cos.view(-1, head_dim), sin.view(-1, head_dim), cache.k_blocks[0], cache.v_blocks[0],
+            meta.block_tables, meta.context_lens, 0.125, window,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads_before)
     assert torch.equal(cache.k_blocks[0], theirs_k) and torch.equal(cache.v_blocks[0], theirs_v)
     _close(out, expected.float())
 

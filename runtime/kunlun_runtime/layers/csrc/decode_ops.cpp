@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "bf16_vec.h"
 #include "kernels.h"
 
 #include <algorithm>
@@ -34,17 +35,11 @@
 namespace {
 
 using bf16 = c10::BFloat16;
+using kunlun_cpu::vec::load_bf16x16;
+using kunlun_cpu::vec::store_bf16x16;
+using kunlun_cpu::vec::tail_mask;
 
 inline float round_bf16(float value) { return static_cast<float>(bf16(value)); }
-
-inline __mmask16 tail_mask(int64_t count) {  // the first min(count, 16) lanes
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-}
-
-inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const void*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
@@ -58,9 +53,12 @@ void rms_norm_row(const float* x, const bf16* w, bf16* out, int64_t H, float eps
     const __m512 v = _mm512_maskz_loadu_ps(tail_mask(H - i), x + i);
     squares = _mm512_fmadd_ps(v, v, squares);
   }
-  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; ++i) {
-    out[i] = bf16(static_cast<float>(w[i]) * round_bf16(x[i] * inv));
+  const __m512 inv =
+      _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps));
+  for (int64_t i = 0; i < H; i += 16) {  // bf16(w * bf16(x * inv))
+    const __mmask16 mask = tail_mask(H - i);
+    const __m512 normed = kunlun_cpu::vec::round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), inv));
+    store_bf16x16(out + i, _mm512_mul_ps(load_bf16x16(w + i, mask), normed), mask);
   }
 }
 
@@ -80,7 +78,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < H; ++i) row[i] = static_cast<float>(xp[t * H + i]);
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 mask = tail_mask(H - i);
+        _mm512_mask_storeu_ps(row.data() + i, mask, load_bf16x16(xp + t * H + i, mask));
+      }
       rms_norm_row(row.data(), w.const_data_ptr<bf16>(), op + t * H, H, static_cast<float>(eps));
     }
   });
@@ -105,10 +106,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < H; ++i) {
-        const bf16 s = bf16(static_cast<float>(xp[t * H + i]) + static_cast<float>(dp[t * H + i]));
-        sp[t * H + i] = s;
-        row[i] = static_cast<float>(s);
+      for (int64_t i = 0; i < H; i += 16) {  // s = bf16(x + delta), kept in FP32 for the norm
+        const __mmask16 mask = tail_mask(H - i);
+        const __m512 s = kunlun_cpu::vec::round_bf16(
+            _mm512_add_ps(load_bf16x16(xp + t * H + i, mask), load_bf16x16(dp + t * H + i, mask)));
+        store_bf16x16(sp + t * H + i, s, mask);
+        _mm512_mask_storeu_ps(row.data() + i, mask, s);
       }
       rms_norm_row(row.data(), w.const_data_ptr<bf16>(), op + t * H, H, static_cast<float>(eps));
     }
@@ -143,6 +146,16 @@ inline __m512 exp_nonpositive(__m512 x) {
 // HF's rotate-half rotary with its roundings: bf16(bf16(x·cos) + bf16(rotate_half(x)·sin)).
 inline void rotate(const bf16* x, const bf16* cos, const bf16* sin, int64_t D, float* out) {
   const int64_t half = D / 2;
+  if (half % 16 == 0) {  // each 16-lane chunk lies in one half
+    for (int64_t i = 0; i < D; i += 16) {
+      const __m512 rotated = i < half ? kunlun_cpu::vec::negate(load_bf16x16(x + i + half, 0xFFFF))
+                                      : load_bf16x16(x + i - half, 0xFFFF);
+      const __m512 a = kunlun_cpu::vec::round_bf16(_mm512_mul_ps(load_bf16x16(x + i, 0xFFFF), load_bf16x16(cos + i, 0xFFFF)));
+      const __m512 b = kunlun_cpu::vec::round_bf16(_mm512_mul_ps(rotated, load_bf16x16(sin + i, 0xFFFF)));
+      _mm512_storeu_ps(out + i, kunlun_cpu::vec::round_bf16(_mm512_add_ps(a, b)));
+    }
+    return;
+  }
   for (int64_t i = 0; i < D; ++i) {
     const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
     const float a = round_bf16(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
@@ -164,48 +177,97 @@ PagedCache paged(const at::Tensor& blocks) {
   return {blocks.mutable_data_ptr<bf16>(), blocks.stride(0), blocks.stride(1), blocks.stride(2)};
 }
 
-// One query head over its sequence's keys [start, end).
-void attend(const float* q, const PagedCache& keys, const PagedCache& values, const int64_t* table, int64_t block_size,
-            int64_t kv_head, int64_t start, int64_t end, int64_t D, float scale, std::vector<float>& scores,
-            bf16* out) {
-  const int64_t length = end - start;
-  scores.resize(length);
-  float max_score = -INFINITY;
-  for (int64_t j = 0; j < length; ++j) {
-    const int64_t position = start + j;
-    const bf16* key = keys.at(table[position / block_size], position % block_size, kv_head);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 mask = tail_mask(D - d);
-      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, q + d), load_bf16x16(key + d, mask), acc);
+// The rows of one KV head for positions [start, end) of a sequence, walked block by block.
+void gather_rows(const PagedCache& cache, const int64_t* table, int64_t block_size, int64_t kv_head, int64_t start,
+                 int64_t end, std::vector<const bf16*>& rows) {
+  rows.resize(end - start);
+  for (int64_t position = start; position < end;) {
+    const int64_t block = position / block_size, slot = position % block_size;
+    const int64_t count = std::min(block_size - slot, end - position);
+    const bf16* row = cache.at(table[block], slot, kv_head);
+    for (int64_t i = 0; i < count; ++i) rows[position - start + i] = row + i * cache.slot_stride;
+    position += count;
+  }
+}
+
+// Query heads q[0 .. heads) (BF16, rotated, D each) that share one KV head, over that head's
+// keys and values (one row pointer per position): out[h] = softmax(scale · q_h·Kᵀ) · V.
+// Scores come 16 keys at a time from VDPBF16PS dot products (FP32 accumulation), reduced with
+// one transpose; each value row is loaded once for all the heads. CHUNKS = ceil(D / 16).
+template <int CHUNKS>
+void attend_heads(const bf16* q, int64_t heads, const std::vector<const bf16*>& keys,
+                  const std::vector<const bf16*>& values, int64_t D, float scale, std::vector<float>& scores,
+                  bf16* out, int64_t out_stride) {
+  const int64_t length = static_cast<int64_t>(keys.size());
+  const int64_t pair_chunks = (D + 31) / 32;
+  scores.resize(heads * length);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores.data() + h * length;
+    __m512bh qv[8];  // D <= 256
+    for (int64_t c = 0; c < pair_chunks; ++c) {
+      const __mmask32 mask = D - 32 * c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - 32 * c)) - 1;
+      qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, q + h * D + 32 * c);
     }
-    scores[j] = _mm512_reduce_add_ps(acc) * scale;
-    max_score = std::max(max_score, scores[j]);
-  }
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < length; j += 16) {
-    const __mmask16 mask = tail_mask(length - j);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores.data() + j),
-                                                   _mm512_set1_ps(max_score)));
-    _mm512_mask_storeu_ps(scores.data() + j, mask, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
-  }
-  const float inv_total = 1.0f / _mm512_reduce_add_ps(total);
-  constexpr int64_t kMaxChunks = 16;  // head_dim <= 256
-  __m512 acc[kMaxChunks];
-  const int64_t chunks = (D + 15) / 16;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < length; ++j) {
-    const int64_t position = start + j;
-    const bf16* value = values.at(table[position / block_size], position % block_size, kv_head);
-    const __m512 weight = _mm512_set1_ps(scores[j]);
-    for (int64_t c = 0; c < chunks; ++c) {
-      acc[c] = _mm512_fmadd_ps(weight, load_bf16x16(value + 16 * c, tail_mask(D - 16 * c)), acc[c]);
+    __m512 max_scores = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < length; j += 16) {
+      __m512 acc[16];
+      const int64_t count = std::min<int64_t>(16, length - j);
+      for (int64_t i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        if (i >= count) continue;
+        const bf16* key = keys[j + i];
+        for (int64_t c = 0; c < pair_chunks; ++c) {
+          const __mmask32 mask = D - 32 * c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - 32 * c)) - 1;
+          acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(mask, key + 32 * c));
+        }
+      }
+      const __mmask16 mask = tail_mask(count);
+      const __m512 block = _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(acc), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(s + j, mask, block);
+      max_scores = _mm512_mask_max_ps(max_scores, mask, max_scores, block);
+    }
+    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max_scores));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < length; j += 16) {
+      const __mmask16 mask = tail_mask(length - j);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), max_score));
+      _mm512_mask_storeu_ps(s + j, mask, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+    }
+    const float inv_total = 1.0f / _mm512_reduce_add_ps(total);
+    for (int64_t j = 0; j < length; j += 16) {
+      const __mmask16 mask = tail_mask(length - j);
+      _mm512_mask_storeu_ps(s + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + j), _mm512_set1_ps(inv_total)));
     }
   }
-  alignas(64) float result[16 * kMaxChunks];
-  for (int64_t c = 0; c < chunks; ++c) _mm512_store_ps(result + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_total)));
-  for (int64_t d = 0; d < D; ++d) out[d] = bf16(result[d]);
+  // P · V, up to kHeadTile heads per pass so that the accumulators stay in registers.
+  constexpr int64_t kHeadTile = CHUNKS <= 4 ? 4 : (CHUNKS <= 8 ? 2 : 1);
+  for (int64_t h0 = 0; h0 < heads; h0 += kHeadTile) {
+    const int64_t tile = std::min(kHeadTile, heads - h0);
+    __m512 acc[kHeadTile][CHUNKS];
+    for (int64_t h = 0; h < kHeadTile; ++h)
+      for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < length; ++j) {
+      __m512 value[CHUNKS];
+      for (int c = 0; c < CHUNKS; ++c) value[c] = load_bf16x16(values[j] + 16 * c, tail_mask(D - 16 * c));
+      for (int64_t h = 0; h < tile; ++h) {
+        const __m512 weight = _mm512_set1_ps(scores[(h0 + h) * length + j]);
+        for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_fmadd_ps(weight, value[c], acc[h][c]);
+      }
+    }
+    for (int64_t h = 0; h < tile; ++h)
+      for (int c = 0; c < CHUNKS; ++c) store_bf16x16(out + (h0 + h) * out_stride + 16 * c, acc[h][c], tail_mask(D - 16 * c));
+  }
+}
+
+void attend(const bf16* q, int64_t heads, const std::vector<const bf16*>& keys, const std::vector<const bf16*>& values,
+            int64_t D, float scale, std::vector<float>& scores, bf16* out, int64_t out_stride) {
+  switch ((D + 15) / 16) {
+    case 2: return attend_heads<2>(q, heads, keys, values, D, scale, scores, out, out_stride);
+    case 4: return attend_heads<4>(q, heads, keys, values, D, scale, scores, out, out_stride);
+    case 8: return attend_heads<8>(q, heads, keys, values, D, scale, scores, out, out_stride);
+    default: return attend_heads<16>(q, heads, keys, values, D, scale, scores, out, out_stride);
+  }
 }
 
 }  // namespace
@@ -232,12 +294,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
         const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
         const __m512 numerator = _mm512_mask_blend_ps(negative, _mm512_set1_ps(1.0f), e);
-        alignas(64) float silu[16], upf[16];
-        _mm512_store_ps(silu, _mm512_mul_ps(g, _mm512_div_ps(numerator, denominator)));
-        _mm512_store_ps(upf, load_bf16x16(up + i, mask));
-        for (int64_t j = 0; j < std::min<int64_t>(16, I - i); ++j) {
-          op[t * I + i + j] = bf16(round_bf16(silu[j]) * upf[j]);  // bf16(bf16(silu(g)) * up), as eager
-        }
+        const __m512 silu = kunlun_cpu::vec::round_bf16(_mm512_mul_ps(g, _mm512_div_ps(numerator, denominator)));
+        store_bf16x16(op + t * I + i, _mm512_mul_ps(silu, load_bf16x16(up + i, mask)), mask);  // as eager
       }
     }
   });
@@ -297,15 +355,33 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   at::Tensor out = at::empty({B, H * D}, q.options());
   bf16* op = out.mutable_data_ptr<bf16>();
+  // A task is (sequence, KV head, a tile of the query heads that share it): the tile reads the
+  // head's keys and values once. Tiles shrink until there are two tasks per thread, if they can.
   const int64_t group = H / KVH;
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(D), scores;
+  int64_t tiles = 1;
+  while (tiles < group && B * KVH * tiles < 2 * at::get_num_threads()) ++tiles;
+  const int64_t tile_heads = (group + tiles - 1) / tiles;
+  tiles = (group + tile_heads - 1) / tile_heads;
+  at::parallel_for(0, B * KVH * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated_q(D), scores;
+    std::vector<bf16> queries(tile_heads * D);
+    std::vector<const bf16*> key_rows, value_rows;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H;
-      rotate(q.const_data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1), cp + b * D, sp + b * D, D, query.data());
+      const int64_t b = task / (KVH * tiles), kv_head = task / tiles % KVH, tile = task % tiles;
+      const int64_t h0 = kv_head * group + tile * tile_heads, heads = std::min(tile_heads, (kv_head + 1) * group - h0);
+      for (int64_t h = 0; h < heads; ++h) {
+        rotate(q.const_data_ptr<bf16>() + b * q.stride(0) + (h0 + h) * q.stride(1), cp + b * D, sp + b * D, D,
+               rotated_q.data());
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 mask = tail_mask(D - d);
+          store_bf16x16(queries.data() + h * D + d, _mm512_maskz_loadu_ps(mask, rotated_q.data() + d), mask);
+        }
+      }
       const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
-      attend(query.data(), keys, values, tables + b * max_blocks, block_size, h / group, start, lengths[b], D,
-             static_cast<float>(scale), scores, op + b * H * D + h * D);
+      gather_rows(keys, tables + b * max_blocks, block_size, kv_head, start, lengths[b], key_rows);
+      gather_rows(values, tables + b * max_blocks, block_size, kv_head, start, lengths[b], value_rows);
+      attend(queries.data(), heads, key_rows, value_rows, D, static_cast<float>(scale), scores,
+             op + b * H * D + h0 * D, D);
     }
   });
   return out;

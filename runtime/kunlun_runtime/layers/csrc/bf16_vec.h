@@ -1,0 +1,68 @@
+// AVX-512 helpers for BF16 tensors: 16 lanes in, FP32 arithmetic, 16 lanes out.
+//
+// Rounding to BF16 is round-to-nearest-even on the bit pattern with NaN kept quiet, exactly as
+// c10::BFloat16(float) does, so vectorised code gives the same bits as the scalar conversions
+// the eager reference makes (VCVTNEPS2BF16 would flush denormal inputs to zero; this does not).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace kunlun_cpu::vec {
+
+using bf16 = c10::BFloat16;
+
+inline __mmask16 tail_mask(int64_t count) {  // the first min(max(count, 0), 16) lanes
+  if (count <= 0) return 0;
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const void*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The BF16 bit patterns of 16 floats, in the upper 16 bits of each 32-bit lane.
+inline __m512i bf16_bits_rne(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC00000));
+}
+
+// float(bf16(v)) lane by lane.
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits_rne(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline __m512 negate(__m512 v) {  // flips the sign bit, zeros included (as -x does)
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+}
+
+// Sixteen FP32 vectors in, one out: lane j holds the sum of the lanes of v[j].
+inline __m512 transpose_sum16(__m512 v[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane sums of v4i .. v4i+3
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // add 128-bit lanes pairwise: [q2i L0+L1, q2i L2+L3, q2i+1 L0+L1, q2i+1 L2+L3]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline void store_bf16x16(bf16* p, __m512 v, __mmask16 mask) {
+  const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_rne(v), 16));
+  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(p), mask, packed);
+}
+
+}  // namespace kunlun_cpu::vec
