@@ -36,11 +36,11 @@ def measure_bandwidth_gbs(size_mb: int) -> float:
 
 
 def weight_bytes_per_token(config, quantization: str | None) -> int:
-    """Bytes of weights one decode step reads: every linear (INT8 or BF16) plus lm_head (BF16)."""
+    """Bytes of weights one decode step reads: every linear, lm_head included (INT8 or BF16)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden + 3 * hidden * inter
     linear_bytes = 1 if quantization == "int8" else 2
-    return config.num_layers * per_layer * linear_bytes + config.vocab_size * hidden * 2
+    return (config.num_layers * per_layer + config.vocab_size * hidden) * linear_bytes
 
 
 class Ours:

@@ -306,7 +306,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     write_quantized(model, model_dir, args.out, calibration)
     num_static = sum(entry.static for entry in calibration.values())
     print(
-        f"{args.out}: {len(calibration)} INT8 linears, {num_static} with static activation scales "
+        f"{args.out}: {len(calibration)} INT8 linears and lm_head, {num_static} with static activation scales "
         f"(calibrated on {sum(len(c) for c in chunks)} tokens)"
     )
     return 0

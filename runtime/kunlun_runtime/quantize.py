@@ -1,7 +1,8 @@
 """Static INT8 quantization toolchain: calibrate on a text file, write a quantized checkpoint.
 
-For every linear layer but ``lm_head``: weights become INT8 with one scale per output channel.
-Activations get a static per-tensor scale (W8A8 on the INT8 matrix units) only where the
+Every linear layer's weights become INT8 with one scale per output channel (``lm_head`` too, as
+``--quantization int8`` does on the fly; it stays weight-only). The other layers' activations get a
+static per-tensor scale (W8A8 on the INT8 matrix units) only where the
 calibration set shows it accurate: the layer's output with quantized activations must stay within
 ``STATIC_MAX_REL_ERR`` of the unquantized output. Layers with outliers (e.g. the massive
 activations of attention-sink tokens, where one static scale crushes every other token) stay
@@ -118,10 +119,11 @@ def read_calibration_chunks(
 def write_quantized(
     model: DecoderModel, source_dir: Path, out_dir: Path, calibration: dict[str, LayerCalibration]
 ) -> Path:
-    """Save ``model`` with INT8 linears (our fused names) next to the source's config and tokenizer."""
+    """Save ``model`` with INT8 linears (our fused names) next to the source's config and tokenizer;
+    the embedding stays BF16."""
     tensors: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+        if isinstance(module, torch.nn.Linear):
             q, scales = quantize_per_channel_int8(module.weight)
             tensors[f"{name}.weight"] = q
             tensors[f"{name}.weight_scale"] = scales
@@ -130,14 +132,14 @@ def write_quantized(
             entry = calibration.get(name)
             if entry is not None and entry.static:
                 tensors[f"{name}.input_scale"] = torch.tensor(max(entry.absmax, 1e-12) / 127.0)
-    linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     for name, param in model.named_parameters():
         if name.rpartition(".")[0] not in linear_names:
             tensors[name] = param.detach().to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
     config = json.loads((source_dir / "config.json").read_text())
-    config["tie_word_embeddings"] = False  # lm_head is stored on its own (BF16)
+    config["tie_word_embeddings"] = False  # lm_head is stored on its own (INT8)
     config["quantization_config"] = {
         "quant_method": QUANT_METHOD,
         "weights": "int8, symmetric, per output channel",

@@ -28,8 +28,9 @@ def calibration_file(tmp_path_factory):
 def test_weight_only_int8_stays_within_its_bound(tiny_model_dirs):
     model_dir = tiny_model_dirs["llama-gqa"]
     model, _ = load_model(model_dir, torch.bfloat16, torch.device("cpu"), 64)
-    assert convert_linears(model, backend="plain", quantization="int8") == 2 * 4  # lm_head stays BF16
-    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear)
+    assert convert_linears(model, backend="plain", quantization="int8") == 2 * 4 + 1  # lm_head too
+    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear) and isinstance(model.lm_head, Int8Linear)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16  # the tied embedding stays BF16
     report = run_golden(model, model_dir, TOKENS, tolerance=INT8_BOUND)
     assert report.passed, [(layer.name, layer.max_rel_err) for layer in report.layers]
 
@@ -43,13 +44,16 @@ def test_quantize_cli_writes_a_checkpoint_that_serves(tiny_model_dirs, calibrati
         )
         == 0
     )
-    assert "8 INT8 linears" in capsys.readouterr().out
+    assert "8 INT8 linears and lm_head" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "kunlun-int8"
     layers = json.loads((out / "quantization.json").read_text())
     assert len(layers) == 8 and all(layer["rel_err"] >= 0 for layer in layers)
     model, _ = load_model(out, torch.bfloat16, torch.device("cpu"), 64)
-    assert isinstance(model.layers[1].self_attn.qkv_proj, Int8Linear)
+    assert isinstance(model.layers[1].self_attn.qkv_proj, Int8Linear) and isinstance(
+        model.lm_head, Int8Linear
+    )
+    assert model.lm_head.input_scale is None  # weight-only: no calibrated activation scale
     assert model.layers[1].self_attn.qkv_proj.bias is not None  # Qwen2's QKV bias survives
     ours = run_golden(model, model_dir, TOKENS, tolerance=INT8_BOUND)  # checkpoint vs the original FP32
     assert ours.passed

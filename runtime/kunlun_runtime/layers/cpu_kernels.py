@@ -35,13 +35,14 @@ HEADERS = (Path(__file__).parent / "csrc" / "kernels.h", Path(__file__).parent /
 # (measured faster than oneDNN up to 16 rows); the INT8 kernel is compute-bound above 8.
 MAX_ROWS = 16
 INT8_MAX_ROWS = 8
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 _COMPILE_FLAGS = [
     "-O3",
     "-mavx512f",
     "-mavx512bw",
     "-mavx512vl",
     "-mavx512bf16",
+    "-mavx512vnni",
     "-mamx-tile",
     "-mamx-bf16",
     "-fopenmp",

@@ -50,6 +50,29 @@ def test_int8_kernel_matches_dequantized_fp32_reference(rows):
 
 
 @needs_kernels
+def test_int8_kernel_accumulates_long_rows_in_segments():
+    # K above 8192 takes two INT32 segments; large activations near the INT16 limit must not overflow.
+    generator = torch.Generator().manual_seed(7)
+    q = torch.full((16, 8200), -128, dtype=torch.int8)  # one segment of 8200 would overflow INT32
+    q[1::2] = torch.randint(-127, 128, (8, 8200), generator=generator, dtype=torch.int8)
+    scales = torch.rand(16, generator=generator) + 0.5
+    x = torch.full((2, 8200), 3.0).bfloat16()
+    x[1] = torch.randn(8200, generator=generator).bfloat16()
+    expected = x.float() @ (q.float() * scales[:, None]).T
+    _close(cpu_kernels.linear_int8(x, q, scales, None), expected)
+
+
+@needs_kernels
+def test_int8_kernel_turns_a_non_finite_row_into_nan_and_leaves_the_others():
+    q, scales = quantize_per_channel_int8(torch.randn(32, 64))
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 5], x[2, 9] = float("nan"), float("inf")
+    out = cpu_kernels.linear_int8(x, q, scales, None)
+    assert out[0].isfinite().all() and out[1:].isnan().all()
+    _close(out[:1], x[:1].float() @ (q.float() * scales[:, None]).T)
+
+
+@needs_kernels
 def test_kernels_reject_bad_inputs_with_a_message():
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="at least one row"):
