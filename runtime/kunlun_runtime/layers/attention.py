@@ -88,17 +88,34 @@ def paged_attention(
     scale: float,
     fused: bool = True,
     enable_gqa: bool | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] → attention output [T, H * D]; stores k/v in the pool.
+    """q [T, H, D], k/v [T, KVH, D] → attention output [T, H * D]; stores k/v in the pool unless
+    ``kv_written`` says the caller already has.
 
     ``fused=False`` is the unfused reference path (QKᵀ, mask, softmax, ·V as separate ops with
     the full score matrix materialised), kept for the benchmark's ablation table.
     """
-    k_blocks[meta.slot_block_ids, meta.slot_offsets] = k
-    v_blocks[meta.slot_block_ids, meta.slot_offsets] = v
+    if not kv_written:
+        k_blocks[meta.slot_block_ids, meta.slot_offsets] = k
+        v_blocks[meta.slot_block_ids, meta.slot_offsets] = v
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    gqa = num_heads != k.shape[1] if enable_gqa is None else enable_gqa
+    if fused and meta.is_fresh_single_prefill:
+        # One prompt from position 0: its own K/V are the whole context, so attend to them as they
+        # are (no gather from the pool; the pool holds the same values) with plain causal
+        # attention, which lets SDPA take its flash path (the long-prompt TTFT case).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], num_heads * head_dim)
 
     num_seqs, max_blocks = meta.block_tables.shape
-    num_heads, head_dim = q.shape[1], q.shape[2]
     # index_select on the flattened table copies whole blocks (~4x faster than advanced indexing).
     flat_table = meta.block_tables.view(-1)
     block_size, kv_heads = k_blocks.shape[1], k_blocks.shape[2]
@@ -112,16 +129,7 @@ def paged_attention(
         padded = q.new_zeros((num_seqs * meta.max_query_len, num_heads, head_dim))
         padded[meta.query_padded_index] = q
         queries = padded.view(num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
-    gqa = num_heads != kv_heads if enable_gqa is None else enable_gqa
-    if fused and meta.is_fresh_single_prefill:
-        # One prompt from position 0: plain causal attention without a mask tensor, so SDPA can
-        # take its flash path (the long-prompt TTFT case).
-        length = meta.max_query_len
-        keys, values = keys[:, :, :length], values[:, :, :length]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
-        )
-    elif fused:
+    if fused:
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=gqa
         )

@@ -156,6 +156,24 @@ def decode_attention(
     )
 
 
+def rotary_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    slot_block_ids: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on q and k and the K/V write into the paged cache for any number of tokens;
+    returns (rotated q, rotated k) (see decode_ops.cpp)."""
+    return torch.ops.kunlun_cpu.rotary_kv_write(
+        q, k, v, cos, sin, k_blocks, v_blocks, slot_block_ids, slot_offsets
+    )
+
+
 def decode_layers(
     x: torch.Tensor,
     cos: torch.Tensor,

@@ -84,17 +84,34 @@ class Attention(nn.Module):
                 meta.sliding_window,
             )
             return self._project_out(out)
-        q, k = apply_rotary(q, k, cos_sin)
+        k_blocks, v_blocks = kv_cache.k_blocks[self.layer_index], kv_cache.v_blocks[self.layer_index]
+        kv_written = self.native and self.fused_attention and q.dtype == k_blocks.dtype == torch.bfloat16
+        if kv_written:  # rotary and the K/V write in one kernel call
+            cos, sin = cos_sin
+            q, k = cpu_kernels.rotary_kv_write(
+                q,
+                k,
+                v,
+                cos.view(-1, self.head_dim),
+                sin.view(-1, self.head_dim),
+                k_blocks,
+                v_blocks,
+                meta.slot_block_ids,
+                meta.slot_offsets,
+            )
+        else:
+            q, k = apply_rotary(q, k, cos_sin)
         out = paged_attention(
             q,
             k,
             v,
-            kv_cache.k_blocks[self.layer_index],
-            kv_cache.v_blocks[self.layer_index],
+            k_blocks,
+            v_blocks,
             meta,
             self.scale,
             fused=self.fused_attention,
             enable_gqa=self.num_heads != self.num_kv_heads,
+            kv_written=kv_written,
         )
         return self._project_out(out)
 

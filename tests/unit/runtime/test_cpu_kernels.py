@@ -226,6 +226,45 @@ def test_decode_attention_rejects_a_block_table_outside_the_pool():
     assert torch.equal(cache.k_blocks[0], before)  # checked before anything is written
 
 
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [64, 48])  # vector and scalar rotary
+def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_dim):
+    from kunlun_runtime.layers.attention import build_attention_metadata
+    from kunlun_runtime.layers.rotary import RotaryEmbedding
+    from kunlun_runtime.models.model_config import RopeConfig
+
+    lengths = (5, 23)  # prefill chunks: 5 new tokens after 4 cached ones, and a fresh prompt of 23
+    cache, tables, *_, apply_rotary = _decode_case(heads=(6, 2), head_dim=head_dim)
+    generator = torch.Generator().manual_seed(head_dim)
+    tokens = sum(lengths)
+    q = torch.randn(tokens, 6, head_dim, generator=generator).bfloat16()
+    k = torch.randn(tokens, 2, head_dim, generator=generator).bfloat16()
+    v = torch.randn(tokens, 2, head_dim, generator=generator).bfloat16()
+    meta = build_attention_metadata(list(lengths), [9, 23], tables[:2], 16, torch.device("cpu"))
+    positions = torch.cat([torch.arange(4, 9), torch.arange(0, 23)])
+    cos, sin = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0), 64).lookup(positions, torch.bfloat16)
+    theirs_k, theirs_v = cache.k_blocks[0].clone(), cache.v_blocks[0].clone()
+    qr, kr = apply_rotary(q, k, (cos, sin))
+    theirs_k[meta.slot_block_ids, meta.slot_offsets] = kr
+    theirs_v[meta.slot_block_ids, meta.slot_offsets] = v
+    q_out, k_out = cpu_kernels.rotary_kv_write(
+        q, k, v, cos.view(-1, head_dim), sin.view(-1, head_dim), cache.k_blocks[0], cache.v_blocks[0],
+        meta.slot_block_ids, meta.slot_offsets,
+    )  # fmt: skip
+    assert torch.equal(q_out, qr) and torch.equal(k_out, kr)
+    assert torch.equal(cache.k_blocks[0], theirs_k) and torch.equal(cache.v_blocks[0], theirs_v)
+
+    before = cache.k_blocks[0].clone()
+    bad_blocks = meta.slot_block_ids.clone()
+    bad_blocks[-1] = 99
+    with pytest.raises(RuntimeError, match="block id 99 out of range"):
+        cpu_kernels.rotary_kv_write(
+            q, k, v, cos.view(-1, head_dim), sin.view(-1, head_dim), cache.k_blocks[0], cache.v_blocks[0],
+            bad_blocks, meta.slot_offsets,
+        )  # fmt: skip
+    assert torch.equal(cache.k_blocks[0], before)  # checked before anything is written
+
+
 def test_a_broken_prebuilt_library_is_reported_not_raised(monkeypatch, tmp_path):
     library = tmp_path / "kunlun_cpu_kernels.so"
     library.write_bytes(b"not an ELF file")
