@@ -177,6 +177,28 @@ struct PagedCache {
   }
 };
 
+// q [T, H, D], k and v [T, KVH, D] (rows of D contiguous), cos and sin [T, D], K/V caches
+// [NB, BS, KVH, D]: all BF16, shapes consistent, H a multiple of KVH, D even.
+void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"},
+                                {&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
+    check_bf16(*t, name);
+  }
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even, got ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == KVH && k.size(2) == D && v.size(2) == D,
+              "k and v must be [tokens, KVH, D] like q");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v rows must be contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "cos and sin must be contiguous [tokens, D]");
+  TORCH_CHECK(k_blocks.sizes() == v_blocks.sizes() && k_blocks.dim() == 4 && k_blocks.size(2) == KVH &&
+                  k_blocks.size(3) == D,
+              "k_blocks and v_blocks must be [NB, BS, KVH, D]");
+}
+
 PagedCache paged(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.dim() == 4 && blocks.stride(3) == 1, "k/v blocks must be [NB, BS, KVH, D], D contiguous");
   return {blocks.mutable_data_ptr<bf16>(), blocks.stride(0), blocks.stride(1), blocks.stride(2)};
@@ -315,25 +337,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window) {
-  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"},
-                                {&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
-    check_bf16(*t, name);
-  }
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [B, heads, D]");
+  check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(D % 2 == 0 && D <= 256, "head_dim must be even and at most 256, got ", D);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == KVH && k.size(2) == D && v.size(2) == D,
-              "k and v must be [B, KVH, D] like q");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v rows must be contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D,
-              "cos and sin must be contiguous [B, D]");
+  TORCH_CHECK(D <= 256, "head_dim must be at most 256, got ", D);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
                   block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == B && context_lens.numel() == B,
               "block_tables must be int64 [B, MB] and context_lens int64 [B]");
-  TORCH_CHECK(k_blocks.sizes() == v_blocks.sizes() && k_blocks.size(2) == KVH && k_blocks.size(3) == D,
-              "k_blocks and v_blocks must be [NB, BS, KVH, D]");
   const PagedCache keys = paged(k_blocks), values = paged(v_blocks);
   const int64_t block_size = k_blocks.size(1), num_blocks = k_blocks.size(0), max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
@@ -400,24 +410,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
                                                    const at::Tensor& cos, const at::Tensor& sin,
                                                    const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                                                    const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets) {
-  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"},
-                                {&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
-    check_bf16(*t, name);
-  }
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
+  check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(D % 2 == 0, "head_dim must be even, got ", D);
-  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == KVH && k.size(2) == D && v.size(2) == D,
-              "k and v must be [T, KVH, D] like q");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v rows must be contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
-              "cos and sin must be contiguous [T, D]");
   TORCH_CHECK(slot_block_ids.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
                   slot_block_ids.is_contiguous() && slot_offsets.is_contiguous() && slot_block_ids.numel() == T &&
                   slot_offsets.numel() == T,
               "slot_block_ids and slot_offsets must be int64 [T]");
-  TORCH_CHECK(k_blocks.sizes() == v_blocks.sizes() && k_blocks.size(2) == KVH && k_blocks.size(3) == D,
-              "k_blocks and v_blocks must be [NB, BS, KVH, D]");
   const PagedCache keys = paged(k_blocks), values = paged(v_blocks);
   const int64_t num_blocks = k_blocks.size(0), block_size = k_blocks.size(1);
   const int64_t* blocks = slot_block_ids.const_data_ptr<int64_t>();
