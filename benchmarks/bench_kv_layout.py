@@ -5,7 +5,9 @@ block starts in the same cache set and long-context decode thrashes. This benchm
 caches of SmolLM2's shape (30 layers, 3 KV heads × 64, BF16) — one skewed, one aligned only — fills
 ``--context`` tokens per sequence with the blocks of all sequences interleaved (as a busy server
 allocates them), and times decode steps of the paged attention of every layer, interleaving the two
-layouts, ``--reps`` times. It prints medians and the ratio, whatever its sign.
+layouts, ``--reps`` times. It prints medians and the ratio, whatever its sign. ``--kernel native``
+(the default where our CPU kernels load) times the decode-attention kernel the engine runs, which
+reads the blocks in place; ``--kernel torch`` the gather + SDPA path.
 
     .venv/bin/python benchmarks/bench_kv_layout.py                 # 8192-token context, batch 4
     .venv/bin/python benchmarks/bench_kv_layout.py --quick         # smoke run
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
+from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
 from kunlun_runtime.platforms.cpu import CpuPlatform
 
@@ -45,12 +48,23 @@ def make_cache(args: argparse.Namespace, skew: bool, num_blocks: int) -> KVCache
 
 def decode_step_seconds(cache: KVCache, args: argparse.Namespace, tables: list[list[int]]) -> float:
     batch = len(tables)
-    meta = build_attention_metadata([1] * batch, [args.context] * batch, tables, args.block_size, torch.device("cpu"))
+    meta = build_attention_metadata(
+        [1] * batch, [args.context] * batch, tables, args.block_size, torch.device("cpu")
+    )
     q = torch.randn(batch, args.heads, args.head_dim, dtype=torch.bfloat16)
     k = torch.randn(batch, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
+    cos = torch.ones(batch, args.head_dim, dtype=torch.bfloat16)
+    sin = torch.zeros(batch, args.head_dim, dtype=torch.bfloat16)
+    scale = args.head_dim**-0.5
     start = time.perf_counter()
     for layer in range(args.layers):
-        paged_attention(q, k, k, cache.k_blocks[layer], cache.v_blocks[layer], meta, args.head_dim**-0.5)
+        k_blocks, v_blocks = cache.k_blocks[layer], cache.v_blocks[layer]
+        if args.kernel == "native":
+            cpu_kernels.decode_attention(
+                q, k, k, cos, sin, k_blocks, v_blocks, meta.block_tables, meta.context_lens, scale, 0
+            )
+        else:
+            paged_attention(q, k, k, k_blocks, v_blocks, meta, scale)
     return time.perf_counter() - start
 
 
@@ -66,33 +80,46 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="decode steps per repetition")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--kernel", choices=("native", "torch"), default=None, help="default: native where it loads"
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
         args.context, args.batch, args.layers, args.reps, args.steps = 256, 2, 2, 2, 1
+    if args.kernel is None:
+        args.kernel = "native" if cpu_kernels.load() else "torch"
     torch.set_num_threads(args.threads)
     blocks_per_seq = -(-args.context // args.block_size)
     num_blocks = blocks_per_seq * args.batch
     # Interleave the sequences' blocks, as concurrent requests get them from the free list.
     tables = [[b * args.batch + s for b in range(blocks_per_seq)] for s in range(args.batch)]
-    caches = {"aligned+skewed": make_cache(args, True, num_blocks), "aligned only": make_cache(args, False, num_blocks)}
+    caches = {
+        "aligned+skewed": make_cache(args, True, num_blocks),
+        "aligned only": make_cache(args, False, num_blocks),
+    }
     times: dict[str, list[float]] = {name: [] for name in caches}
     for cache in caches.values():  # warm-up: first touches and allocator growth stay out of the timing
         decode_step_seconds(cache, args, tables)
     for _ in range(args.reps):
         for name, cache in caches.items():
-            times[name].append(sum(decode_step_seconds(cache, args, tables) for _ in range(args.steps)) / args.steps)
+            times[name].append(
+                sum(decode_step_seconds(cache, args, tables) for _ in range(args.steps)) / args.steps
+            )
     result = {
+        "kernel": args.kernel,
         "context_tokens": args.context,
         "batch": args.batch,
         "layers": args.layers,
         "stride_bytes": {name: cache.layout.stride_bytes for name, cache in caches.items()},
         "median_step_ms": {name: 1000 * statistics.median(values) for name, values in times.items()},
     }
-    result["skewed_speedup"] = result["median_step_ms"]["aligned only"] / result["median_step_ms"]["aligned+skewed"]
+    result["skewed_speedup"] = (
+        result["median_step_ms"]["aligned only"] / result["median_step_ms"]["aligned+skewed"]
+    )
     print(
-        f"decode attention, {args.layers} layers, batch {args.batch}, {args.context} tokens of KV each "
+        f"decode attention ({args.kernel}), {args.layers} layers, batch {args.batch}, {args.context} tokens of KV each "
         f"({num_blocks} blocks of {args.block_size}):"
     )
     for name, value in result["median_step_ms"].items():
