@@ -153,7 +153,7 @@ def test_silu_mul_matches_the_eager_roundings(rows, inner):
     assert (actual == expected).float().mean() > 0.99
 
 
-def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40)):
+def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40), tables=None, num_blocks=12):
     from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
     from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
     from kunlun_runtime.models.model_config import RopeConfig
@@ -161,7 +161,7 @@ def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40)
     num_heads, kv_heads = heads
     cache = KVCache(
         KVCacheSpec(1, kv_heads, head_dim, 16, torch.bfloat16),
-        12,
+        num_blocks,
         torch.device("cpu"),
         cache_line_bytes=64,
         cache_num_sets=64,
@@ -170,12 +170,12 @@ def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40)
     generator = torch.Generator().manual_seed(window + head_dim)
     for pool in (*cache.k_blocks, *cache.v_blocks):
         pool.copy_(torch.randn(pool.shape, generator=generator))
-    tables = [[3, 7, 1], [5, 0, 9], [11, 2, 4]][: len(lengths)]
+    tables = tables or [[3, 7, 1], [5, 0, 9], [11, 2, 4]][: len(lengths)]
     batch = len(lengths)
     q = torch.randn(batch, num_heads, head_dim, generator=generator).bfloat16()
     k = torch.randn(batch, kv_heads, head_dim, generator=generator).bfloat16()
     v = torch.randn(batch, kv_heads, head_dim, generator=generator).bfloat16()
-    rotary = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0), 64)
+    rotary = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0), max(64, *lengths))
     cos, sin = rotary.lookup(torch.tensor([n - 1 for n in lengths]), torch.bfloat16)
     return cache, tables, q, k, v, (cos, sin), apply_rotary
 
@@ -187,10 +187,26 @@ def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40)
 @pytest.mark.parametrize("heads,head_dim", [((6, 2), 32), ((9, 3), 64), ((4, 4), 128), ((6, 3), 48)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_matches_the_torch_paged_path(window, heads, head_dim, threads):
+    _check_decode_attention(window, heads, head_dim, threads, lengths=(1, 17, 40))
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 130])
+@pytest.mark.parametrize("lengths", [(300,), (300, 70)])
+def test_decode_attention_merges_long_contexts_split_across_threads(window, lengths):
+    # With 2 threads, one 300-token sequence is split into 4 (2 with the window), two into 2 and 1:
+    # the partial softmaxes must merge into the same attention as the unsplit torch path.
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [order[:19], order[19:24]][: len(lengths)]
+    _check_decode_attention(window, (9, 3), 64, 2, lengths=lengths, tables=tables, num_blocks=40)
+
+
+def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:
+    """The kernel against apply_rotary + the torch paged path: same cache contents, same output."""
     from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
 
-    lengths = (1, 17, 40)
-    cache, tables, q, k, v, cos_sin, apply_rotary = _decode_case(window, heads, head_dim, lengths=lengths)
+    cache, tables, q, k, v, cos_sin, apply_rotary = _decode_case(window, heads, head_dim, **case)
+    lengths = case["lengths"]
     meta = build_attention_metadata(
         [1] * len(lengths), list(lengths), tables, 16, torch.device("cpu"), sliding_window=window or None
     )

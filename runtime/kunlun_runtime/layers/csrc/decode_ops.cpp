@@ -204,96 +204,120 @@ PagedCache paged(const at::Tensor& blocks) {
   return {blocks.mutable_data_ptr<bf16>(), blocks.stride(0), blocks.stride(1), blocks.stride(2)};
 }
 
-// The rows of one KV head for positions [start, end) of a sequence, walked block by block.
-void gather_rows(const PagedCache& cache, const int64_t* table, int64_t block_size, int64_t kv_head, int64_t start,
-                 int64_t end, std::vector<const bf16*>& rows) {
-  rows.resize(end - start);
+// Slot pointers (KV head 0) for positions [start, end) of a sequence, walked block by block.
+void gather_slots(const PagedCache& cache, const int64_t* table, int64_t block_size, int64_t start, int64_t end,
+                  const bf16** slots) {
   for (int64_t position = start; position < end;) {
     const int64_t block = position / block_size, slot = position % block_size;
     const int64_t count = std::min(block_size - slot, end - position);
-    const bf16* row = cache.at(table[block], slot, kv_head);
-    for (int64_t i = 0; i < count; ++i) rows[position - start + i] = row + i * cache.slot_stride;
+    const bf16* row = cache.at(table[block], slot, 0);
+    for (int64_t i = 0; i < count; ++i) slots[position - start + i] = row + i * cache.slot_stride;
     position += count;
   }
 }
 
-// Query heads q[0 .. heads) (BF16, rotated, D each) that share one KV head, over that head's
-// keys and values (one row pointer per position): out[h] = softmax(scale · q_h·Kᵀ) · V.
-// Scores come 16 keys at a time from VDPBF16PS dot products (FP32 accumulation), reduced with
-// one transpose; each value row is loaded once for all the heads. CHUNKS = ceil(D / 16).
+constexpr int64_t kKeyChunk = 64;       // keys scored per pass (their K and V rows stay in L1)
+constexpr int64_t kMinSplitKeys = 64;   // a sequence's keys are split across threads down to this
+
+// One split of one sequence: every query head (q: H rows of D, BF16, rotated) over keys
+// [start, end), as flash-decoding does it: per head the running maximum score, the sum of
+// exponentials relative to it, and the unnormalised output (acc, H × D), merged across splits by
+// the caller. Each chunk of kKeyChunk slots is read from memory once for all heads: scores come 16
+// keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, and each
+// value row is loaded once for the query heads that share its KV head. CHUNKS = ceil(D / 16).
 template <int CHUNKS>
-void attend_heads(const bf16* q, int64_t heads, const std::vector<const bf16*>& keys,
-                  const std::vector<const bf16*>& values, int64_t D, float scale, std::vector<float>& scores,
-                  bf16* out, int64_t out_stride) {
-  const int64_t length = static_cast<int64_t>(keys.size());
-  const int64_t pair_chunks = (D + 31) / 32;
-  scores.resize(heads * length);
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores.data() + h * length;
-    __m512bh qv[8];  // D <= 256
-    for (int64_t c = 0; c < pair_chunks; ++c) {
-      const __mmask32 mask = D - 32 * c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - 32 * c)) - 1;
-      qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, q + h * D + 32 * c);
-    }
-    __m512 max_scores = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < length; j += 16) {
-      __m512 acc[16];
-      const int64_t count = std::min<int64_t>(16, length - j);
-      for (int64_t i = 0; i < 16; ++i) {
-        acc[i] = _mm512_setzero_ps();
-        if (i >= count) continue;
-        const bf16* key = keys[j + i];
+void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
+                  const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
+                  float* sums, float* acc) {
+  const int64_t group = H / KVH, pair_chunks = (D + 31) / 32;
+  alignas(64) float probs[kKeyChunk * 256];  // [head in group][key], group <= 256
+  const bf16* key_slots[kKeyChunk];
+  const bf16* value_slots[kKeyChunk];
+  for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
+  std::fill(acc, acc + H * D, 0.0f);
+  for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, end - c0);
+    gather_slots(keys, table, block_size, c0, c0 + n, key_slots);
+    gather_slots(values, table, block_size, c0, c0 + n, value_slots);
+    for (int64_t kv = 0; kv < KVH; ++kv) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv * group + g;
+        __m512bh qv[8];  // D <= 256
         for (int64_t c = 0; c < pair_chunks; ++c) {
           const __mmask32 mask = D - 32 * c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - 32 * c)) - 1;
-          acc[i] = _mm512_dpbf16_ps(acc[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(mask, key + 32 * c));
+          qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, q + h * D + 32 * c);
+        }
+        float* p = probs + g * kKeyChunk;
+        __m512 max_lanes = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j += 16) {
+          __m512 dots[16];
+          const int64_t count = std::min<int64_t>(16, n - j);
+          for (int64_t i = 0; i < 16; ++i) {
+            dots[i] = _mm512_setzero_ps();
+            if (i >= count) continue;
+            const bf16* key = key_slots[j + i] + kv * keys.head_stride;
+            for (int64_t c = 0; c < pair_chunks; ++c) {
+              const __mmask32 mask = D - 32 * c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - 32 * c)) - 1;
+              dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(mask, key + 32 * c));
+            }
+          }
+          const __mmask16 mask = tail_mask(count);
+          const __m512 scores = _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), _mm512_set1_ps(scale));
+          _mm512_mask_storeu_ps(p + j, mask, scores);
+          max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
+        }
+        const float new_max = std::max(maxima[h], _mm512_reduce_max_ps(max_lanes));
+        const float correction = std::exp(maxima[h] - new_max);  // 0 on the first chunk (max was -inf)
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+          const __mmask16 mask = tail_mask(n - j);
+          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p + j), _mm512_set1_ps(new_max)));
+          _mm512_mask_storeu_ps(p + j, mask, e);
+          total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+        }
+        sums[h] = sums[h] * correction + _mm512_reduce_add_ps(total);
+        maxima[h] = new_max;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 mask = tail_mask(D - d);
+          float* a = acc + h * D + d;
+          _mm512_mask_storeu_ps(a, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, a), _mm512_set1_ps(correction)));
         }
       }
-      const __mmask16 mask = tail_mask(count);
-      const __m512 block = _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(acc), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(s + j, mask, block);
-      max_scores = _mm512_mask_max_ps(max_scores, mask, max_scores, block);
-    }
-    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max_scores));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < length; j += 16) {
-      const __mmask16 mask = tail_mask(length - j);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), max_score));
-      _mm512_mask_storeu_ps(s + j, mask, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
-    }
-    const float inv_total = 1.0f / _mm512_reduce_add_ps(total);
-    for (int64_t j = 0; j < length; j += 16) {
-      const __mmask16 mask = tail_mask(length - j);
-      _mm512_mask_storeu_ps(s + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + j), _mm512_set1_ps(inv_total)));
-    }
-  }
-  // P · V, up to kHeadTile heads per pass so that the accumulators stay in registers.
-  constexpr int64_t kHeadTile = CHUNKS <= 4 ? 4 : (CHUNKS <= 8 ? 2 : 1);
-  for (int64_t h0 = 0; h0 < heads; h0 += kHeadTile) {
-    const int64_t tile = std::min(kHeadTile, heads - h0);
-    __m512 acc[kHeadTile][CHUNKS];
-    for (int64_t h = 0; h < kHeadTile; ++h)
-      for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < length; ++j) {
-      __m512 value[CHUNKS];
-      for (int c = 0; c < CHUNKS; ++c) value[c] = load_bf16x16(values[j] + 16 * c, tail_mask(D - 16 * c));
-      for (int64_t h = 0; h < tile; ++h) {
-        const __m512 weight = _mm512_set1_ps(scores[(h0 + h) * length + j]);
-        for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_fmadd_ps(weight, value[c], acc[h][c]);
+      // P · V for this KV head's query heads, kHeadTile at a time so the accumulators stay in registers.
+      constexpr int64_t kHeadTile = CHUNKS <= 4 ? 4 : (CHUNKS <= 8 ? 2 : 1);
+      for (int64_t g0 = 0; g0 < group; g0 += kHeadTile) {
+        const int64_t tile = std::min(kHeadTile, group - g0);
+        float* base = acc + (kv * group + g0) * D;
+        __m512 sum[kHeadTile][CHUNKS];
+        for (int64_t g = 0; g < kHeadTile; ++g)
+          for (int c = 0; c < CHUNKS; ++c) {
+            sum[g][c] = g < tile ? _mm512_maskz_loadu_ps(tail_mask(D - 16 * c), base + g * D + 16 * c) : _mm512_setzero_ps();
+          }
+        for (int64_t j = 0; j < n; ++j) {
+          const bf16* row = value_slots[j] + kv * values.head_stride;
+          __m512 value[CHUNKS];
+          for (int c = 0; c < CHUNKS; ++c) value[c] = load_bf16x16(row + 16 * c, tail_mask(D - 16 * c));
+          for (int64_t g = 0; g < tile; ++g) {
+            const __m512 weight = _mm512_set1_ps(probs[(g0 + g) * kKeyChunk + j]);
+            for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_fmadd_ps(weight, value[c], sum[g][c]);
+          }
+        }
+        for (int64_t g = 0; g < tile; ++g)
+          for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(base + g * D + 16 * c, tail_mask(D - 16 * c), sum[g][c]);
       }
     }
-    for (int64_t h = 0; h < tile; ++h)
-      for (int c = 0; c < CHUNKS; ++c) store_bf16x16(out + (h0 + h) * out_stride + 16 * c, acc[h][c], tail_mask(D - 16 * c));
   }
 }
 
-void attend(const bf16* q, int64_t heads, const std::vector<const bf16*>& keys, const std::vector<const bf16*>& values,
-            int64_t D, float scale, std::vector<float>& scores, bf16* out, int64_t out_stride) {
+void attend(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
+            const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
+            float* sums, float* acc) {
   switch ((D + 15) / 16) {
-    case 2: return attend_heads<2>(q, heads, keys, values, D, scale, scores, out, out_stride);
-    case 4: return attend_heads<4>(q, heads, keys, values, D, scale, scores, out, out_stride);
-    case 8: return attend_heads<8>(q, heads, keys, values, D, scale, scores, out, out_stride);
-    default: return attend_heads<16>(q, heads, keys, values, D, scale, scores, out, out_stride);
+    case 2: return attend_split<2>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
+    case 4: return attend_split<4>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
+    case 8: return attend_split<8>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
+    default:
+      return attend_split<16>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
   }
 }
 
@@ -339,7 +363,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             int64_t window) {
   check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(D <= 256, "head_dim must be at most 256, got ", D);
+  TORCH_CHECK(D <= 256 && H / KVH <= 256, "head_dim and query heads per KV head must be at most 256, got ", D,
+              " and ", H / KVH);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
                   block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == B && context_lens.numel() == B,
@@ -374,33 +399,59 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   at::Tensor out = at::empty({B, H * D}, q.options());
   bf16* op = out.mutable_data_ptr<bf16>();
-  // A task is (sequence, KV head, a tile of the query heads that share it): the tile reads the
-  // head's keys and values once. Tiles shrink until there are two tasks per thread, if they can.
-  const int64_t group = H / KVH;
-  int64_t tiles = 1;
-  while (tiles < group && B * KVH * tiles < 2 * at::get_num_threads()) ++tiles;
-  const int64_t tile_heads = (group + tiles - 1) / tiles;
-  tiles = (group + tile_heads - 1) / tile_heads;
-  at::parallel_for(0, B * KVH * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rotated_q(D), scores;
-    std::vector<bf16> queries(tile_heads * D);
-    std::vector<const bf16*> key_rows, value_rows;
+  // A task is one split of one sequence's keys, for all its query heads (each slot is read once).
+  // Sequences are split until there are two tasks per thread, down to kMinSplitKeys keys a split;
+  // the splits' partial results are merged here by their maxima (as flash-decoding does).
+  std::vector<int64_t> first_task(B + 1, 0), splits(B);
+  const int64_t wanted = (2 * at::get_num_threads() + B - 1) / B;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
+    splits[b] = std::max<int64_t>(1, std::min(wanted, (lengths[b] - start) / kMinSplitKeys));
+    first_task[b + 1] = first_task[b] + splits[b];
+  }
+  const int64_t tasks = first_task[B];
+  std::vector<float> maxima(tasks * H), sums(tasks * H), partial(tasks * H * D);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated_q(D);
+    std::vector<bf16> queries(H * D);
+    int64_t rotated_for = -1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (KVH * tiles), kv_head = task / tiles % KVH, tile = task % tiles;
-      const int64_t h0 = kv_head * group + tile * tile_heads, heads = std::min(tile_heads, (kv_head + 1) * group - h0);
-      for (int64_t h = 0; h < heads; ++h) {
-        rotate(q.const_data_ptr<bf16>() + b * q.stride(0) + (h0 + h) * q.stride(1), cp + b * D, sp + b * D, D,
-               rotated_q.data());
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 mask = tail_mask(D - d);
-          store_bf16x16(queries.data() + h * D + d, _mm512_maskz_loadu_ps(mask, rotated_q.data() + d), mask);
+      const int64_t b = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      if (rotated_for != b) {
+        for (int64_t h = 0; h < H; ++h) {
+          rotate(q.const_data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1), cp + b * D, sp + b * D, D,
+                 rotated_q.data());
+          for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 mask = tail_mask(D - d);
+            store_bf16x16(queries.data() + h * D + d, _mm512_maskz_loadu_ps(mask, rotated_q.data() + d), mask);
+          }
         }
+        rotated_for = b;
       }
       const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
-      gather_rows(keys, tables + b * max_blocks, block_size, kv_head, start, lengths[b], key_rows);
-      gather_rows(values, tables + b * max_blocks, block_size, kv_head, start, lengths[b], value_rows);
-      attend(queries.data(), heads, key_rows, value_rows, D, static_cast<float>(scale), scores,
-             op + b * H * D + h0 * D, D);
+      const int64_t split = task - first_task[b], length = lengths[b] - start;
+      const int64_t k0 = start + length * split / splits[b], k1 = start + length * (split + 1) / splits[b];
+      attend(queries.data(), H, KVH, D, keys, values, tables + b * max_blocks, block_size, k0, k1,
+             static_cast<float>(scale), maxima.data() + task * H, sums.data() + task * H,
+             partial.data() + task * H * D);
+    }
+  });
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / H, h = item % H;
+      float largest = -INFINITY;
+      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) largest = std::max(largest, maxima[t * H + h]);
+      float total = 0.0f;
+      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) total += sums[t * H + h] * std::exp(maxima[t * H + h] - largest);
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 mask = tail_mask(D - d);
+        __m512 merged = _mm512_setzero_ps();
+        for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) {
+          const __m512 weight = _mm512_set1_ps(std::exp(maxima[t * H + h] - largest) / total);
+          merged = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, partial.data() + (t * H + h) * D + d), merged);
+        }
+        store_bf16x16(op + b * H * D + h * D + d, merged, mask);
+      }
     }
   });
   return out;
