@@ -23,6 +23,7 @@
 #include <optional>
 #include <vector>
 
+#include "bf16_vec.h"
 #include "kernels.h"
 
 namespace {
@@ -66,14 +67,18 @@ bool amx_linear_fits(const at::Tensor& x, const at::Tensor& w) {
 at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const float* bias) {
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
   const int64_t chunks = K / kTileK;
-  // B tiles: for each K chunk, 16 rows of K pairs, each row [m0 k, m0 k+1, m1 k, m1 k+1, ...].
-  std::vector<c10::BFloat16> packed(chunks * kTileRows * 2 * kTileRows, c10::BFloat16(0.0f));
+  // B tiles: for each K chunk, 16 rows of K pairs, each row [m0 k, m0 k+1, m1 k, m1 k+1, ...]:
+  // a 16 × 16 transpose of the chunk's 32-bit pairs (rows past M are zeros).
+  std::vector<c10::BFloat16> packed(chunks * kTileRows * 2 * kTileRows);
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t chunk = k / kTileK, pair = (k % kTileK) / 2, half = k % 2;
-      packed[((chunk * kTileRows + pair) * kTileRows + m) * 2 + half] = xp[m * K + k];
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    __m512i rows[16], pairs[16];
+    for (int64_t m = 0; m < kTileRows; ++m) {
+      rows[m] = m < M ? _mm512_loadu_si512(xp + m * K + chunk * kTileK) : _mm512_setzero_si512();
     }
+    kunlun_cpu::vec::transpose16x16(rows, pairs);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(packed.data() + (chunk * kTileRows + p) * 2 * kTileRows, pairs[p]);
+  }
   at::Tensor out = at::empty({M, N}, x.options());
   auto* op = out.mutable_data_ptr<c10::BFloat16>();
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
@@ -94,11 +99,15 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const float
         _tile_dpbf16ps(0, 1, 2);
       }
       _tile_stored(0, c, 64);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < kTileRows; ++i) {
-          const int64_t n = block * kTileRows + i;
-          op[m * N + n] = c10::BFloat16(c[i * kTileRows + m] + (bias ? bias[n] : 0.0f));
-        }
+      // c[n][m] → output rows m: a transpose, the bias, one rounding to BF16 per element.
+      __m512i by_channel[16], by_row[16];
+      for (int i = 0; i < 16; ++i) by_channel[i] = _mm512_load_si512(c + i * kTileRows);
+      kunlun_cpu::vec::transpose16x16(by_channel, by_row);
+      const int64_t n0 = block * kTileRows;
+      const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; ++m) {
+        kunlun_cpu::vec::store_bf16x16(op + m * N + n0, _mm512_add_ps(_mm512_castsi512_ps(by_row[m]), b), 0xFFFF);
+      }
     }
     _tile_release();
   });

@@ -60,6 +60,31 @@ inline __m512 transpose_sum16(__m512 v[16]) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// 16 × 16 transpose of 32-bit elements: out[j] lane i = in[i] lane j.
+inline void transpose16x16(const __m512i in[16], __m512i out[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // 32-bit interleave of row pairs
+    a[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + j], 128-bit lane L: element 4L + j of rows 4i .. 4i + 3
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // gather 128-bit lane L of b[j], b[4 + j], b[8 + j], b[12 + j]
+    const __m512i even_lo = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x88);
+    const __m512i odd_lo = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xDD);
+    const __m512i even_hi = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x88);
+    const __m512i odd_hi = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xDD);
+    out[j] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);
+    out[8 + j] = _mm512_shuffle_i32x4(even_lo, even_hi, 0xDD);
+    out[4 + j] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88);
+    out[12 + j] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xDD);
+  }
+}
+
 inline void store_bf16x16(bf16* p, __m512 v, __mmask16 mask) {
   const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits_rne(v), 16));
   _mm256_mask_storeu_epi16(reinterpret_cast<void*>(p), mask, packed);
