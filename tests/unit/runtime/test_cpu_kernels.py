@@ -50,16 +50,45 @@ def test_int8_kernel_matches_dequantized_fp32_reference(rows):
 
 
 @needs_kernels
-def test_int8_kernel_accumulates_long_rows_in_segments():
-    # K above 8192 takes two INT32 segments; large activations near the INT16 limit must not overflow.
+def test_int8_kernel_accumulates_long_rows_without_overflow():
+    # 8,200 products of the largest activations and -128 weights: one INT32 sum would overflow.
     generator = torch.Generator().manual_seed(7)
-    q = torch.full((16, 8200), -128, dtype=torch.int8)  # one segment of 8200 would overflow INT32
+    q = torch.full((16, 8200), -128, dtype=torch.int8)
     q[1::2] = torch.randint(-127, 128, (8, 8200), generator=generator, dtype=torch.int8)
     scales = torch.rand(16, generator=generator) + 0.5
     x = torch.full((2, 8200), 3.0).bfloat16()
     x[1] = torch.randn(8200, generator=generator).bfloat16()
     expected = x.float() @ (q.float() * scales[:, None]).T
     _close(cpu_kernels.linear_int8(x, q, scales, None), expected)
+
+
+def _int16_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x after the kernel's activation quantization: INT16 with one scale per ``block`` elements."""
+    out = torch.empty_like(x, dtype=torch.float64)
+    for start in range(0, x.shape[1], block):
+        part = x[:, start : start + block].double()
+        scale = part.abs().amax(dim=1, keepdim=True) / 32767
+        out[:, start : start + block] = torch.round(part / scale) * scale
+    return out
+
+
+@needs_kernels
+def test_int8_kernel_quantizes_activations_per_block_so_an_outlier_spoils_only_its_block():
+    # An attention-sink-like row: one activation of 3000 among values of ~0.05. The kernel must
+    # equal the per-256-block INT16 scheme exactly up to FP32 summation, and beat one scale per row.
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (64, 1536), generator=generator, dtype=torch.int8)
+    q[:, 700] = 0  # the outlier's own product is exact in every scheme; what matters is its neighbours
+    scales = torch.rand(64, generator=generator) + 0.5
+    x = (torch.randn(1, 1536, generator=generator) * 0.05).bfloat16()
+    x[0, 700] = 3000.0
+    weight = q.double() * scales.double()[:, None]
+    exact = x.double() @ weight.T
+    blockwise = _int16_blocks(x, 256) @ weight.T
+    rowwise = _int16_blocks(x, 1536) @ weight.T
+    out = cpu_kernels.linear_int8(x, q, scales, None).double()
+    assert ((out - blockwise).abs() <= 2**-8 * blockwise.abs() + 1e-6).all()  # its output's BF16 rounding
+    assert (blockwise - exact).norm() < 0.5 * (rowwise - exact).norm()  # ~sqrt(256 / 1536) expected
 
 
 @needs_kernels
@@ -279,6 +308,17 @@ def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_d
             bad_blocks, meta.slot_offsets,
         )  # fmt: skip
     assert torch.equal(cache.k_blocks[0], before)  # checked before anything is written
+
+
+@needs_kernels
+def test_decode_attention_rejects_an_empty_batch():
+    cache, _tables, q, k, v, (cos, sin), _ = _decode_case(lengths=(17,))
+    empty = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="at least one sequence"):
+        cpu_kernels.decode_attention(
+            q[:0], k[:0], v[:0], cos.view(-1, 32)[:0], sin.view(-1, 32)[:0], cache.k_blocks[0], cache.v_blocks[0],
+            empty.view(0, 1), empty, 0.125, 0,
+        )  # fmt: skip
 
 
 def test_a_broken_prebuilt_library_is_reported_not_raised(monkeypatch, tmp_path):

@@ -19,6 +19,7 @@
 //                                 -> (rotated q [T, H, D], rotated k [T, KVH, D])
 //     the same rotary and cache write for any number of tokens (prefill chunks), in one pass
 //     instead of a dozen ATen calls and two scatters per layer; attention is left to the caller.
+//     The slots must be distinct (as a step's metadata makes them): tokens are written in parallel.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -133,7 +134,7 @@ namespace {
 // e^x for x <= 0 (softmax arguments): 2^n · p(r), r = x − n·ln2 in [−ln2/2, ln2/2], a degree-6
 // Taylor polynomial (relative error below 2e-7), clamped so that very negative x gives 0.
 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-88.0f), x);  // this operand order keeps a NaN x a NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -230,7 +231,8 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
                   float* sums, float* acc) {
   const int64_t group = H / KVH, pair_chunks = (D + 31) / 32;
-  alignas(64) float probs[kKeyChunk * 256];  // [head in group][key], group <= 256
+  std::vector<float> probs_storage(kKeyChunk * group);  // [head in group][key]
+  float* probs = probs_storage.data();
   const bf16* key_slots[kKeyChunk];
   const bf16* value_slots[kKeyChunk];
   for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
@@ -267,7 +269,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
           max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
         }
         const float new_max = std::max(maxima[h], _mm512_reduce_max_ps(max_lanes));
-        const float correction = std::exp(maxima[h] - new_max);  // 0 on the first chunk (max was -inf)
+        const float correction = maxima[h] == -INFINITY ? 0.0f : std::exp(maxima[h] - new_max);
         __m512 total = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j += 16) {
           const __mmask16 mask = tail_mask(n - j);
@@ -363,6 +365,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             int64_t window) {
   check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(B >= 1, "decode_attention needs at least one sequence");
   TORCH_CHECK(D <= 256 && H / KVH <= 256, "head_dim and query heads per KV head must be at most 256, got ", D,
               " and ", H / KVH);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&

@@ -11,10 +11,12 @@
 //   kunlun_cpu::linear_int8(x bf16 [M, K], w int8 [N, K], scales fp32 [N], bias fp32 [N]?) -> bf16 [M, N]
 //
 // linear_int8 is weight-only INT8 (W8A16): y = (x · q) * scale per output channel. x is carried
-// in INT16 with one scale per row (error below 2^-16 of the row's largest value, far under BF16's
-// own rounding), so the products run on VPDPWSSD in exact integer arithmetic: widening INT8
-// weights to FP32 instead kept the kernel compute-bound, below the memory bandwidth. Output
-// channels are split across the intra-op threads (at::parallel_for).
+// in INT16 with one scale per block of 256 elements of a row (rounding error at most 2^-16 of the
+// block's largest value, far under BF16's own rounding, and an outlier only coarsens its own
+// block), so the products and their sums within a block run on VPDPWSSD in exact integer
+// arithmetic; blocks are scaled and summed in FP32. Widening INT8 weights to FP32 instead kept the
+// kernel compute-bound, below the memory bandwidth. Output channels are split across the intra-op
+// threads (at::parallel_for).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -84,22 +86,25 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
     }
 }
 
-// K elements per INT32 accumulation segment of linear_int8: each lane adds two products per 32
-// elements, so a segment adds 512 products of |x| <= 32767 and |w| <= 128 per lane, below 2^31.
-constexpr int64_t kInt8Segment = 8192;
+// Elements of a row per INT16 activation scale, and per INT32 accumulation: each lane adds 16
+// products of |x| <= 32767 and |w| <= 128 per block, far below 2^31.
+constexpr int64_t kInt8Block = 256;
 
 inline __m512i load_int8x32_as_int16(const int8_t* p, __mmask32 mask) {
   return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, p));
 }
 
-// Output channels [n0, n0 + R) for all M rows: x is quantized per row to INT16 (xq = x / x_scale),
-// so VPDPWSSD multiplies 32 weight/activation pairs per instruction in exact integer arithmetic.
+// Output channels [n0, n0 + R) for all M rows: xq = x / x_scale per block of kInt8Block (row m's
+// scales at x_scales + m * blocks), so VPDPWSSD multiplies 32 weight/activation pairs per
+// instruction in integers; each block's sums are scaled into FP32 lane accumulators.
 template <int M, int R>
-inline void int8_block(const int16_t* xq, const float* x_scales, const int8_t* w, const float* scales,
+inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks, const int8_t* w, const float* scales,
                        const float* bias, c10::BFloat16* out, int64_t K, int64_t N, int64_t n0) {
-  float sums[M][R] = {};
-  for (int64_t k0 = 0; k0 < K; k0 += kInt8Segment) {
-    const int64_t k1 = std::min(K, k0 + kInt8Segment);
+  __m512 totals[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) totals[m][r] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += kInt8Block) {
+    const int64_t k1 = std::min(K, k0 + kInt8Block);
     __m512i acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
@@ -115,13 +120,15 @@ inline void int8_block(const int16_t* xq, const float* x_scales, const int8_t* w
         for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], xv, wv[r]);
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) sums[m][r] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[m][r]));
+    for (int m = 0; m < M; ++m) {
+      const __m512 block_scale = _mm512_set1_ps(x_scales[m * blocks + k0 / kInt8Block]);
+      for (int r = 0; r < R; ++r) totals[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][r]), block_scale, totals[m][r]);
+    }
   }
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
-      out[m * N + n] = c10::BFloat16(sums[m][r] * x_scales[m] * scales[n] + (bias ? bias[n] : 0.0f));
+      out[m * N + n] = c10::BFloat16(_mm512_reduce_add_ps(totals[m][r]) * scales[n] + (bias ? bias[n] : 0.0f));
     }
 }
 
@@ -165,13 +172,16 @@ void linear_bf16_rows(const c10::BFloat16* xp, const at::Tensor& w, const float*
 }
 
 template <int M>
-void linear_int8_rows(const int16_t* xq, const float* x_scales, const at::Tensor& w, const float* scales,
-                      const float* bias, c10::BFloat16* op) {
+void linear_int8_rows(const int16_t* xq, const float* x_scales, int64_t blocks, const at::Tensor& w,
+                      const float* scales, const float* bias, c10::BFloat16* op) {
   const auto* wp = w.const_data_ptr<int8_t>();
   const int64_t K = w.size(1), N = w.size(0);
   for_each_block<M>(
-      N, [&](int64_t n0) { int8_block<M, rows_per_block<M>()>(xq, x_scales, wp, scales, bias, op, K, N, n0); },
-      [&](int64_t n) { int8_block<M, 1>(xq, x_scales, wp, scales, bias, op, K, N, n); });
+      N,
+      [&](int64_t n0) {
+        int8_block<M, rows_per_block<M>()>(xq, x_scales, blocks, wp, scales, bias, op, K, N, n0);
+      },
+      [&](int64_t n) { int8_block<M, 1>(xq, x_scales, blocks, wp, scales, bias, op, K, N, n); });
 }
 
 template <typename Fn>
@@ -226,32 +236,42 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0),
               "scales must be a contiguous float32 vector of ", w.size(0), " elements");
   const int64_t M = x.size(0), K = x.size(1);
-  // The activations in INT16 with one scale per row (max |x| / 32767): a few KiB, quantized once
-  // per call. Its rounding error (below 2^-16 of the row's largest value) is far under BF16's own.
+  // The activations in INT16 with one scale per block of a row (the block's max |x| / 32767): a
+  // few KiB, quantized once per call. A row with a NaN or infinity gives NaN outputs, as a float
+  // matmul would; a block whose largest value is below 1e-30 counts as zeros (its scale would be
+  // denormal and its reciprocal infinite).
+  const int64_t blocks = (K + kInt8Block - 1) / kInt8Block;
   std::vector<int16_t> xq(M * K);
-  std::vector<float> x_scales(M);
+  std::vector<float> x_scales(M * blocks);
   const auto* xs = x.const_data_ptr<c10::BFloat16>();
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* row = xs + m * K;
-    __m512 largest_lanes = _mm512_setzero_ps();
-    __mmask16 nan = 0;
+    __mmask16 non_finite = 0;
     for (int64_t k = 0; k < K; k += 16) {
       const __m512 v = kunlun_cpu::vec::load_bf16x16(row + k, kunlun_cpu::vec::tail_mask(K - k));
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      largest_lanes = _mm512_max_ps(largest_lanes, _mm512_abs_ps(v));
+      non_finite |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // inf - inf, NaN
     }
-    const float largest = _mm512_reduce_max_ps(largest_lanes);
-    if (nan || !std::isfinite(largest)) {  // a NaN or infinite row gives NaN outputs, as a float matmul would
-      x_scales[m] = std::numeric_limits<float>::quiet_NaN();
-      std::fill(xq.begin() + m * K, xq.begin() + (m + 1) * K, int16_t(0));
-      continue;
-    }
-    x_scales[m] = largest > 0.0f ? largest / 32767.0f : 1.0f;
-    const __m512 inverse = _mm512_set1_ps(1.0f / x_scales[m]);
-    for (int64_t k = 0; k < K; k += 16) {  // round to nearest even, saturate to INT16
-      const __mmask16 mask = kunlun_cpu::vec::tail_mask(K - k);
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(kunlun_cpu::vec::load_bf16x16(row + k, mask), inverse));
-      _mm256_mask_storeu_epi16(xq.data() + m * K + k, mask, _mm512_cvtsepi32_epi16(q));
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t k0 = block * kInt8Block, k1 = std::min(K, k0 + kInt8Block);
+      __m512 largest_lanes = _mm512_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 16) {
+        const __m512 v = kunlun_cpu::vec::load_bf16x16(row + k, kunlun_cpu::vec::tail_mask(k1 - k));
+        largest_lanes = _mm512_max_ps(largest_lanes, _mm512_abs_ps(v));
+      }
+      const float largest = _mm512_reduce_max_ps(largest_lanes);
+      float& scale = x_scales[m * blocks + block];
+      if (non_finite || largest < 1e-30f) {
+        scale = non_finite ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+        std::fill(xq.begin() + m * K + k0, xq.begin() + m * K + k1, int16_t(0));
+        continue;
+      }
+      scale = largest / 32767.0f;
+      const __m512 inverse = _mm512_set1_ps(1.0f / scale);
+      for (int64_t k = k0; k < k1; k += 16) {  // round to nearest even, saturate to INT16
+        const __mmask16 mask = kunlun_cpu::vec::tail_mask(k1 - k);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(kunlun_cpu::vec::load_bf16x16(row + k, mask), inverse));
+        _mm256_mask_storeu_epi16(xq.data() + m * K + k, mask, _mm512_cvtsepi32_epi16(q));
+      }
     }
   }
   at::Tensor out = at::empty({M, w.size(0)}, x.options());
@@ -259,7 +279,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   auto* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t N = w.size(0);
   for_each_pass(M, [&](auto rows, int64_t m0) {
-    linear_int8_rows<decltype(rows)::value>(xq.data() + m0 * K, x_scales.data() + m0, w,
+    linear_int8_rows<decltype(rows)::value>(xq.data() + m0 * K, x_scales.data() + m0 * blocks, blocks, w,
                                             scales.const_data_ptr<float>(), bias_ptr, op + m0 * N);
   });
   return out;
