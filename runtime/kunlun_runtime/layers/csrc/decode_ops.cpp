@@ -235,12 +235,26 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   float* probs = probs_storage.data();
   const bf16* key_slots[kKeyChunk];
   const bf16* value_slots[kKeyChunk];
+  const bf16* next_key_slots[kKeyChunk];
+  const bf16* next_value_slots[kKeyChunk];
   for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
   std::fill(acc, acc + H * D, 0.0f);
   for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, end - c0);
     gather_slots(keys, table, block_size, c0, c0 + n, key_slots);
     gather_slots(values, table, block_size, c0, c0 + n, value_slots);
+    if (c0 + n < end) {  // the next chunk's K and V rows start coming in while this one computes
+      const int64_t next = std::min(kKeyChunk, end - c0 - n);
+      gather_slots(keys, table, block_size, c0 + n, c0 + n + next, next_key_slots);
+      gather_slots(values, table, block_size, c0 + n, c0 + n + next, next_value_slots);
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(bf16));
+      for (int64_t j = 0; j < next; ++j)
+        for (int64_t kv = 0; kv < KVH; ++kv)
+          for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(next_key_slots[j] + kv * keys.head_stride) + offset, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(next_value_slots[j] + kv * values.head_stride) + offset, _MM_HINT_T0);
+          }
+    }
     for (int64_t kv = 0; kv < KVH; ++kv) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
