@@ -225,7 +225,9 @@ constexpr int64_t kMinSplitKeys = 64;   // a sequence's keys are split across th
 // exponentials relative to it, and the unnormalised output (acc, H × D), merged across splits by
 // the caller. Each chunk of kKeyChunk slots is read from memory once for all heads: scores come 16
 // keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, and each
-// value row is loaded once for the query heads that share its KV head. CHUNKS = ceil(D / 16).
+// value row is loaded once for the query heads that share its KV head; while a chunk computes, the
+// next chunk's K and V rows are prefetched (blocks sit in random order, which the hardware
+// prefetcher cannot follow). CHUNKS = ceil(D / 16).
 template <int CHUNKS>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
