@@ -248,3 +248,17 @@ def test_runtime_image_default_command_is_accepted_by_the_runtime_cli() -> None:
         except SystemExit:
             pytest.fail(f"kunlun-runtime rejects the image's CMD {command}: {err.getvalue()}")
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
+
+
+def test_the_installed_package_carries_every_kernel_source() -> None:
+    # The runtime image builds the CPU kernels from the installed (not editable) package, so every
+    # file the build reads must be package data: a header left out broke that build.
+    import tomllib
+
+    from kunlun_runtime.layers import cpu_kernels
+
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["*"]
+    for path in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
+        assert any(path.match(pattern) for pattern in patterns), f"{path.name} is not package data"
+    on_disk = {path.name for path in cpu_kernels.SOURCES[0].parent.iterdir()}
+    assert on_disk == {path.name for path in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS)}
