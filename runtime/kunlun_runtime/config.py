@@ -64,9 +64,8 @@ class EngineConfig:
     scheduling_policy: str = "fixed"  # fixed | feedback (step-time model caps prefill; docs/scheduling.md)
     target_step_seconds: float | None = None  # feedback: step cap while decodes run; None = 3 decode steps
     kv_block_skew: bool = True  # the seed's second lesson: skew block starts across cache sets
-    linear_backend: str = (
-        "auto"  # auto: our native decode kernels for BF16 on AVX-512 BF16 CPUs, else prepacked
-    )
+    # auto: our native decode kernels for BF16 on AVX-512 BF16 CPUs, else oneDNN-prepacked weights
+    linear_backend: str = "auto"
     fused_attention: bool = True  # one fused SDPA call per layer (False: unfused, for ablations)
     native_kernels: bool = True  # BF16 on AVX-512 BF16 CPUs: our RMSNorm and fused decode attention
     tensor_parallel_size: int = 1

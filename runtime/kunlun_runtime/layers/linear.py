@@ -27,16 +27,21 @@ LINEAR_BACKENDS = frozenset({"plain", "prepacked", "native"})
 def choose_linear_backend(requested: str, dtype: torch.dtype, device: torch.device) -> str:
     """Resolves ``auto`` for this dtype and device: our native kernels for BF16 on CPUs that have
     them, else oneDNN-prepacked weights. An explicit ``native`` that cannot run says why."""
-    if requested == "native" and not cpu_kernels.load():
-        raise ConfigError(
-            f"linear_backend: native is unavailable here: {cpu_kernels.unavailable_reason()}",
-            field="linear_backend",
-        )
+    if requested == "native":
+        _require_native()
     if requested != "auto":
         return requested
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load():
         return "native"
     return "prepacked"
+
+
+def _require_native() -> None:
+    if not cpu_kernels.load():
+        raise ConfigError(
+            f"linear_backend: native is unavailable here: {cpu_kernels.unavailable_reason()}",
+            field="linear_backend",
+        )
 
 
 def _uses_small_batch_kernel(x: torch.Tensor, max_rows: int = cpu_kernels.MAX_ROWS) -> bool:
@@ -152,25 +157,16 @@ def convert_linears(model: nn.Module, *, backend: str, quantization: str | None)
     count = 0
     if quantization == "int8":
         count += _replace(model, Int8Linear.from_linear)
+    weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
     if backend == "native":
-        if not cpu_kernels.load():
-            raise ConfigError(
-                f"linear_backend: native is unavailable here: {cpu_kernels.unavailable_reason()}",
-                field="linear_backend",
-            )
+        _require_native()
         for module in model.modules():
             if isinstance(module, Int8Linear):
                 module.native = True
-        weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
         if weight.dtype == torch.bfloat16:
             count += _replace(model, NativeLinear)
-    if backend == "prepacked":
-        weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
-        if (
-            weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-        ):
-            # lm_head (49152 × 576 on SmolLM2) measured slower prepacked than plain BF16 at batch 1.
-            count += _replace(model, PackedLinear, skip=frozenset({"lm_head"}))
+    on_mkldnn = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    if backend == "prepacked" and weight.dtype == torch.bfloat16 and on_mkldnn:
+        # lm_head (49152 × 576 on SmolLM2) measured slower prepacked than plain BF16 at batch 1.
+        count += _replace(model, PackedLinear, skip=frozenset({"lm_head"}))
     return count
