@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -235,16 +236,18 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   const int64_t group = H / KVH, pair_chunks = (D + 31) / 32;
   std::vector<float> probs_storage(kKeyChunk * group);  // [head in group][key]
   float* probs = probs_storage.data();
-  const bf16* key_slots[kKeyChunk];
-  const bf16* value_slots[kKeyChunk];
-  const bf16* next_key_slots[kKeyChunk];
-  const bf16* next_value_slots[kKeyChunk];
+  // Slot pointers of this chunk and the next, swapped as the chunks advance.
+  const bf16* slot_storage[4][kKeyChunk];
+  const bf16** key_slots = slot_storage[0];
+  const bf16** value_slots = slot_storage[1];
+  const bf16** next_key_slots = slot_storage[2];
+  const bf16** next_value_slots = slot_storage[3];
   for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
   std::fill(acc, acc + H * D, 0.0f);
+  gather_slots(keys, table, block_size, start, std::min(end, start + kKeyChunk), key_slots);
+  gather_slots(values, table, block_size, start, std::min(end, start + kKeyChunk), value_slots);
   for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, end - c0);
-    gather_slots(keys, table, block_size, c0, c0 + n, key_slots);
-    gather_slots(values, table, block_size, c0, c0 + n, value_slots);
     if (c0 + n < end) {  // the next chunk's K and V rows start coming in while this one computes
       const int64_t next = std::min(kKeyChunk, end - c0 - n);
       gather_slots(keys, table, block_size, c0 + n, c0 + n + next, next_key_slots);
@@ -324,6 +327,8 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
           for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(base + g * D + 16 * c, tail_mask(D - 16 * c), sum[g][c]);
       }
     }
+    std::swap(key_slots, next_key_slots);
+    std::swap(value_slots, next_value_slots);
   }
 }
 
