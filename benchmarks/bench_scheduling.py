@@ -2,10 +2,15 @@
 
 The workload is open-loop: short chats (a shared system prompt plus a short question) and long
 documents arrive over time at a seeded random (Poisson) rate; every request has a fixed output
-length (``ignore_eos``). Each repetition runs the same workload on both policies, alternating which
-goes first, in one process (these machines are shared and noisy: only ratios from one run mean
-anything). Reports p50/p99 time to first token, p99 inter-token latency and output throughput per
-policy over all repetitions, and feedback/fixed ratios.
+length (``ignore_eos``). ``--workload docqa`` adds follow-up questions on each document (the
+document's tokens plus a question, arriving a few seconds after it), as in document QA, and is
+meant to be run with a KV pool that holds only a few documents (``--kv-cache-memory``): whether a
+follow-up finds its document still resident depends on the order the scheduler serves the queue.
+
+Each repetition runs the same workload on both policies, alternating which goes first, in one
+process (these machines are shared and noisy: only ratios from one run mean anything). Reports
+p50/p99 time to first token, p99 inter-token latency, output throughput and the fraction of prompt
+tokens served from the prefix cache per policy over all repetitions, and feedback/fixed ratios.
 
     .venv/bin/python benchmarks/bench_scheduling.py                      # embedded SmolLM2
     .venv/bin/python benchmarks/bench_scheduling.py --quick --model DIR  # smoke run (the test suite)
@@ -19,7 +24,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -46,14 +51,22 @@ class Shape:
     doc_tokens: tuple[int, int]
     chat_output: tuple[int, int]
     doc_output: tuple[int, int]
+    followups: tuple[int, int] = (0, 0)  # follow-up questions per document
+    followup_delay_seconds: float = 0.0  # mean delay of a follow-up after its document (exponential)
+    followup_tokens: tuple[int, int] = (16, 48)
 
 
 FULL = Shape(32, 1.2, 0.2, 48, (16, 120), (700, 1400), (24, 64), (16, 32))
 QUICK = Shape(8, 50.0, 0.25, 8, (4, 12), (40, 80), (3, 6), (2, 4))
+DOCQA = Shape(24, 0.5, 0.4, 48, (16, 120), (700, 1400), (24, 64), (16, 32), (1, 2), 4.0)
+DOCQA_QUICK = Shape(8, 50.0, 0.5, 8, (4, 12), (40, 80), (3, 6), (2, 4), (1, 2), 0.05, (4, 8))
+WORKLOADS = {"mixed": (FULL, QUICK), "docqa": (DOCQA, DOCQA_QUICK)}
 
 
 def build_workload(shape: Shape, seed: int, vocab_size: int) -> list[Job]:
-    """A seeded mix of chats and documents with exponential inter-arrival times."""
+    """A seeded mix of chats and documents with exponential inter-arrival times; each document
+    is followed by ``shape.followups`` questions on it (its tokens plus a question), ordered by
+    arrival."""
     rng = random.Random(seed)
     system = [rng.randrange(100, vocab_size) for _ in range(shape.system_tokens)]
     jobs, clock = [], 0.0
@@ -62,12 +75,22 @@ def build_workload(shape: Shape, seed: int, vocab_size: int) -> list[Job]:
         if rng.random() < shape.doc_fraction:
             prompt = [rng.randrange(100, vocab_size) for _ in range(rng.randint(*shape.doc_tokens))]
             jobs.append(Job(f"doc-{index}", "doc", clock, tuple(prompt), rng.randint(*shape.doc_output)))
+            arrival = clock
+            for number in range(rng.randint(*shape.followups)):
+                arrival += rng.expovariate(1.0 / shape.followup_delay_seconds)
+                question = [
+                    rng.randrange(100, vocab_size) for _ in range(rng.randint(*shape.followup_tokens))
+                ]
+                output = rng.randint(*shape.chat_output)
+                jobs.append(
+                    Job(f"followup-{index}-{number}", "followup", arrival, tuple(prompt + question), output)
+                )
         else:
             question = [rng.randrange(100, vocab_size) for _ in range(rng.randint(*shape.chat_tokens))]
             jobs.append(
                 Job(f"chat-{index}", "chat", clock, tuple(system + question), rng.randint(*shape.chat_output))
             )
-    return jobs
+    return sorted(jobs, key=lambda job: job.arrival_seconds)
 
 
 @dataclass(slots=True)
@@ -75,6 +98,8 @@ class RunResult:
     ttft_seconds: dict[str, float] = field(default_factory=dict)  # request id → time to first token
     gaps_seconds: list[float] = field(default_factory=list)  # every inter-token gap of every request
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     makespan_seconds: float = 0.0
 
     @property
@@ -109,6 +134,8 @@ def run_workload(engine, jobs: list[Job], tag: str) -> RunResult:
                 result.gaps_seconds.append(now - last[rid])
             else:
                 result.ttft_seconds[rid.removeprefix(f"{tag}-")] = now - arrival[rid]
+                result.num_prompt_tokens += len(output.prompt_token_ids)
+                result.num_cached_prompt_tokens += output.num_cached_tokens
             last[rid] = now
     result.makespan_seconds = time.perf_counter() - start
     return result
@@ -133,6 +160,8 @@ def summarize(runs: list[RunResult], jobs_per_rep: list[list[Job]]) -> dict[str,
         "itl_p50_s": percentile(gaps, 0.5),
         "itl_p99_s": percentile(gaps, 0.99),
         "throughput_tok_s": statistics.median(run.throughput for run in runs),
+        "cached_prompt_fraction": sum(run.num_cached_prompt_tokens for run in runs)
+        / sum(run.num_prompt_tokens for run in runs),
     }
 
 
@@ -144,6 +173,10 @@ def make_llm(model: str | None, policy: str, args: argparse.Namespace):
         options["target_step_seconds"] = args.target_step_seconds
     if args.dtype:
         options["dtype"] = args.dtype
+    if args.kv_cache_memory:
+        options["kv_cache_memory"] = args.kv_cache_memory
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
     return LLM(model, **options)
 
 
@@ -151,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF-format model directory (default: embedded SmolLM2)")
     parser.add_argument("--quick", action="store_true", help="tiny workload, one repetition (smoke test)")
+    parser.add_argument(
+        "--workload", choices=sorted(WORKLOADS), default="mixed", help="mixed (chats + documents) or docqa"
+    )
+    parser.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 128MiB (default 1GiB)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="(default: the model's)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
     parser.add_argument("--requests", type=int, default=None, help="requests per repetition")
     parser.add_argument("--rate", type=float, default=None, help="arrivals per second")
@@ -166,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    shape = QUICK if args.quick else FULL
+    full, quick = WORKLOADS[args.workload]
+    shape = quick if args.quick else full
     if args.requests is not None or args.rate is not None:
-        shape = Shape(args.requests or shape.num_requests, args.rate or shape.rate_per_second, *_tail(shape))
+        shape = replace(
+            shape,
+            num_requests=args.requests or shape.num_requests,
+            rate_per_second=args.rate or shape.rate_per_second,
+        )
     reps = args.reps or (1 if args.quick else 3)
 
     llms = {policy: make_llm(args.model, policy, args) for policy in POLICIES}
@@ -187,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[policy].append(run_workload(llms[policy].engine, jobs, f"{policy}-{rep}"))
             print(f"rep {rep} {policy}: {runs[policy][-1].makespan_seconds:.1f} s", file=sys.stderr)
     summary = {policy: summarize(runs[policy], workloads) for policy in POLICIES}
-    ratios = {key: summary["feedback"][key] / summary["fixed"][key] for key in summary["fixed"]}
+    ratios = {key: ratio(summary["feedback"][key], summary["fixed"][key]) for key in summary["fixed"]}
     paired = paired_ratios(runs, workloads)
     print_table(summary, ratios, paired, shape, reps, args)
     if args.json is not None:
@@ -210,20 +253,14 @@ def paired_ratios(runs: dict[str, list[RunResult]], workloads: list[list[Job]]) 
         for i, jobs in enumerate(workloads)
     ]
     return {
-        key: statistics.median(feedback[key] / fixed[key] for fixed, feedback in per_rep)
+        key: statistics.median(ratio(feedback[key], fixed[key]) for fixed, feedback in per_rep)
         for key in per_rep[0][0]
     }
 
 
-def _tail(shape: Shape) -> tuple:
-    return (
-        shape.doc_fraction,
-        shape.system_tokens,
-        shape.chat_tokens,
-        shape.doc_tokens,
-        shape.chat_output,
-        shape.doc_output,
-    )
+def ratio(value: float, baseline: float) -> float:
+    """value / baseline; NaN when the baseline is 0 (no prompt token was cached under it)."""
+    return value / baseline if baseline else float("nan")
 
 
 def shape_dict(shape: Shape) -> dict:
@@ -234,9 +271,11 @@ def print_table(
     summary: dict, ratios: dict, paired: dict, shape: Shape, reps: int, args: argparse.Namespace
 ) -> None:
     print(
-        f"mixed workload: {shape.num_requests} requests/rep × {reps} reps, {shape.rate_per_second}/s, "
-        f"{shape.doc_fraction:.0%} documents of {shape.doc_tokens[0]}-{shape.doc_tokens[1]} tokens; "
-        f"threads={args.threads}, max_num_batched_tokens={args.max_num_batched_tokens}, "
+        f"{args.workload} workload: {shape.num_requests} requests/rep × {reps} reps, {shape.rate_per_second}/s, "
+        f"{shape.doc_fraction:.0%} documents of {shape.doc_tokens[0]}-{shape.doc_tokens[1]} tokens"
+        + (f" with {shape.followups[0]}-{shape.followups[1]} follow-ups" if shape.followups[1] else "")
+        + f"; threads={args.threads}, max_num_batched_tokens={args.max_num_batched_tokens}, "
+        f"kv_cache_memory={args.kv_cache_memory or 'default'}, "
         f"target_step_seconds={args.target_step_seconds or 'derived'}"
     )
     print(f"{'metric':<18}{'fixed':>12}{'feedback':>12}{'feedback/fixed':>16}{'paired median':>15}")

@@ -64,3 +64,66 @@ def test_bench_int8_quality_quick_run(tmp_path, capsys):
     assert 0 <= row["positional_agreement"] <= 1 and 0 <= row["teacher_forced_agreement"] <= 1
     assert row["perplexity"] > 1
     assert "teacher-forced" in capsys.readouterr().out
+
+
+def test_bench_overlap_quick_run(tmp_path, capsys):
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    out = tmp_path / "overlap.json"
+    argv = [
+        "--quick",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--batch",
+        "1",
+        "3",
+        "--json",
+        str(out),
+    ]
+    assert load("bench_overlap").main(argv) == 0
+    results = json.loads(out.read_text())
+    for name in ("batch1", "batch3"):
+        row = results[name]
+        assert row["sequential_ms_per_step"] > 0 and row["overlapped_ms_per_step"] > 0
+        assert (
+            row["overlapped_vs_sequential"] == row["sequential_ms_per_step"] / row["overlapped_ms_per_step"]
+        )
+    assert "overlapped speed" in capsys.readouterr().out
+
+
+def test_bench_overlap_split_step_generates_what_the_engine_generates(tmp_path):
+    """The overlapped loop is the engine's own work reordered: same tokens, same text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kunlun_runtime import LLM
+
+    bench = load("bench_overlap")
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    engine = LLM(str(model_dir), dtype="float32", kv_cache_memory="64MiB").engine
+    produced = {}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for mode in bench.MODES:
+            engine.block_pool.reset_prefix_cache()  # the second mode recomputes its prompts too
+            ids = bench.start_requests(engine, 3, 20, mode, seed=7)
+            if mode == "sequential":
+                bench.sequential_steps(engine, 6)
+            else:
+                bench.overlapped_steps(engine, 6, pool)
+            tracked = [engine._tracked[r] for r in ids]
+            produced[mode] = [(list(t.request.output_token_ids), t.detokenizer.text) for t in tracked]
+            for request_id in ids:
+                engine.abort_request(request_id)
+    assert all(len(tokens) == 7 for tokens, _ in produced["sequential"])  # prefill's token + 6 steps
+    assert produced["overlapped"] == produced["sequential"]
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+def test_bench_mixed_step_quick_run(tmp_path, capsys):
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    out = tmp_path / "mixed.json"
+    assert load("bench_mixed_step").main(["--quick", "--model", str(model_dir), "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["split_ms"] > 0 and row["padded_ms"] > 0
+    assert row["speedup"] == row["padded_ms"] / row["split_ms"]
+    assert "speedup" in capsys.readouterr().out

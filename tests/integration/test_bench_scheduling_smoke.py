@@ -18,6 +18,7 @@ METRICS = [
     "itl_p50_s",
     "itl_p99_s",
     "throughput_tok_s",
+    "cached_prompt_fraction",
 ]
 
 
@@ -46,7 +47,31 @@ def test_quick_run_reports_both_policies_and_their_ratios(tmp_path):
     assert data["shape"]["num_requests"] == 8
     for policy in ("fixed", "feedback"):
         assert sorted(data[policy]) == sorted(METRICS)
-        assert all(value > 0 and math.isfinite(value) for value in data[policy].values())
+        timings = {key: value for key, value in data[policy].items() if key != "cached_prompt_fraction"}
+        assert all(value > 0 and math.isfinite(value) for value in timings.values())
+        assert 0.0 <= data[policy]["cached_prompt_fraction"] <= 1.0
     for key in METRICS:
+        if data["fixed"][key] == 0:  # cached_prompt_fraction without a cache hit
+            assert math.isnan(data["ratio"][key]) and math.isnan(data["paired_ratio"][key])
+            continue
         assert data["ratio"][key] == data["feedback"][key] / data["fixed"][key]
         assert data["paired_ratio"][key] == data["ratio"][key]  # one repetition: the pair is the whole run
+
+
+def test_docqa_follow_ups_extend_their_document_and_arrive_after_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_scheduling import DOCQA, build_workload
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    jobs = build_workload(DOCQA, seed=3, vocab_size=1000)
+    by_id = {job.request_id: job for job in jobs}
+    followups = [job for job in jobs if job.kind == "followup"]
+    assert followups and [job.arrival_seconds for job in jobs] == sorted(job.arrival_seconds for job in jobs)
+    for job in followups:
+        document = by_id["doc-" + job.request_id.split("-")[1]]
+        assert job.arrival_seconds > document.arrival_seconds
+        assert job.prompt_token_ids[: len(document.prompt_token_ids)] == document.prompt_token_ids
+        assert len(job.prompt_token_ids) > len(document.prompt_token_ids)
+    documents = [job for job in jobs if job.kind == "doc"]
+    assert len(followups) >= len(documents)  # one or two per document

@@ -4,6 +4,10 @@ One batch mixes prefill chunks and decodes. Queries of all sequences are flatten
 for attention they are scattered into a padded [B, max_query_len] layout, each sequence's K/V is
 gathered block-wise from its block table, and one fused scaled-dot-product-attention call per
 layer computes QKᵀ → scale → mask → softmax → ·V (no per-sequence Python loop).
+
+A batch that holds both decodes and prefill chunks attends in two parts (``MixedSplit``): the
+decodes as a decode batch and the chunks padded among themselves. Padded together, every decode
+would be padded to the longest chunk and cost as much attention as that chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] tokens in KV after this step (int64)
     sliding_window: int = 0  # 0: attend to the whole context
     is_fresh_single_prefill: bool = False  # one sequence prefilled from position 0 (no earlier KV)
+    split: MixedSplit | None = None  # decodes and prefill chunks together: attend in two parts
+
+
+@dataclass(slots=True)
+class MixedSplit:
+    """The two parts of a batch of decodes and prefill chunks, each with its own metadata over
+    its own sequences (in batch order) and the flat token rows it covers."""
+
+    decode_rows: torch.Tensor  # [num decodes] row of each one-token sequence
+    decode: AttentionMetadata
+    prefill_rows: torch.Tensor  # [prefill tokens] rows of the multi-token sequences
+    prefill: AttentionMetadata
 
 
 def build_attention_metadata(
@@ -39,6 +55,9 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Metadata for a batch: sequence b computes ``query_lens[b]`` new tokens and has
     ``context_lens[b]`` tokens in KV after this step (new ones included)."""
+    split = None
+    if 1 in query_lens and max(query_lens) > 1:
+        split = _split_mixed(query_lens, context_lens, block_tables, block_size, device, sliding_window)
     num_seqs = len(query_lens)
     max_q = max(query_lens)
     max_blocks = max(len(table) for table in block_tables)
@@ -54,20 +73,25 @@ def build_attention_metadata(
     positions = (ctx_lens - q_lens)[seq_of_token] + index_in_seq
     slot_block_ids = tables[seq_of_token, positions // block_size]
 
-    # Query i of sequence b sits at absolute position ctx_b - q_b + i and sees keys j <= that.
-    query_pos = (ctx_lens - q_lens).unsqueeze(1) + torch.arange(max_q).unsqueeze(0)  # [B, max_q]
-    key_pos = torch.arange(max_blocks * block_size)
-    mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)
-    if sliding_window is not None:
-        mask &= key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1) - sliding_window
-    # Padding query rows attend to key 0 only, so softmax never sees an all-masked row.
-    is_pad = torch.arange(max_q).unsqueeze(0) >= q_lens.unsqueeze(1)
-    mask[is_pad] = key_pos == 0
+    if split is None:
+        # Query i of sequence b sits at absolute position ctx_b - q_b + i and sees keys j <= that.
+        query_pos = (ctx_lens - q_lens).unsqueeze(1) + torch.arange(max_q).unsqueeze(0)  # [B, max_q]
+        key_pos = torch.arange(max_blocks * block_size)
+        mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)
+        if sliding_window is not None:
+            mask &= key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1) - sliding_window
+        # Padding query rows attend to key 0 only, so softmax never sees an all-masked row.
+        is_pad = torch.arange(max_q).unsqueeze(0) >= q_lens.unsqueeze(1)
+        mask[is_pad] = key_pos == 0
+        padded_index = seq_of_token * max_q + index_in_seq
+    else:  # each part has its own mask and padding
+        mask = torch.zeros((0,), dtype=torch.bool)
+        padded_index = torch.zeros((0,), dtype=torch.int64)
     return AttentionMetadata(
         slot_block_ids=slot_block_ids.to(device),
         slot_offsets=(positions % block_size).to(device),
         block_tables=tables.to(device),
-        query_padded_index=(seq_of_token * max_q + index_in_seq).to(device),
+        query_padded_index=padded_index.to(device),
         attn_mask=mask.unsqueeze(1).to(device),
         max_query_len=max_q,
         context_lens=ctx_lens.to(device),
@@ -75,7 +99,37 @@ def build_attention_metadata(
         is_fresh_single_prefill=(
             num_seqs == 1 and max_q > 1 and context_lens[0] == query_lens[0] and sliding_window is None
         ),
+        split=split,
     )
+
+
+def _split_mixed(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None,
+) -> MixedSplit:
+    first_row = [0]
+    for length in query_lens[:-1]:
+        first_row.append(first_row[-1] + length)
+    parts = {}
+    for name, seqs in (
+        ("decode", [b for b, length in enumerate(query_lens) if length == 1]),
+        ("prefill", [b for b, length in enumerate(query_lens) if length > 1]),
+    ):
+        rows = [row for b in seqs for row in range(first_row[b], first_row[b] + query_lens[b])]
+        meta = build_attention_metadata(
+            [query_lens[b] for b in seqs],
+            [context_lens[b] for b in seqs],
+            [block_tables[b] for b in seqs],
+            block_size,
+            device,
+            sliding_window=sliding_window,
+        )
+        parts[name] = (torch.tensor(rows, dtype=torch.int64, device=device), meta)
+    return MixedSplit(*parts["decode"], *parts["prefill"])
 
 
 def paged_attention(
@@ -101,6 +155,26 @@ def paged_attention(
         v_blocks[meta.slot_block_ids, meta.slot_offsets] = v
     num_heads, head_dim = q.shape[1], q.shape[2]
     gqa = num_heads != k.shape[1] if enable_gqa is None else enable_gqa
+    if meta.split is not None:
+        out = q.new_empty((q.shape[0], num_heads * head_dim))
+        for rows, part in (
+            (meta.split.decode_rows, meta.split.decode),
+            (meta.split.prefill_rows, meta.split.prefill),
+        ):
+            part_out = paged_attention(
+                q.index_select(0, rows),
+                k.index_select(0, rows),
+                v.index_select(0, rows),
+                k_blocks,
+                v_blocks,
+                part,
+                scale,
+                fused=fused,
+                enable_gqa=gqa,
+                kv_written=True,
+            )
+            out.index_copy_(0, rows, part_out)
+        return out
     if fused and meta.is_fresh_single_prefill:
         # One prompt from position 0: its own K/V are the whole context, so attend to them as they
         # are (no gather from the pool; the pool holds the same values) with plain causal

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kunlun_runtime.layers import cpu_kernels
-from kunlun_runtime.layers.attention import AttentionMetadata, paged_attention
+from kunlun_runtime.layers.attention import AttentionMetadata, MixedSplit, paged_attention
 from kunlun_runtime.layers.linear import Int8Linear, NativeLinear
 from kunlun_runtime.layers.norm import RMSNorm
 from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
@@ -86,6 +86,8 @@ class Attention(nn.Module):
             return self._project_out(out)
         k_blocks, v_blocks = kv_cache.k_blocks[self.layer_index], kv_cache.v_blocks[self.layer_index]
         kv_written = self.native and self.fused_attention and q.dtype == k_blocks.dtype == torch.bfloat16
+        if kv_written and meta.split is not None:
+            return self._project_out(self._native_mixed(q, k, v, cos_sin, k_blocks, v_blocks, meta.split))
         if kv_written:  # rotary and the K/V write in one kernel call
             cos, sin = cos_sin
             q, k = cpu_kernels.rotary_kv_write(
@@ -114,6 +116,50 @@ class Attention(nn.Module):
             kv_written=kv_written,
         )
         return self._project_out(out)
+
+    def _native_mixed(self, q, k, v, cos_sin, k_blocks, v_blocks, split: MixedSplit) -> torch.Tensor:
+        """Decodes and prefill chunks in one batch: the decodes through the decode kernel (the same
+        call, and the same bits, as a decode-only step), the chunks through rotary_kv_write and
+        paged attention among themselves."""
+        cos, sin = (table.view(-1, self.head_dim) for table in cos_sin)
+        out = q.new_empty((q.shape[0], self.num_heads * self.head_dim))
+        rows = split.decode_rows
+        decoded = cpu_kernels.decode_attention(
+            *(t.index_select(0, rows) for t in (q, k, v, cos, sin)),
+            k_blocks,
+            v_blocks,
+            split.decode.block_tables,
+            split.decode.context_lens,
+            self.scale,
+            split.decode.sliding_window,
+        )
+        out.index_copy_(0, rows, decoded)
+        rows = split.prefill_rows
+        q_p, k_p, v_p, cos_p, sin_p = (t.index_select(0, rows) for t in (q, k, v, cos, sin))
+        q_p, k_p = cpu_kernels.rotary_kv_write(
+            q_p,
+            k_p,
+            v_p,
+            cos_p,
+            sin_p,
+            k_blocks,
+            v_blocks,
+            split.prefill.slot_block_ids,
+            split.prefill.slot_offsets,
+        )
+        prefilled = paged_attention(
+            q_p,
+            k_p,
+            v_p,
+            k_blocks,
+            v_blocks,
+            split.prefill,
+            self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+            kv_written=True,
+        )
+        out.index_copy_(0, rows, prefilled)
+        return out
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         out = self.o_proj(out)

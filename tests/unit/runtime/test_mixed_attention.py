@@ -1,0 +1,123 @@
+"""A batch of decodes and prefill chunks attends in two parts (``MixedSplit``): checked against
+attention computed one sequence at a time from the whole context, in FP32 and on the native BF16
+path, and the decodes of a mixed step against a decode-only step of the same sequences."""
+
+import pytest
+import torch
+
+from kunlun_runtime.layers import cpu_kernels
+from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
+from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from kunlun_runtime.models.model_config import RopeConfig
+
+BLOCK = 16
+# A decode at 17, a 5-token chunk after 30 cached tokens, a decode at 40, a fresh 23-token prompt.
+QUERY_LENS = [1, 5, 1, 23]
+CONTEXT_LENS = [17, 35, 40, 23]
+TABLES = [[3, 7], [5, 0, 9], [11, 2, 4], [8, 6]]
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 64
+
+
+def _case(dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(12, BLOCK, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    v_pool = torch.randn(12, BLOCK, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    tokens = sum(QUERY_LENS)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator).to(dtype)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    v = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(QUERY_LENS, CONTEXT_LENS, strict=True)])
+    return k_pool, v_pool, q, k, v, positions
+
+
+def _reference(k_pool, v_pool, q, k, v, window: int | None) -> torch.Tensor:
+    """Each sequence on its own: its context is the pool's tokens before the new ones, then the
+    new ones; every query sees the keys at or before its position (and inside the window)."""
+    outputs, row = [], 0
+    for n, c, table in zip(QUERY_LENS, CONTEXT_LENS, TABLES, strict=True):
+        slots = [(table[p // BLOCK], p % BLOCK) for p in range(c - n)]
+        keys = torch.cat([k_pool[[b for b, _ in slots], [o for _, o in slots]], k[row : row + n]])
+        values = torch.cat([v_pool[[b for b, _ in slots], [o for _, o in slots]], v[row : row + n]])
+        keys = keys.double().repeat_interleave(HEADS // KV_HEADS, dim=1)  # [c, H, D]
+        values = values.double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + n].double(), keys) * HEAD_DIM**-0.5
+        query_pos = torch.arange(c - n, c).view(-1, 1)
+        key_pos = torch.arange(c).view(1, -1)
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(n, HEADS * HEAD_DIM))
+        row += n
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("fused", [True, False])
+def test_fp32_mixed_batch_equals_attention_one_sequence_at_a_time(window, fused):
+    k_pool, v_pool, q, k, v, _ = _case(torch.float32)
+    expected = _reference(k_pool, v_pool, q, k, v, window)
+    meta = build_attention_metadata(QUERY_LENS, CONTEXT_LENS, TABLES, BLOCK, torch.device("cpu"), window)
+    assert meta.split is not None
+    assert meta.split.decode_rows.tolist() == [0, 6]
+    assert meta.split.prefill_rows.tolist() == [*range(1, 6), *range(7, 30)]
+    assert meta.split.decode.max_query_len == 1 and meta.split.prefill.max_query_len == 23
+    out = paged_attention(q, k, v, k_pool, v_pool, meta, HEAD_DIM**-0.5, fused=fused)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # The step's new K/V are in the pool where the slot mapping says.
+    assert torch.equal(k_pool[meta.slot_block_ids, meta.slot_offsets], k)
+    assert torch.equal(v_pool[meta.slot_block_ids, meta.slot_offsets], v)
+
+
+def test_batches_of_one_kind_are_not_split():
+    decode_only = build_attention_metadata([1, 1], [17, 40], TABLES[:2], BLOCK, torch.device("cpu"))
+    prefill_only = build_attention_metadata([5, 23], [35, 23], TABLES[1:3], BLOCK, torch.device("cpu"))
+    assert decode_only.split is None and prefill_only.split is None
+    assert prefill_only.attn_mask.shape == (2, 1, 23, 3 * BLOCK)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason=str(cpu_kernels.unavailable_reason()))
+@pytest.mark.parametrize("window", [None, 9])
+def test_native_mixed_step_matches_the_reference_and_its_decodes_match_a_decode_only_step(window):
+    from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
+    from kunlun_runtime.models.decoder import Attention
+    from kunlun_runtime.models.model_config import ModelConfig
+
+    k_src, v_src, q, k, v, positions = _case(torch.bfloat16, seed=1)
+    cache = KVCache(
+        KVCacheSpec(1, KV_HEADS, HEAD_DIM, BLOCK, torch.bfloat16), 12, torch.device("cpu"), cache_line_bytes=64,
+        cache_num_sets=64, skew=True,  # strided blocks, as the engine lays them out
+    )  # fmt: skip
+    cache.k_blocks[0].copy_(k_src)
+    cache.v_blocks[0].copy_(v_src)
+    cos_sin = RotaryEmbedding(HEAD_DIM, RopeConfig(theta=10000.0), 64).lookup(positions, torch.bfloat16)
+    qr, kr = apply_rotary(q, k, cos_sin)
+    expected = _reference(k_src, v_src, qr, kr, v, window)
+
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=HEADS * HEAD_DIM, intermediate_size=64,
+        num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0), max_position_embeddings=64, tie_word_embeddings=True,
+        attention_bias=False, qk_norm=False, sliding_window=window, bos_token_id=None, eos_token_ids=(0,),
+    )  # fmt: skip
+    attention = Attention(config, layer_index=0)
+    meta = build_attention_metadata(QUERY_LENS, CONTEXT_LENS, TABLES, BLOCK, torch.device("cpu"), window)
+    out = attention._native_mixed(q, k, v, cos_sin, cache.k_blocks[0], cache.v_blocks[0], meta.split)
+    bound = 2**-7 * expected.abs() + 2e-2 * expected.abs().max()
+    assert ((out.double() - expected).abs() <= bound).all()
+    assert torch.equal(cache.k_blocks[0][meta.slot_block_ids, meta.slot_offsets], kr)
+    assert torch.equal(cache.v_blocks[0][meta.slot_block_ids, meta.slot_offsets], v)
+
+    # The decodes alone, as a decode-only step over the same pool: the same bits.
+    cache.k_blocks[0].copy_(k_src)
+    cache.v_blocks[0].copy_(v_src)
+    rows = meta.split.decode_rows
+    decode_meta = build_attention_metadata(
+        [1, 1], [17, 40], [TABLES[0], TABLES[2]], BLOCK, torch.device("cpu"), window
+    )
+    cos, sin = (t.view(-1, HEAD_DIM) for t in cos_sin)
+    alone = cpu_kernels.decode_attention(
+        q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
+        decode_meta.block_tables, decode_meta.context_lens, HEAD_DIM**-0.5, window or 0,
+    )  # fmt: skip
+    assert torch.equal(out[rows], alone)
