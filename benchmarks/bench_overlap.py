@@ -65,9 +65,7 @@ def overlapped_steps(engine, steps: int, pool: ThreadPoolExecutor) -> float:
         began = time.monotonic()
         forward = pool.submit(engine.runner.execute, sched, tables)
         for tracked, token_id in pending:  # the host work that overlaps the forward
-            tracked.detokenizer.add(token_id)
-            engine._check_stop(tracked, token_id)
-            engine._output(tracked, new_token_ids=[token_id])
+            finish_host_work(engine, tracked, token_id)
         logits = forward.result()
         engine.scheduler.observe_step(sched, time.monotonic() - began)
         for item in sched.scheduled:
@@ -81,10 +79,18 @@ def overlapped_steps(engine, steps: int, pool: ThreadPoolExecutor) -> float:
             engine.num_generation_tokens_total += 1
             pending.append((engine._tracked[request.request_id], token_id))
     for tracked, token_id in pending:
-        tracked.detokenizer.add(token_id)
-        engine._check_stop(tracked, token_id)
-        engine._output(tracked, new_token_ids=[token_id])
+        finish_host_work(engine, tracked, token_id)
     return time.perf_counter() - start
+
+
+def finish_host_work(engine, tracked, token_id: int) -> None:
+    """What ``LLMEngine._append_token`` does after appending the id: detokenize, check stops,
+    build the output. The benchmark's requests never stop (``ignore_eos``, no length limit in
+    reach), so a stop here means the measurement is wrong."""
+    tracked.detokenizer.add(token_id)
+    if engine._check_stop(tracked, token_id) is not None:
+        raise RuntimeError(f"{tracked.request.request_id} stopped during the overlap benchmark")
+    engine._output(tracked, new_token_ids=[token_id])
 
 
 def measure(engine, mode: str, batch: int, steps: int, tag: str, pool: ThreadPoolExecutor) -> float:

@@ -18,8 +18,14 @@ from kunlun_runtime.step_cost import StepCostModel, StepFeatures, chunk_features
 
 POLICIES = frozenset({"fixed", "feedback"})
 # With no explicit target, a step that carries decodes may take this many pure-decode steps: the
-# inter-token latency a running request sees at most triples while prompts are being prefilled.
+# inter-token latency a running request sees at most triples while prompts are being prefilled...
 DEFAULT_TARGET_DECODE_STEPS = 3.0
+# ...or, where a step with any prefill has a fixed price (``c_mixed``: the per-layer path instead
+# of the one-call decode stack), the pure-decode step plus this many times that price, so that a
+# capped chunk's own work is at least four times the price (prefill at >= 80 % of its uncapped
+# efficiency). Three decode steps alone measured chunks spent mostly on the price: prefill slowed
+# down enough to lose throughput and p99 TTFT under load (docs/scheduling.md).
+DEFAULT_TARGET_MIXED_PRICES = 5.0
 # A small request (whole prompt in one step) may be merged past the target by this fraction: its
 # cost is mostly the step's fixed overhead, which it shares with the batch.
 MERGE_SLACK_RATIO = 0.5
@@ -57,7 +63,10 @@ class FeedbackPolicy:
         if self.target_step_seconds is not None:
             return self.target_step_seconds
         predicted = self.cost.predict(decodes)
-        return None if predicted is None else DEFAULT_TARGET_DECODE_STEPS * predicted
+        if predicted is None:
+            return None
+        c_mixed = self.cost.coefficients[4]
+        return max(DEFAULT_TARGET_DECODE_STEPS * predicted, predicted + DEFAULT_TARGET_MIXED_PRICES * c_mixed)
 
     def prefill_cap(
         self, batch: StepFeatures, target: float | None, num_computed: int, num_remaining: int, budget: int

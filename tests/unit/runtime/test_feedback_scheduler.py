@@ -86,13 +86,23 @@ def test_without_a_target_the_cap_is_three_decode_steps_of_the_learned_model():
 
 def test_a_chunk_that_leaves_the_decode_path_is_at_least_worth_its_fixed_price():
     # A step with any prefill costs 20 ms more (the per-layer path instead of the fused decode
-    # call): the 36 ms target alone would allow (36 - 12 - 20) / 0.1 = 40 tokens, a step spent
-    # mostly on that price. The chunk is at least c_mixed / c_prefill = 200 tokens instead.
-    scheduler = make_scheduler(max_num_seqs=8, cost=(0.010, 1e-4, 1e-3, 0.0, 0.020))
+    # call): a 36 ms target would allow (36 - 12 - 20) / 0.1 = 40 tokens, a step spent mostly on
+    # that price. The chunk is at least c_mixed / c_prefill = 200 tokens instead.
+    scheduler = make_scheduler(max_num_seqs=8, target=0.036, cost=(0.010, 1e-4, 1e-3, 0.0, 0.020))
     assert scheduler.policy.amortized_chunk() == 200
     start_decoding(scheduler, "d1", "d2")
     scheduler.add(make_request("doc", 1000))
     assert dict(summary(run_step(scheduler)))["doc"] == 200
+
+
+def test_without_a_target_a_fixed_price_of_mixed_steps_buys_chunks_worth_four_prices():
+    # Derived target: max(3 × 12 ms, 12 ms + 5 × 20 ms) = 112 ms, so the chunk's own work is
+    # (112 - 12 - 20) ms = 4 × the 20 ms price: 800 tokens at 0.1 ms.
+    scheduler = make_scheduler(max_num_seqs=8, budget=4096, cost=(0.010, 1e-4, 1e-3, 0.0, 0.020))
+    assert scheduler.policy.step_target(StepFeatures(0, 2, 0)) == pytest.approx(0.112, rel=1e-6)
+    start_decoding(scheduler, "d1", "d2")
+    scheduler.add(make_request("doc", 2000))  # whole, it would take 232 ms: more than the merge slack
+    assert dict(summary(run_step(scheduler)))["doc"] in (799, 800)  # the last one on the boundary
 
 
 def test_before_any_measurement_feedback_caps_nothing():
