@@ -75,13 +75,24 @@ def test_a_long_prompt_is_capped_to_the_target_while_decodes_run_and_goes_whole_
 
 
 def test_without_a_target_the_cap_is_three_decode_steps_of_the_learned_model():
-    scheduler = make_scheduler(max_num_seqs=8)
+    # A slow platform: 2 decodes take 120 ms, so 3 decode steps (360 ms) exceed the 0.3 s floor.
+    scheduler = make_scheduler(max_num_seqs=8, cost=(0.1, 1e-3, 1e-2, 0.0, 0.0))
     start_decoding(scheduler, "d1", "d2")
     scheduler.add(make_request("doc", 1000))
-    # 3 × 12 ms = 36 ms: (36 - 12) / 0.1 = 240 tokens, but the last one lands on the boundary.
+    # (360 - 120) / 1 = 240 tokens, but the last one lands on the boundary.
     chunk = dict(summary(run_step(scheduler)))["doc"]
     assert chunk in (239, 240)
-    assert scheduler.policy.step_target(StepFeatures(0, 2, 0)) == pytest.approx(0.036, rel=1e-6)
+    assert scheduler.policy.step_target(StepFeatures(0, 2, 0)) == pytest.approx(0.36, rel=1e-6)
+
+
+def test_without_a_target_a_fast_platform_gets_the_floor_of_the_target():
+    # 2 decodes take 12 ms here: 3 of them would cap chunks at 240 tokens; the 0.3 s floor allows
+    # (300 - 12) / 0.1 = 2880.
+    scheduler = make_scheduler(max_num_seqs=8, num_blocks=512, budget=8192)
+    assert scheduler.policy.step_target(StepFeatures(0, 2, 0)) == pytest.approx(0.3)
+    start_decoding(scheduler, "d1", "d2")
+    scheduler.add(make_request("doc", 5000))  # whole, 512 ms: more than the merge slack
+    assert dict(summary(run_step(scheduler)))["doc"] in (2879, 2880)
 
 
 def test_a_chunk_that_leaves_the_decode_path_is_at_least_worth_its_fixed_price():
@@ -96,12 +107,12 @@ def test_a_chunk_that_leaves_the_decode_path_is_at_least_worth_its_fixed_price()
 
 
 def test_without_a_target_a_fixed_price_of_mixed_steps_buys_chunks_worth_four_prices():
-    # Derived target: max(3 × 12 ms, 12 ms + 5 × 20 ms) = 112 ms, so the chunk's own work is
-    # (112 - 12 - 20) ms = 4 × the 20 ms price: 800 tokens at 0.1 ms.
-    scheduler = make_scheduler(max_num_seqs=8, budget=4096, cost=(0.010, 1e-4, 1e-3, 0.0, 0.020))
-    assert scheduler.policy.step_target(StepFeatures(0, 2, 0)) == pytest.approx(0.112, rel=1e-6)
+    # Derived target: max(3 × 120 ms, 120 ms + 5 × 200 ms, 0.3 s) = 1.12 s, so the chunk's own
+    # work is (1120 - 120 - 200) ms = 4 × the 200 ms price: 800 tokens at 1 ms.
+    scheduler = make_scheduler(max_num_seqs=8, budget=4096, cost=(0.1, 1e-3, 1e-2, 0.0, 0.2))
+    assert scheduler.policy.step_target(StepFeatures(0, 2, 0)) == pytest.approx(1.12, rel=1e-6)
     start_decoding(scheduler, "d1", "d2")
-    scheduler.add(make_request("doc", 2000))  # whole, it would take 232 ms: more than the merge slack
+    scheduler.add(make_request("doc", 2000))  # whole, it would take 2.32 s: more than the merge slack
     assert dict(summary(run_step(scheduler)))["doc"] in (799, 800)  # the last one on the boundary
 
 
