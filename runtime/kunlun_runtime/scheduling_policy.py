@@ -26,10 +26,10 @@ DEFAULT_TARGET_DECODE_STEPS = 3.0
 # efficiency). Three decode steps alone measured chunks spent mostly on the price: prefill slowed
 # down enough to lose throughput and p99 TTFT under load (docs/scheduling.md).
 DEFAULT_TARGET_MIXED_PRICES = 5.0
-# ...and never below this: a streaming client still gets a token at least about three times a
-# second while prompts are prefilled. The two learned terms above move with every refit of the
-# step-time model; on the document QA benchmark they alone won in one seeded run and lost in
-# another, while this bound won both (docs/scheduling.md).
+# ...and never below this (at this bound a stream still gets about three tokens a second while
+# prompts are prefilled). The two learned terms above move with every refit of the step-time
+# model; on the document QA benchmark they alone won in one seeded run and lost in the other,
+# while this bound as an explicit target won both (docs/scheduling.md).
 DEFAULT_MIN_TARGET_SECONDS = 0.3
 # A small request (whole prompt in one step) may be merged past the target by this fraction: its
 # cost is mostly the step's fixed overhead, which it shares with the batch.
