@@ -62,7 +62,7 @@ class EngineConfig:
     max_preemptions: int = 3  # the seed's third lesson: a request preempted this often is protected
     priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
     scheduling_policy: str = "fixed"  # fixed | feedback (step-time model caps prefill; docs/scheduling.md)
-    target_step_seconds: float | None = None  # feedback: step cap while decodes run; None = 3 decode steps
+    target_step_seconds: float | None = None  # feedback: cap while decodes run; None = derived
     kv_block_skew: bool = True  # the seed's second lesson: skew block starts across cache sets
     # auto: our native decode kernels for BF16 on AVX-512 BF16 CPUs, else oneDNN-prepacked weights
     linear_backend: str = "auto"
