@@ -5,8 +5,9 @@ step's forward runs pay off on this platform? Side by side, in one process, on t
   request detokenize, stop checks and output.
 - ``overlapped``: the forward of step N runs on a worker thread (our kernels and ATen release the
   GIL) while the main thread does step N-1's per-request host work (detokenize, stop checks,
-  output); the sampled token ids are appended at once, so step N+1 can be scheduled right after.
-  This is the engine's real work split the way an overlapping engine would split it.
+  output); the sampled token ids are recorded at once, so step N+1 can be scheduled right after.
+  These are the pieces of ``LLMEngine.step()`` itself, reordered the way an overlapping engine
+  would run them.
 
 Decode-only batches (``--batch`` requests, 128-token prompts, ``ignore_eos``); each measurement
 block starts fresh requests, and the two modes alternate ``--reps`` times. Prints medians of
@@ -56,41 +57,32 @@ def sequential_steps(engine, steps: int) -> float:
 
 
 def overlapped_steps(engine, steps: int, pool: ThreadPoolExecutor) -> float:
-    """``steps`` decode steps with each step's per-request host work done during the next forward."""
-    pending: list[tuple[object, int]] = []  # (tracked request, token id) still to be processed
+    """``steps`` decode steps with each step's per-request host work done during the next forward:
+    the pieces of ``LLMEngine.step()``, reordered."""
+    pending: list[tuple[object, int]] = []  # (tracked request, token id) still to be emitted
     start = time.perf_counter()
     for _ in range(steps):
         sched = engine.scheduler.schedule()
-        tables = {s.request.request_id: engine.kv.block_ids(s.request.request_id) for s in sched.scheduled}
-        began = time.monotonic()
-        forward = pool.submit(engine.runner.execute, sched, tables)
+        began = engine._start_step(sched)
+        forward = pool.submit(engine.runner.execute, sched, engine._block_tables(sched))
         for tracked, token_id in pending:  # the host work that overlaps the forward
-            finish_host_work(engine, tracked, token_id)
-        logits = forward.result()
-        engine.scheduler.observe_step(sched, time.monotonic() - began)
-        for item in sched.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            engine.kv.cache_computed_blocks(item.request)
-        requests = [engine._tracked[rid].request for rid in logits.sample_request_ids]
-        sampled = engine.sampler.sample(logits.sample_logits, requests)
+            emit(engine, tracked, token_id)
+        sampled = engine._finish_step(sched, forward.result(), began)
+        now = time.monotonic()
         pending = []
-        for request, (token_id, _logprob) in zip(requests, sampled, strict=True):
-            request.output_token_ids.append(token_id)  # the next schedule needs only the id
-            engine.num_generation_tokens_total += 1
-            pending.append((engine._tracked[request.request_id], token_id))
+        for tracked, token_id, logprob in sampled:
+            engine._record_token(tracked, token_id, logprob, now)  # the next schedule needs only this
+            pending.append((tracked, token_id))
     for tracked, token_id in pending:
-        finish_host_work(engine, tracked, token_id)
+        emit(engine, tracked, token_id)
     return time.perf_counter() - start
 
 
-def finish_host_work(engine, tracked, token_id: int) -> None:
-    """What ``LLMEngine._append_token`` does after appending the id: detokenize, check stops,
-    build the output. The benchmark's requests never stop (``ignore_eos``, no length limit in
-    reach), so a stop here means the measurement is wrong."""
-    tracked.detokenizer.add(token_id)
-    if engine._check_stop(tracked, token_id) is not None:
+def emit(engine, tracked, token_id: int) -> None:
+    """Detokenize, check stops and build the output of a recorded token. The benchmark's requests
+    never stop (``ignore_eos``, no length limit in reach), so a stop means the measurement is wrong."""
+    if engine._emit(tracked, token_id).finished:
         raise RuntimeError(f"{tracked.request.request_id} stopped during the overlap benchmark")
-    engine._output(tracked, new_token_ids=[token_id])
 
 
 def measure(engine, mode: str, batch: int, steps: int, tag: str, pool: ThreadPoolExecutor) -> float:

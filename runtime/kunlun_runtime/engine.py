@@ -22,16 +22,16 @@ from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.layers.linear import choose_linear_backend
-from kunlun_runtime.model_runner import ModelRunner
+from kunlun_runtime.model_runner import ModelRunner, StepLogits
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.sharding import shard_model_config
 from kunlun_runtime.outputs import CompletionOutput, RequestOutput, RequestTimes
 from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
 from kunlun_runtime.platforms import Platform, detect
-from kunlun_runtime.request import Request, RequestStatus
+from kunlun_runtime.request import Request, RequestStatus, TokenLogprob
 from kunlun_runtime.sampling import Sampler, make_logprob
 from kunlun_runtime.sampling_params import SamplingParams
-from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
+from kunlun_runtime.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from kunlun_runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -256,25 +256,39 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        began = self._start_step(sched)
+        logits = self.runner.execute(sched, self._block_tables(sched))
+        sampled = self._finish_step(sched, logits, began)
+        now = time.monotonic()
+        return [self._append_token(tracked, token_id, logprob, now) for tracked, token_id, logprob in sampled]
+
+    def _start_step(self, sched: SchedulerOutput) -> float:
+        """Stamp the scheduled requests; returns the step's start (for the step-time model)."""
         now = time.monotonic()
         for item in sched.scheduled:
             times = self._tracked[item.request.request_id].times
             times.scheduled = times.scheduled or now
-        tables = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
-        logits = self.runner.execute(sched, tables)
-        self.scheduler.observe_step(sched, time.monotonic() - now)
+        return now
+
+    def _block_tables(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        return {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
+
+    def _finish_step(
+        self, sched: SchedulerOutput, logits: StepLogits, began: float
+    ) -> list[tuple[_Tracked, int, TokenLogprob | None]]:
+        """After the forward: feed the step time back, advance and cache the computed tokens,
+        record prompt logprobs, and sample; returns (request, token id, logprob) per new token."""
+        self.scheduler.observe_step(sched, time.monotonic() - began)
         for item in sched.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(item.request)
         for request_id, (first_pos, rows) in logits.prompt_logits.items():
             self._record_prompt_logprobs(self._tracked[request_id].request, first_pos, rows)
-        requests = [self._tracked[rid].request for rid in logits.sample_request_ids]
-        sampled = self.sampler.sample(logits.sample_logits, requests) if requests else []
-        now = time.monotonic()
-        outputs = []
-        for request, (token_id, logprob) in zip(requests, sampled, strict=True):
-            outputs.append(self._append_token(self._tracked[request.request_id], token_id, logprob, now))
-        return outputs
+        tracked = [self._tracked[rid] for rid in logits.sample_request_ids]
+        if not tracked:
+            return []
+        sampled = self.sampler.sample(logits.sample_logits, [t.request for t in tracked])
+        return [(t, token_id, logprob) for t, (token_id, logprob) in zip(tracked, sampled, strict=True)]
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, rows: torch.Tensor) -> None:
         logprobs = torch.log_softmax(rows, dim=-1)
@@ -286,7 +300,16 @@ class LLMEngine:
                 make_logprob(logprobs[offset], next_token, request.params.prompt_logprobs)
             )
 
-    def _append_token(self, tracked: _Tracked, token_id: int, logprob, now: float) -> RequestOutput:
+    def _append_token(
+        self, tracked: _Tracked, token_id: int, logprob: TokenLogprob | None, now: float
+    ) -> RequestOutput:
+        self._record_token(tracked, token_id, logprob, now)
+        return self._emit(tracked, token_id)
+
+    def _record_token(
+        self, tracked: _Tracked, token_id: int, logprob: TokenLogprob | None, now: float
+    ) -> None:
+        """The new token's id, logprob and times: all the next step's schedule needs."""
         request = tracked.request
         request.output_token_ids.append(token_id)
         if logprob is not None:
@@ -296,6 +319,9 @@ class LLMEngine:
             tracked.times.first_token = now
             self.num_prompt_tokens_total += len(request.prompt_token_ids)
         tracked.times.last_token = now
+
+    def _emit(self, tracked: _Tracked, token_id: int) -> RequestOutput:
+        """Detokenize the recorded token, check the stop conditions, and build the output."""
         tracked.detokenizer.add(token_id)
         status = self._check_stop(tracked, token_id)
         if status is not None:
