@@ -5,15 +5,23 @@ reports medians and ratios (these machines are shared and noisy: only ratios fro
 anything). Also measures DRAM read bandwidth in the same run for the decode roofline, and an
 ablation table (each optimisation switched off in turn). Writes ``results.json`` and a PNG chart.
 
+When ``LLAMA_BENCH`` names llama.cpp's ``llama-bench`` and ``LLAMA_BENCH_GGUF`` a Q8_0 GGUF of the
+same model, the INT8 scenario also runs llama.cpp on the same shape (128 tokens decoded after a
+256-token context, 2 threads), interleaved with ours, flash attention off and on, the better one
+counting. llama.cpp is never downloaded or built by this script (see the README).
+
     .venv/bin/python benchmarks/bench_engine.py                  # full run on the embedded SmolLM2
     .venv/bin/python benchmarks/bench_engine.py --quick --model DIR   # smoke run (the test suite)
+    LLAMA_BENCH=/path/llama-bench LLAMA_BENCH_GGUF=/path/smollm2-q8_0.gguf .venv/bin/python benchmarks/bench_engine.py
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +49,32 @@ def weight_bytes_per_token(config, quantization: str | None) -> int:
     per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden + 3 * hidden * inter
     linear_bytes = 1 if quantization == "int8" else 2
     return (config.num_layers * per_layer + config.vocab_size * hidden) * linear_bytes
+
+
+def llama_bench_from_env() -> tuple[str, str] | None:
+    """(llama-bench binary, Q8_0 GGUF) from ``LLAMA_BENCH`` / ``LLAMA_BENCH_GGUF``, or None."""
+    binary = os.environ.get("LLAMA_BENCH")
+    if not binary:
+        return None
+    gguf = os.environ.get("LLAMA_BENCH_GGUF")
+    if not gguf or not Path(gguf).is_file():
+        raise SystemExit(
+            f"LLAMA_BENCH is set but LLAMA_BENCH_GGUF ({gguf!r}) is not a file: make a Q8_0 GGUF of the same"
+            " weights, e.g. llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf out.gguf Q8_0"
+        )
+    return binary, gguf
+
+
+def llama_bench_decode_rate(binary: str, gguf: str, threads: int, context: int, new_tokens: int) -> float:
+    """llama.cpp's decode tok/s for ``new_tokens`` generated after ``context`` tokens: one
+    repetition each with flash attention off and on, the faster counting (on this CPU flash
+    attention measured slower at a 256-token context)."""
+    command = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new_tokens)]
+    command += ["-d", str(context), "-fa", "0,1", "-r", "1", "-o", "json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return max(row["avg_ts"] for row in json.loads(done.stdout))
 
 
 class Ours:
@@ -145,11 +179,21 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     side_by_side("long_2048_ttft", long_prompt, 2)
 
     int8 = Ours(model_dir, kv_cache_memory="1GiB", quantization="int8", **common)
-    int8_rates = [decode_rate(int8.run, single, sizes["new"])[1] for _ in range(args.reps)]
+    llama = llama_bench_from_env()
+    int8_rates, llama_rates = [], []
+    for _ in range(args.reps):  # interleaved with llama.cpp when it is given
+        int8_rates.append(decode_rate(int8.run, single, sizes["new"])[1])
+        if llama is not None:
+            llama_rates.append(llama_bench_decode_rate(*llama, args.threads, sizes["prompt"], sizes["new"]))
     table["int8_single"] = {
         "int8_decode_tok_s": statistics.median(int8_rates),
         "vs_bf16": statistics.median(int8_rates) / table["single_256_128"]["ours_decode_tok_s"],
     }
+    if llama_rates:
+        table["int8_single"]["llama_cpp_q8_0_tok_s"] = statistics.median(llama_rates)
+        table["int8_single"]["vs_llama_cpp_q8_0"] = statistics.median(int8_rates) / statistics.median(
+            llama_rates
+        )
     int8_weight_bytes = int8.weight_bytes
     del int8
 
@@ -262,6 +306,9 @@ def write_chart(results: dict, path: Path) -> None:
             ratios.append(1 / row["ttft_ratio"])
     labels.append("INT8 decode\nvs our BF16")
     ratios.append(results["scenarios"]["int8_single"]["vs_bf16"])
+    if "vs_llama_cpp_q8_0" in results["scenarios"]["int8_single"]:
+        labels.append("INT8 decode\nvs llama.cpp Q8_0")
+        ratios.append(results["scenarios"]["int8_single"]["vs_llama_cpp_q8_0"])
     labels.append("2nd turn TTFT\nwarm vs cold")
     ratios.append(results["scenarios"]["second_turn_reuse"]["speedup"])
     figure, axis = plt.subplots(figsize=(9, 3.8))

@@ -240,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             **summary,
             "ratio": ratios,
             "paired_ratio": paired,
+            "runs": {  # per repetition: its makespan and every request's time to first token
+                policy: [
+                    {"makespan_s": run.makespan_seconds, "ttft_s": run.ttft_seconds} for run in runs[policy]
+                ]
+                for policy in POLICIES
+            },
         }
         args.json.write_text(json.dumps(results, indent=2))
     return 0

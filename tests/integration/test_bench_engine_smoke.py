@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from kunlun_runtime.platforms.cpu import CpuPlatform
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
 
@@ -42,6 +44,20 @@ def test_bench_engine_quick_run_writes_results_and_chart(tmp_path, capsys):
     assert results["ablation"]["all on"]["vs_all_on"] == 1.0
     assert (out / "engine.png").stat().st_size > 1000
     assert "ablation" in capsys.readouterr().out
+
+
+def test_llama_cpp_comparison_says_which_gguf_it_needs(tmp_path, monkeypatch):
+    bench = load("bench_engine")
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    assert bench.llama_bench_from_env() is None  # not asked for: the INT8 row has no llama.cpp column
+    monkeypatch.setenv("LLAMA_BENCH", str(tmp_path / "llama-bench"))
+    monkeypatch.setenv("LLAMA_BENCH_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(SystemExit, match=r"LLAMA_BENCH_GGUF .* is not a file.*Q8_0"):
+        bench.llama_bench_from_env()
+    gguf = tmp_path / "model-q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("LLAMA_BENCH_GGUF", str(gguf))
+    assert bench.llama_bench_from_env() == (str(tmp_path / "llama-bench"), str(gguf))
 
 
 def test_bench_kv_layout_quick_run(tmp_path):

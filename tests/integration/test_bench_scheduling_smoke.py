@@ -50,6 +50,9 @@ def test_quick_run_reports_both_policies_and_their_ratios(tmp_path):
         timings = {key: value for key, value in data[policy].items() if key != "cached_prompt_fraction"}
         assert all(value > 0 and math.isfinite(value) for value in timings.values())
         assert 0.0 <= data[policy]["cached_prompt_fraction"] <= 1.0
+        (run,) = data["runs"][policy]  # the raw numbers behind the table, for a tail's post-mortem
+        assert run["makespan_s"] > 0 and len(run["ttft_s"]) == 8
+        assert max(run["ttft_s"].values()) <= run["makespan_s"]
     for key in METRICS:
         if data["fixed"][key] == 0:  # cached_prompt_fraction without a cache hit
             assert math.isnan(data["ratio"][key]) and math.isnan(data["paired_ratio"][key])

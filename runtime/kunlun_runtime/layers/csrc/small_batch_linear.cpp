@@ -40,7 +40,9 @@ namespace {
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kMinAmxRows = 3;  // from this many rows on, the AMX kernel (amx_linear.cpp)
 // Software prefetch distance along the weight stream, in bytes (16 KiB measured best on a 2-core
-// Xeon with AMX; the hardware prefetcher alone left each core at about 7 GB/s).
+// Xeon with AMX; the hardware prefetcher alone left each core at about 7 GB/s). The lines go to L2
+// (_MM_HINT_T1): into L1 measured 8 % slower for the INT8 kernel at one row and 2-3 % for BF16,
+// over the model's 30 layers of linears, interleaved.
 constexpr int64_t kPrefetchBytes = 16384;
 
 inline __m512bh load_bf16x32(const c10::BFloat16* p) {
@@ -63,7 +65,7 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T1);
       wv[r] = load_bf16x32(w + (n0 + r) * K + k);
     }
     for (int m = 0; m < M; ++m) {
@@ -112,7 +114,7 @@ inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks,
       const __mmask32 mask = k + 32 <= k1 ? ~__mmask32(0) : (__mmask32(1) << (k1 - k)) - 1;
       __m512i wv[R];
       for (int r = 0; r < R; ++r) {
-        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T0);
+        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T1);
         wv[r] = load_int8x32_as_int16(w + (n0 + r) * K + k, mask);
       }
       for (int m = 0; m < M; ++m) {
