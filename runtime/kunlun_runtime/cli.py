@@ -239,7 +239,9 @@ def run_golden_command(args: argparse.Namespace) -> int:
 
         ours = capture_tensor_parallel(model_dir, token_ids, args.tensor_parallel_size, dtype)
         num_layers = load_model_config(model_dir).num_layers
-        report = report_against_reference(ours, model_dir, token_ids, dtype, num_layers, args.tolerance)
+        report = report_against_reference(
+            ours, model_dir, token_ids, dtype, num_layers, args.tolerance, args.tensor_parallel_size
+        )
     else:
         from kunlun_runtime.layers.linear import choose_linear_backend, convert_linears
 

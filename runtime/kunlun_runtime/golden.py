@@ -41,6 +41,7 @@ class GoldenReport:
     layers: tuple[LayerError, ...]
     first_divergent_layer: str | None
     passed: bool
+    tensor_parallel_size: int = 1  # how many ranks the engine side was split into
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,8 +163,10 @@ def report_against_reference(
     dtype: torch.dtype,
     num_layers: int,
     tolerance: float | None = None,
+    tensor_parallel_size: int = 1,
 ) -> GoldenReport:
-    """Compare already captured engine layer outputs with the FP32 reference."""
+    """Compare already captured engine layer outputs (from ``tensor_parallel_size`` ranks) with the
+    FP32 reference."""
     tolerance = TOLERANCES.get(dtype, 1e-2) if tolerance is None else tolerance
     names = layer_names(num_layers)
     reference = capture_reference(model_dir, token_ids)
@@ -176,12 +179,14 @@ def report_against_reference(
         layers=layers,
         first_divergent_layer=first,
         passed=first is None,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
 def format_report(report: GoldenReport) -> str:
     lines = [
-        f"golden: {report.model} dtype={report.dtype} tokens={report.num_tokens} (reference: HF transformers FP32)",
+        f"golden: {report.model} dtype={report.dtype} tensor_parallel_size={report.tensor_parallel_size}"
+        f" tokens={report.num_tokens} (reference: HF transformers FP32)",
         f"{'layer':<16}{'max_abs_err':>14}{'max_rel_err':>14}{'tolerance':>12}  result",
     ]
     for layer in report.layers:

@@ -1,9 +1,12 @@
 """Tensor parallelism on CPU (gloo): TP=2 in FP32 equals TP=1 layer by layer (1e-5) and in tokens."""
 
+import json
+
 import pytest
 import torch
 
 from kunlun_runtime import LLM, SamplingParams
+from kunlun_runtime.cli import main
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.golden import capture_engine, compare, layer_names
 from kunlun_runtime.golden_tp import capture_tensor_parallel
@@ -21,6 +24,16 @@ def test_tp2_layer_outputs_equal_tp1_within_1e5(tiny_model_dirs, name):
     rows = compare(split, single, layer_names(config.num_layers), tolerance=1e-5)
     assert all(row.passed for row in rows), [(row.name, row.max_rel_err) for row in rows]
     assert max(row.max_abs_err for row in rows) > 0  # really a different computation
+
+
+def test_golden_command_runs_tp2_against_hf_fp32(tiny_model_dirs, capsys):
+    """``kunlun-runtime golden --tensor-parallel-size 2``: the split engine against HF FP32 itself."""
+    argv = ["golden", "--model", str(tiny_model_dirs["llama-gqa"]), "--tensor-parallel-size", "2", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["tensor_parallel_size"] == 2
+    assert [layer["name"] for layer in report["layers"]] == layer_names(2)
+    assert all(layer["max_rel_err"] <= 1e-5 for layer in report["layers"])
 
 
 def test_tp2_engine_generates_the_same_tokens_and_logprobs(tiny_model_dirs):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds llama.cpp (llama-server, llama-bench, llama-quantize) from the sources vendored in the
+# llama-cpp-python sdist, for the side-by-side comparisons of bench_engine.py (INT8 vs Q8_0) and
+# bench_serving.py (HTTP vs llama-server), and writes Q8_0 and BF16 GGUFs of the embedded SmolLM2
+# next to it (requantized from the Q4_1 GGUF our default model is imported from, so both engines
+# run the same weights). Nothing it makes is committed, shipped or used by the runtime.
+#
+#   benchmarks/build_llama_cpp.sh /tmp/llama.cpp        # about 10 minutes on 2 cores
+#
+# GCC 12 builds a ggml whose AMX path dies with "Illegal instruction" unless the CPU backend is
+# compiled with -fno-tree-dse -fno-dse (a known compiler issue), so every file gets those flags.
+set -euo pipefail
+
+out=${1:?usage: benchmarks/build_llama_cpp.sh OUT_DIR}
+version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+python=${PYTHON:-.venv/bin/python}
+flags="-fno-tree-dse -fno-dse"
+
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+"$python" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$out"
+tar -xzf "$out/llama_cpp_python-$version.tar.gz" -C "$out"
+src="$out/llama_cpp_python-$version/vendor/llama.cpp"
+cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$out/configure.log"
+cmake --build "$out/build" -j"$(nproc)" --target llama-server llama-bench llama-quantize >"$out/build.log"
+
+gguf=$("$python" -c 'from kunlun_runtime.models.default_model import default_model_gguf; print(default_model_gguf())')
+for format in Q8_0 BF16; do
+  "$out/build/bin/llama-quantize" --allow-requantize "$gguf" "$out/smollm2-$format.gguf" "$format" >>"$out/quantize.log" 2>&1
+done
+
+echo "built; compare with:"
+echo "  LLAMA_BENCH=$out/build/bin/llama-bench LLAMA_BENCH_GGUF=$out/smollm2-Q8_0.gguf $python benchmarks/bench_engine.py"
+echo "  LLAMA_SERVER=$out/build/bin/llama-server LLAMA_ARG_FLASH_ATTN=off $python benchmarks/bench_serving.py --num-clients 8 --max-tokens 128"
