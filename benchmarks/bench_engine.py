@@ -8,7 +8,7 @@ ablation table (each optimisation switched off in turn). Writes ``results.json``
 When ``LLAMA_BENCH`` names llama.cpp's ``llama-bench`` and ``LLAMA_BENCH_GGUF`` a Q8_0 GGUF of the
 same model, the INT8 scenario also runs llama.cpp on the same shape (128 tokens decoded after a
 256-token context, 2 threads), interleaved with ours, flash attention off and on, the better one
-counting. llama.cpp is never downloaded or built by this script (see the README).
+counting. This script never downloads or builds llama.cpp: ``benchmarks/build_llama_cpp.sh`` does.
 
     .venv/bin/python benchmarks/bench_engine.py                  # full run on the embedded SmolLM2
     .venv/bin/python benchmarks/bench_engine.py --quick --model DIR   # smoke run (the test suite)
@@ -132,6 +132,7 @@ def decode_rate(run: Callable, prompts, new_tokens: int) -> tuple[float, float]:
 
 def run_scenarios(args: argparse.Namespace) -> dict:
     model_dir = args.model or str(__import__("kunlun_runtime.engine").engine.resolve_model_dir(None))
+    llama = llama_bench_from_env()  # checked first: a missing GGUF should not cost a whole run
     torch.set_num_threads(args.threads)
     sizes = {"prompt": 256, "new": 128, "batch": 8, "batch_prompt": 128, "long": 2048, "history": 2000}
     if args.quick:
@@ -179,7 +180,6 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     side_by_side("long_2048_ttft", long_prompt, 2)
 
     int8 = Ours(model_dir, kv_cache_memory="1GiB", quantization="int8", **common)
-    llama = llama_bench_from_env()
     int8_rates, llama_rates = [], []
     for _ in range(args.reps):  # interleaved with llama.cpp when it is given
         int8_rates.append(decode_rate(int8.run, single, sizes["new"])[1])
@@ -317,7 +317,7 @@ def write_chart(results: dict, path: Path) -> None:
     axis.set_xticks(range(len(ratios)), labels, fontsize=7)
     axis.set_yscale("log")
     axis.set_ylabel("speed-up (x, log scale)")
-    axis.set_title("kunlun-runtime vs HF transformers, same run (median)")
+    axis.set_title("kunlun-runtime speed-ups, same run (median): vs HF transformers unless labelled")
     figure.tight_layout()
     figure.savefig(path)
 

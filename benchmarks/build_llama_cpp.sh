@@ -23,8 +23,8 @@ tar -xzf "$out/llama_cpp_python-$version.tar.gz" -C "$out"
 src="$out/llama_cpp_python-$version/vendor/llama.cpp"
 cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$out/configure.log"
-cmake --build "$out/build" -j"$(nproc)" --target llama-server llama-bench llama-quantize >"$out/build.log"
+  -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$out/configure.log" 2>&1
+cmake --build "$out/build" -j"$(nproc)" --target llama-server llama-bench llama-quantize >"$out/build.log" 2>&1
 
 gguf=$("$python" -c 'from kunlun_runtime.models.default_model import default_model_gguf; print(default_model_gguf())')
 for format in Q8_0 BF16; do
