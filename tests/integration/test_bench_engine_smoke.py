@@ -19,7 +19,8 @@ def load(name):
     return module
 
 
-def test_bench_engine_quick_run_writes_results_and_chart(tmp_path, capsys):
+def test_bench_engine_quick_run_writes_results_and_chart(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)  # a developer's llama.cpp is not part of this check
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
     out = tmp_path / "out"
     assert (
