@@ -67,7 +67,9 @@ def create_app(
     app.state.lifecycle = life
     install_error_handlers(app)
 
-    def served() -> ServedModel:
+    # Both dependencies are async: FastAPI runs a plain `def` dependency in its thread pool, a hop
+    # per request for checks that never block.
+    async def served() -> ServedModel:
         if life.state is ServerState.DRAINING:
             raise unavailable("the server is shutting down")
         if life.state is ServerState.FAILED:
@@ -76,7 +78,7 @@ def create_app(
             raise unavailable("the model is loading")
         return life.served
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:
         if api_key is None:
             return
         header = request.headers.get("authorization", "")

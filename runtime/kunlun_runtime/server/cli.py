@@ -89,7 +89,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if args.max_queue_len < 1:
         raise SystemExit("kunlun-runtime serve: error: --max-queue-len must be at least 1")
-    lifecycle = Lifecycle(lambda: LLMEngine(config), max_queue_len=args.max_queue_len)
+    lifecycle = Lifecycle(
+        lambda: LLMEngine(config), max_queue_len=args.max_queue_len, freeze_gc_after_load=True
+    )
     app = create_app(lambda: LLMEngine(config), api_key=args.api_key, lifecycle=lifecycle)
     uvicorn_config = uvicorn.Config(
         app,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -46,6 +47,17 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
+def _settle_heap() -> None:
+    """Collect the garbage of loading, then exempt everything still alive (the model, the engine,
+    the imported libraries: ~3 * 10^5 objects) from later cyclic collections. Otherwise the
+    first full collection falls on the first requests and holds the GIL for ~0.1 s while the
+    engine thread waits (measured on SmolLM2: the first request's TTFT 0.27-0.34 s before,
+    0.12-0.16 s after; later requests ~0.04 s). Only for a process that serves and nothing else:
+    a frozen object that later becomes cyclic garbage is never freed."""
+    gc.collect()
+    gc.freeze()
+
+
 class Lifecycle:
     def __init__(
         self,
@@ -53,10 +65,13 @@ class Lifecycle:
         *,
         max_queue_len: int | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        freeze_gc_after_load: bool = False,
     ) -> None:
         self._factory = engine_factory
         self.max_queue_len = max_queue_len
         self.on_fatal = on_fatal
+        # For a process that is the server and nothing else (the CLI): see `_settle_heap`.
+        self.freeze_gc_after_load = freeze_gc_after_load
         self.registry = CollectorRegistry()
         self.state = ServerState.LOADING
         self.served: ServedModel | None = None
@@ -74,6 +89,8 @@ class Lifecycle:
             try:
                 engine = self._factory()
                 warm_up(engine)
+                if self.freeze_gc_after_load:
+                    _settle_heap()
                 done.set_result(engine)
             except BaseException as error:  # reported to the event loop below
                 done.set_exception(error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine import LLMEngine
 from kunlun_runtime.errors import ModelLoadError
 from kunlun_runtime.server.app import create_app
+from kunlun_runtime.server.lifecycle import Lifecycle
 from tests.integration.server.live import free_port, health_status, wait_until
 
 
@@ -66,3 +68,25 @@ def test_a_model_that_fails_to_load_never_becomes_ready(tmp_path: Path) -> None:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_only_a_serve_only_process_freezes_the_heap_left_by_loading(tiny_model_dir: Path) -> None:
+    """``kunlun-runtime serve`` (``freeze_gc_after_load``) exempts the loaded model and libraries
+    from cyclic collection before it turns ready; a server embedded in another program does not."""
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=16 << 20)
+    for freeze in (False, True):
+        gc.unfreeze()
+
+        def factory() -> LLMEngine:
+            return LLMEngine(config.validate())
+
+        lifecycle = Lifecycle(factory, freeze_gc_after_load=freeze)
+        server, thread, base_url = serve(create_app(factory, lifecycle=lifecycle))
+        try:
+            wait_until(lambda url=base_url: health_status(url) == 200, 300.0, "readiness")
+            assert (gc.get_freeze_count() > 0) is freeze
+            assert httpx.get(f"{base_url}/v1/models").status_code == 200
+        finally:
+            server.should_exit = True
+            thread.join(30)
+            gc.unfreeze()
