@@ -43,8 +43,52 @@ def test_bench_engine_quick_run_writes_results_and_chart(tmp_path, capsys, monke
     assert set(results["ablation"]) == set(load("bench_engine").ABLATIONS)
     assert {"all on", "neither native (the oneDNN engine)", "no cache-set skew"} <= set(results["ablation"])
     assert results["ablation"]["all on"]["vs_all_on"] == 1.0
+    batch = results["scenarios"]["batch8_128_128"]
+    assert batch["roofline_fraction"] == batch["ours_decode_tok_s"] / batch["roofline_tok_s"]
+    assert batch["roofline_vs_hf"] == batch["roofline_tok_s"] / batch["hf_decode_tok_s"]
+    assert results["matmul_best"]["tflops"] == max(results["matmul_tflops"].values()) > 0
+    assert len(results["matmul_tflops"]) == 2 * 4 + 1  # four linear shapes at two prompt lengths, one square
+    for name in ("single_256_128", "long_2048_ttft"):
+        row = results["scenarios"][name]
+        assert row["ttft_floor_ratio"] == row["ttft_floor_s"] / row["hf_ttft_s"] > 0
     assert (out / "engine.png").stat().st_size > 1000
-    assert "ablation" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ablation" in printed and "TTFT floor" in printed and "batch decode roofline" in printed
+
+
+def test_prefill_flops_match_a_flop_count_of_the_hf_forward(tmp_path):
+    """The TTFT floor's FLOPs are what HF's own forward performs (counted by torch), with attention
+    over the causal triangle instead of the full square eager attention multiplies."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from kunlun_runtime.models.model_config import load_model_config
+
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    config = load_model_config(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    tokens = 24
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        hf(torch.arange(tokens)[None], logits_to_keep=1)
+    square = 4 * config.num_layers * config.q_size * tokens * tokens  # QKᵀ and ·V, every pair
+    triangle = 4 * config.num_layers * config.q_size * tokens * (tokens + 1) / 2
+    assert load("bench_engine").prefill_flops(config, tokens) == counter.get_total_flops() - square + triangle
+
+
+def test_kv_bytes_per_token_is_what_the_cache_keeps_per_token(tmp_path):
+    from kunlun_runtime import LLM
+
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    engine = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory="8MiB", kv_block_skew=False).engine
+    per_token = engine.kv_cache.nbytes / (engine.kv_cache.num_blocks * engine.config.block_size)
+    bench = load("bench_engine")
+    assert bench.kv_bytes_per_token(engine.model_config) == per_token
+    weights = bench.weight_bytes_per_token(engine.model_config, None)
+    assert bench.decode_roofline_tok_s(20.0, weights, 0, 8, 100) == 8 * 20e9 / weights
+    assert bench.decode_roofline_tok_s(20.0, weights, per_token, 8, 100) == 8 * 20e9 / (
+        weights + 800 * per_token
+    )
 
 
 def test_llama_cpp_comparison_says_which_gguf_it_needs(tmp_path, monkeypatch):
