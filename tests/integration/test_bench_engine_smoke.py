@@ -189,3 +189,14 @@ def test_bench_mixed_step_quick_run(tmp_path, capsys):
     assert row["split_ms"] > 0 and row["padded_ms"] > 0
     assert row["speedup"] == row["padded_ms"] / row["split_ms"]
     assert "speedup" in capsys.readouterr().out
+
+
+def test_bench_fork_join_quick_run(tmp_path, capsys):
+    out = tmp_path / "fork_join.json"
+    argv = ["--regions", "200", "--work", "100", "--reps", "1", "--json", str(out)]
+    assert load("bench_fork_join").main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["threads"] == 2
+    assert result["region_s"] > 0 and result["share_s"] > 0 and result["empty_region_s"] > 0
+    assert result["overhead_s"] == result["region_s"] - result["share_s"]
+    assert "per region beyond the work" in capsys.readouterr().out
