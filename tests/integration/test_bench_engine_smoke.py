@@ -200,3 +200,17 @@ def test_bench_fork_join_quick_run(tmp_path, capsys):
     assert result["region_s"] > 0 and result["share_s"] > 0 and result["empty_region_s"] > 0
     assert result["overhead_s"] == result["region_s"] - result["share_s"]
     assert "per region beyond the work" in capsys.readouterr().out
+
+
+def test_bench_prefill_attention_quick_run_agrees_with_fp64_as_closely_as_sdpa(tmp_path, capsys):
+    """The AMX experiment builds, runs, and is as accurate as SDPA's flash kernel against FP64
+    (both round the probabilities and the output to BF16), over GQA, MHA, D = 128 and ragged T."""
+    out = tmp_path / "prefill_attention.json"
+    assert load("bench_prefill_attention").main(["--quick", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert len(results["accuracy"]) == 5
+    for row in results["accuracy"]:
+        assert row["amx_max_abs_err"] <= 1.25 * row["sdpa_max_abs_err"] + 1e-3, row
+    row = results["timing"]["40"]
+    assert row["amx_speedup"] == row["sdpa_s"] / row["amx_s"]
+    assert "amx speed-up" in capsys.readouterr().out

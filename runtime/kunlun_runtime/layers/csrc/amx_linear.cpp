@@ -42,18 +42,23 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 3; ++t) {  // tmm0: C (16 × 16 FP32), tmm1: A (16 × 32 BF16), tmm2: B (16 pairs × 16)
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
 }  // namespace
 
 namespace kunlun_cpu {
+
+void configure_amx_tiles() {
+  // A static object: GCC 12 does not see LDTILECFG read its operand and drops the stores into a
+  // local one ("dead"), which leaves an invalid configuration and an illegal-instruction fault.
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {  // every tile 16 rows × 64 bytes: C 16 × 16 FP32, A 16 × 32 BF16, B 16 pairs × 16
+      c.rows[t] = kTileRows;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
 
 bool amx_available() {
   static const bool granted = syscall(SYS_arch_prctl, kArchRequestXcompPerm, kXfeatureXtiledata) == 0;
@@ -84,7 +89,7 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const float
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(c10::BFloat16));
   at::parallel_for(0, N / kTileRows, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    configure_amx_tiles();
     alignas(64) float c[kTileRows * kTileRows];
     for (int64_t block = begin; block < end; ++block) {
       const c10::BFloat16* a = wp + block * kTileRows * K;

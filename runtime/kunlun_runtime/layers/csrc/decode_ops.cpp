@@ -44,6 +44,7 @@ namespace {
 using bf16 = c10::BFloat16;
 using kunlun_cpu::vec::load_bf16x16;
 using kunlun_cpu::vec::store_bf16x16;
+using kunlun_cpu::vec::exp_nonpositive;
 using kunlun_cpu::vec::tail_mask;
 
 inline float round_bf16(float value) { return static_cast<float>(bf16(value)); }
@@ -131,24 +132,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 namespace {
 
 // ---- decode attention ----------------------------------------------------------------------
-
-// e^x for x <= 0 (softmax arguments): 2^n · p(r), r = x − n·ln2 in [−ln2/2, ln2/2], a degree-6
-// Taylor polynomial (relative error below 2e-7), clamped so that very negative x gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-88.0f), x);  // this operand order keeps a NaN x a NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // HF's rotate-half rotary with its roundings: bf16(bf16(x·cos) + bf16(rotate_half(x)·sin)).
 inline void rotate(const bf16* x, const bf16* cos, const bf16* sin, int64_t D, float* out) {

@@ -14,6 +14,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 bool amx_available();
 bool amx_linear_fits(const at::Tensor& x, const at::Tensor& w);  // up to 16 rows, K % 32 == N % 16 == 0
 at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const float* bias);
+void configure_amx_tiles();  // this thread's eight tiles, each 16 rows × 64 bytes
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
                                                 double eps);
