@@ -14,14 +14,16 @@
 // and (P·V)ᵀ = Vᵀ·Pᵀ on the tile units again. K and Vᵀ are repacked per KV head once per call.
 //
 // Measured (see the benchmark), SmolLM2's 9 heads, 3 KV heads, D = 64, 30 layers interleaved
-// with SDPA, three runs: 1.16-1.26x SDPA at 256 tokens, 0.94-1.04x at 2,048. Without the softmax
-// the tile work alone takes ~40 % of the kernel's time at 2,048; perf puts the rest on the round
-// trips between the tile units and the vector units through memory (the instruction after the
-// first P·V product, waiting for Pᵀ's vector stores, and the softmax's loads of the score tiles
-// just stored) and on the softmax itself. Tried and not kept: a task of all three query heads of a KV head, each phase
-// run for every head before the next so that each round trip has other work in between (1.28x at
-// 256, 0.93x at 2,048: no better); computing S with the queries as the A operand and the softmax
-// row by row (0.52x, then 0.87x with four accumulators, at 2,048).
+// with SDPA, three runs: 1.29-1.35x SDPA at 256 tokens, 0.97-1.15x at 2,048. Where the time goes at
+// 2,048 (parts switched off in turn, one run, all on 514 ms, before V's packing was vectorised):
+// the score products with their stores and the packing ~190-215 ms, where the products' count at
+// the tile unit's rate (16 cycles per TDPBF16PS) would take ~15 ms; the softmax ~180 ms, of it
+// the exponentials ~80; P·V ~80 ms. perf on the score phase puts its samples after the tile
+// stores. Tried and not kept: computing S with the queries as the A operand and the softmax row by
+// row (0.52x, then 0.87x with four accumulators in flight, at 2,048; perf: waiting on the round
+// trips between tile and vector units through memory); a task of all three query heads of a KV
+// head, each phase run for every head before the next so that each round trip has other work in
+// between (0.93x); straight-line code with fixed tile numbers at D = 64 (0.87-0.94x).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -113,15 +115,25 @@ void pack_keys(const bf16* k, int64_t key_stride, int64_t T, int64_t D, int64_t 
 }
 
 // Vᵀ of one KV head as A tiles of Oᵀ = Vᵀ·Pᵀ: for each 16 of D and each 32 keys, tile row r is
-// d = 16·slice + r over the chunk's 32 keys.
+// d = 16·slice + r over the chunk's 32 keys. As 32-bit pairs of keys that is the transpose of the
+// rows that interleave keys 2p and 2p + 1 element by element.
 void pack_values(const bf16* v, int64_t key_stride, int64_t T, int64_t D, int64_t key_chunks, bf16* out) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t slice = 0; slice < D / 16; ++slice) {
     for (int64_t kc = 0; kc < key_chunks; ++kc) {
-      bf16* tile = out + (slice * key_chunks + kc) * kTileElems;
-      for (int64_t j = 0; j < kTileK; ++j) {
-        const int64_t key = kc * kTileK + j;
-        for (int64_t r = 0; r < 16; ++r) tile[r * kTileK + j] = key < T ? v[key * key_stride + slice * 16 + r] : bf16(0.0f);
+      __m512i pairs[16], rows[16];
+      for (int64_t p = 0; p < 16; ++p) {
+        const int64_t even = kc * kTileK + 2 * p, odd = even + 1;
+        const __m256i a = even < T ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + even * key_stride + slice * 16))
+                                   : _mm256_setzero_si256();
+        const __m256i b = odd < T ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + odd * key_stride + slice * 16))
+                                  : _mm256_setzero_si256();
+        pairs[p] = _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
       }
+      kunlun_cpu::vec::transpose16x16(pairs, rows);
+      bf16* tile = out + (slice * key_chunks + kc) * kTileElems;
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * kTileK, rows[r]);
     }
   }
 }
