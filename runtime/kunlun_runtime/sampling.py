@@ -7,7 +7,7 @@ raw distribution (before temperature and truncation), as vLLM reports them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -76,8 +76,16 @@ def make_logprob(logprobs_row: torch.Tensor, token_id: int, num_top: int) -> Tok
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Sequence[int], seed: int = 0) -> None:
+    def __init__(
+        self,
+        eos_token_ids: Sequence[int],
+        seed: int = 0,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """``argmax``: row-wise argmax of FP32 [S, V] logits with ``torch.argmax``'s results
+        (the platform's faster one, e.g. ``cpu_kernels.argmax_rows``); default ``torch.argmax``."""
         self.eos_token_ids = list(eos_token_ids)
+        self.argmax = argmax or (lambda logits: torch.argmax(logits, dim=-1))
         self._seed_source = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -103,7 +111,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = apply_penalties(logits.clone(), requests)
         suppress_stop_tokens(logits, requests, self.eos_token_ids)
-        greedy_ids = torch.argmax(logits, dim=-1).tolist()
+        greedy_ids = self.argmax(logits).tolist()
         results = []
         for row, request in enumerate(requests):
             params = request.params

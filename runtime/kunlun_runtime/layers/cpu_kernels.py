@@ -29,6 +29,7 @@ SOURCES = (
     Path(__file__).parent / "csrc" / "amx_linear.cpp",
     Path(__file__).parent / "csrc" / "decode_ops.cpp",
     Path(__file__).parent / "csrc" / "decode_layers.cpp",
+    Path(__file__).parent / "csrc" / "argmax.cpp",
 )
 HEADERS = (Path(__file__).parent / "csrc" / "kernels.h", Path(__file__).parent / "csrc" / "bf16_vec.h")
 # The largest batches our linears take instead of oneDNN: BF16 runs 3-16 rows in one AMX pass
@@ -119,6 +120,12 @@ def linear_int8(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return torch.ops.kunlun_cpu.linear_int8(x, weight, scales, bias)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` for contiguous FP32 [S, V] logits, in one AVX-512 pass
+    per row (torch's reduction took 133 µs for one 49,152-entry row here)."""
+    return torch.ops.kunlun_cpu.argmax_rows(logits)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

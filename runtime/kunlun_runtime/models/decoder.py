@@ -223,6 +223,7 @@ class DecoderModel(nn.Module):
         # up to decode_max_rows sequences.
         self.decode_weights: list[torch.Tensor] | None = None
         self.decode_max_rows = cpu_kernels.MAX_ROWS
+        self.native_kernels = False  # set by enable_native_kernels
 
     def enable_native_kernels(self) -> bool:
         """Routes BF16 RMSNorm and decode attention through our CPU kernels (``cpu_kernels``);
@@ -235,6 +236,7 @@ class DecoderModel(nn.Module):
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.native = True
         self.decode_weights = self._collect_decode_weights()
+        self.native_kernels = True
         return True
 
     def _collect_decode_weights(self) -> list[torch.Tensor] | None:

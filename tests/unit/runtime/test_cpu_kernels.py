@@ -339,3 +339,51 @@ def test_native_linear_accepts_a_non_contiguous_weight():
     native = NativeLinear(linear)
     x = torch.randn(2, 64).bfloat16()
     _close(native(x), x.float() @ linear.weight.float().T)
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 100003])
+def test_argmax_rows_matches_torch_argmax(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=generator)
+    logits[1] = logits[1].round()  # many ties: the first index of the maximum wins
+    logits[2] = -float("inf")  # nothing finite: index 0
+    logits[3, vocab // 2 :] = float("nan")  # a NaN wins, the first one
+    assert torch.equal(cpu_kernels.argmax_rows(logits), torch.argmax(logits, dim=-1))
+
+
+@needs_kernels
+def test_argmax_rows_ties_across_lanes_and_chunks_keep_the_first_index():
+    logits = torch.zeros(3, 70)
+    logits[0, [5, 21, 37]] = 2.0  # the same maximum in three 16-wide chunks, three lanes
+    logits[1, [40, 9]] = 1.0
+    logits[2, 69] = float("nan")
+    logits[2, 3] = float("inf")
+    assert cpu_kernels.argmax_rows(logits).tolist() == [5, 9, 69] == torch.argmax(logits, dim=-1).tolist()
+
+
+@needs_kernels
+def test_argmax_rows_rejects_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="contiguous FP32"):
+        cpu_kernels.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous FP32"):
+        cpu_kernels.argmax_rows(torch.zeros(8, 2).t())
+
+
+@needs_kernels
+def test_engines_on_our_kernels_pick_greedy_tokens_with_our_argmax_and_the_same_tokens(tmp_path):
+    from kunlun_runtime import LLM, SamplingParams
+    from kunlun_runtime.sampling import Sampler
+    from tests.support.tiny_models import TINY_SPECS, make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory="16MiB")
+    assert llm.engine.sampler.argmax is cpu_kernels.argmax_rows
+    prompts = [{"prompt_token_ids": [3 + i, 40 + 2 * i, 7]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    llm.engine.sampler = Sampler(llm.engine.eos_token_ids)  # torch.argmax
+    llm.engine.block_pool.reset_prefix_cache()
+    assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == ours
+    fp32 = LLM(str(model_dir), dtype="float32", kv_cache_memory="16MiB")
+    assert fp32.engine.sampler.argmax is not cpu_kernels.argmax_rows  # no native kernels in FP32
