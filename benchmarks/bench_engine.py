@@ -106,7 +106,7 @@ class PrefillKernels:
     def time(self, tokens: int) -> tuple[float, float]:
         """(seconds of the linears, seconds of the attention) at ``tokens`` prompt tokens."""
         config = self.config
-        inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=torch.bfloat16) for w in self.weights}
+        inputs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for _, k in linear_shapes(config)}
         q = torch.randn(1, config.num_heads, tokens, config.head_dim, dtype=torch.bfloat16)
         k, v = (
             torch.randn(1, config.num_kv_heads, tokens, config.head_dim, dtype=torch.bfloat16) for _ in "kv"
