@@ -27,13 +27,26 @@ HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent / "runtime" / "kunlun_runtime" / "layers" / "csrc"
 
 
+def unavailable_reason() -> str | None:
+    """Why the experiment cannot run here (no runtime CPU kernels, no AMX tiles), or None."""
+    reason = cpu_kernels.unavailable_reason()
+    if reason is not None:
+        return f"the AMX experiment needs the runtime's CPU kernels: {reason}"
+    flags = next(
+        (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+    )
+    if not {"amx_tile", "amx_bf16"} <= set(flags.split()):
+        return "the AMX experiment needs a CPU with AMX tiles (amx_tile, amx_bf16)"
+    return None
+
+
 def build() -> None:
     """Compiles (or finds cached) the experiment's library and registers ``kunlun_experiment``."""
     from torch.utils import cpp_extension
 
-    reason = cpu_kernels.unavailable_reason()
+    reason = unavailable_reason()
     if reason is not None:
-        raise SystemExit(f"the AMX experiment needs the runtime's CPU kernels: {reason}")
+        raise SystemExit(reason)
     cpp_extension.load(
         name="kunlun_prefill_attention_experiment",
         sources=[str(HERE / "prefill_attention_amx.cpp"), str(CSRC / "amx_linear.cpp")],

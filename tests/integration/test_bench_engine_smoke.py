@@ -202,6 +202,10 @@ def test_bench_fork_join_quick_run(tmp_path, capsys):
     assert "per region beyond the work" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(
+    load("bench_prefill_attention").unavailable_reason() is not None,
+    reason=str(load("bench_prefill_attention").unavailable_reason()),
+)
 def test_bench_prefill_attention_quick_run_agrees_with_fp64_as_closely_as_sdpa(tmp_path, capsys):
     """The AMX experiment builds, runs, and is as accurate as SDPA's flash kernel against FP64
     (both round the probabilities and the output to BF16), over GQA, MHA, D = 128 and ragged T."""
