@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kunlun_runtime.layers import cpu_kernels
+from kunlun_runtime.layers.attention import fresh_prompt_attention
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parent / "runtime" / "kunlun_runtime" / "layers" / "csrc"
@@ -72,17 +72,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The call our engine's fresh-prompt path makes (and HF's prefill), [T, H * D]."""
-    T, H, D = q.shape
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=k.shape[1] != H,
-    )
-    return out.squeeze(0).transpose(0, 1).reshape(T, H * D)
+    """The engine's fresh-prompt attention (SDPA's causal flash kernel, as HF's prefill calls it)."""
+    return fresh_prompt_attention(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -177,17 +177,8 @@ def paged_attention(
         return out
     if fused and meta.is_fresh_single_prefill:
         # One prompt from position 0: its own K/V are the whole context, so attend to them as they
-        # are (no gather from the pool; the pool holds the same values) with plain causal
-        # attention, which lets SDPA take its flash path (the long-prompt TTFT case).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], num_heads * head_dim)
+        # are (no gather from the pool; the pool holds the same values).
+        return fresh_prompt_attention(q, k, v, scale, gqa)
 
     num_seqs, max_blocks = meta.block_tables.shape
     # index_select on the flattened table copies whole blocks (~4x faster than advanced indexing).
@@ -213,6 +204,22 @@ def paged_attention(
         return out.reshape(num_seqs, num_heads * head_dim)
     out = out.transpose(1, 2).reshape(num_seqs * meta.max_query_len, num_heads * head_dim)
     return out[meta.query_padded_index]
+
+
+def fresh_prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool
+) -> torch.Tensor:
+    """Causal attention of one prompt over its own keys, q [T, H, D], k/v [T, KVH, D] → [T, H * D]:
+    plain causal SDPA, which takes its flash path (the long-prompt TTFT case)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], q.shape[1] * q.shape[2])
 
 
 def _unfused_attention(
