@@ -210,7 +210,12 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def _golden_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF-format model directory (default: embedded SmolLM2)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "auto"],
+        help="auto: what serve's --dtype auto runs on this CPU (FP32 over BF16 weights without native BF16)",
+    )
     parser.add_argument("--prompt", default="The capital of France is Paris. The capital of Italy is")
     parser.add_argument("--tolerance", type=float, default=None, help="override the dtype's tolerance")
     parser.add_argument("--chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
@@ -225,13 +230,15 @@ def _golden_args(parser: argparse.ArgumentParser) -> None:
 def run_golden_command(args: argparse.Namespace) -> int:
     import torch
 
-    from kunlun_runtime.engine import resolve_model_dir
+    from kunlun_runtime.engine import resolve_dtype, resolve_model_dir, resolve_weight_dtype
     from kunlun_runtime.golden import format_report, report_against_reference, run_golden
     from kunlun_runtime.models.loader import load_model
+    from kunlun_runtime.platforms import CpuPlatform
     from kunlun_runtime.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(args.model)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = resolve_dtype(args.dtype, CpuPlatform())
+    weight_dtype = resolve_weight_dtype(args.dtype, CpuPlatform())
     token_ids = Tokenizer(model_dir).encode(args.prompt)
     if args.tensor_parallel_size > 1:
         from kunlun_runtime.golden_tp import capture_tensor_parallel
@@ -246,10 +253,9 @@ def run_golden_command(args: argparse.Namespace) -> int:
         from kunlun_runtime.layers.linear import choose_linear_backend, convert_linears
 
         device = torch.device("cpu")
-        model, _ = load_model(model_dir, dtype, device, max(len(token_ids), 1) + 1)
-        convert_linears(
-            model, backend=choose_linear_backend(args.linear_backend, dtype, device), quantization=None
-        )
+        model, _ = load_model(model_dir, weight_dtype, device, max(len(token_ids), 1) + 1, compute_dtype=dtype)
+        backend = choose_linear_backend(args.linear_backend, dtype, device, weight_dtype)
+        convert_linears(model, backend=backend, quantization=None, compute_dtype=dtype)
         if args.native_kernels:
             model.enable_native_kernels()
         report = run_golden(model, model_dir, token_ids, tolerance=args.tolerance, chunk_size=args.chunk_size)
@@ -324,10 +330,43 @@ def _load_optional_commands() -> None:
                 raise
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the package version and what the CPU probe found (ISA tier, caches)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from kunlun_runtime.platforms.cpu_features import cpu_capabilities
+        from kunlun_runtime.version import __version__
+
+        try:
+            cpu = cpu_capabilities()
+        except KunlunRuntimeError as error:
+            parser.exit(2, f"kunlun-runtime {__version__}\nerror: {error}\n")
+        forced = "" if cpu.tier == cpu.detected_tier else f" (forced; the CPU has {cpu.detected_tier.value})"
+        caches = ", ".join(
+            f"{name} {value // 1024} KiB"
+            for name, value in (("L1d", cpu.l1d_bytes), ("L2", cpu.l2_bytes), ("L3", cpu.l3_bytes))
+            if value
+        )
+        lines = [
+            f"kunlun-runtime {__version__}",
+            f"cpu: {cpu.model_name}",
+            f"isa tier: {cpu.tier.value}{forced}",
+            f"caches: {caches or 'unknown'}",
+        ]
+        print("\n".join(lines))
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     _load_optional_commands()
     parser = argparse.ArgumentParser(prog="kunlun-runtime", description="kunlun-inference runtime")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print the version and this CPU's kernel tier, then exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, configure, run) in COMMANDS.items():
         child = sub.add_parser(name, help=help_text, description=help_text)

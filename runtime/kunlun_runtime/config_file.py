@@ -3,7 +3,7 @@
 Accepted shapes:
 
 - the output of ``kunlun-runtime tune``: a mapping with an ``engine`` section (the options) and the
-  documentation sections ``why`` and ``measurements`` (ignored);
+  documentation sections ``why``, ``measurements`` and ``cpu`` (ignored);
 - a flat mapping of options.
 
 Keys are ``EngineConfig`` field names (``max_num_seqs``) or their flag spelling (``max-num-seqs``);
@@ -23,7 +23,7 @@ import yaml
 from kunlun_runtime.config import EngineConfig, parse_memory
 from kunlun_runtime.errors import ConfigError
 
-DOCUMENTATION_SECTIONS = frozenset({"why", "measurements"})
+DOCUMENTATION_SECTIONS = frozenset({"why", "measurements", "cpu"})
 # Python types each EngineConfig field accepts from YAML (bool is not an int here).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
@@ -54,7 +54,7 @@ def _read(path: Path) -> dict[str, Any]:
         return data
     extra = sorted(set(data) - {"engine"} - DOCUMENTATION_SECTIONS)
     if extra:
-        raise _error(path, extra[0], "unknown section (a tune file has engine, why, measurements)")
+        raise _error(path, extra[0], "unknown section (a tune file has engine, why, measurements, cpu)")
     if not isinstance(data["engine"], dict):
         raise _error(path, "engine", "must be a mapping of engine options")
     return data["engine"]

@@ -50,12 +50,18 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
+    """The compute (activation) dtype of ``--dtype name`` on ``platform``."""
     if name == "auto":
         return platform.default_dtype()
     dtype = _DTYPES[name]
     if dtype not in platform.supported_dtypes():
         raise ConfigError(f"dtype: {name} is not supported on {platform.name}", field="dtype")
     return dtype
+
+
+def resolve_weight_dtype(name: str, platform: Platform) -> torch.dtype:
+    """The dtype the weights are kept in: the platform's choice under ``auto``, else ``name``'s."""
+    return platform.default_weight_dtype() if name == "auto" else resolve_dtype(name, platform)
 
 
 @dataclass(slots=True)
@@ -73,7 +79,8 @@ class LLMEngine:
         self.config = config.validate()
         self.platform = detect(config.device)
         self.device = self.platform.device()
-        self.dtype = resolve_dtype(config.dtype, self.platform)
+        self.dtype = resolve_dtype(config.dtype, self.platform)  # activations, KV cache
+        self.weight_dtype = resolve_weight_dtype(config.dtype, self.platform)
         self.model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(self.model_dir)
         self.max_model_len = self._resolve_max_model_len(model_config)
@@ -101,17 +108,18 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, broadcaster=self.tp_group)
         self.eos_token_ids = model_config.eos_token_ids
-        # Greedy picks through our AVX-512 argmax where the model runs our kernels (same results
-        # as torch.argmax, ~12x faster over a 49,152-entry vocabulary).
+        # Greedy picks through our argmax where the model runs our kernels (same results as
+        # torch.argmax, ~12x faster over a 49,152-entry vocabulary with AVX-512).
         argmax = cpu_kernels.argmax_rows if self.model.native_kernels else None
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, argmax=argmax)
         self._tracked: dict[str, _Tracked] = {}
         self.num_generation_tokens_total = 0
         self.num_prompt_tokens_total = 0
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d (%.1f MiB)",
+            "engine ready: model=%s dtype=%s weights=%s device=%s max_model_len=%d kv_blocks=%d (%.1f MiB)",
             self.model_dir,
             self.dtype,
+            self.weight_dtype,
             self.device,
             self.max_model_len,
             num_blocks,
@@ -127,6 +135,7 @@ class LLMEngine:
         return RankSpec(
             model_dir=str(self.model_dir),
             dtype=self.dtype,
+            weight_dtype=self.weight_dtype,
             device_type=self.device.type,
             max_positions=self.max_model_len,
             num_blocks=plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, self.max_model_len),
@@ -134,7 +143,7 @@ class LLMEngine:
             cache_line_bytes=self.platform.cache_line_bytes,
             cache_num_sets=self.platform.cache_num_sets,
             kv_block_skew=config.kv_block_skew,
-            linear_backend=choose_linear_backend(config.linear_backend, self.dtype, self.device),
+            linear_backend=choose_linear_backend(config.linear_backend, self.dtype, self.device, self.weight_dtype),
             quantization=config.quantization,
             fused_attention=config.fused_attention,
             native_kernels=config.native_kernels,

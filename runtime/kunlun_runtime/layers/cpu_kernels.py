@@ -1,12 +1,20 @@
-"""Our own CPU kernels (``csrc/``: small-batch linears, RMSNorm, fused decode attention), built
-once per machine with the local C++ compiler and cached.
+"""Our own CPU kernels (``csrc/``), one library per ISA tier, built once per machine with the local
+C++ compiler and cached.
 
-``load()`` returns True when ``torch.ops.kunlun_cpu`` is usable: an x86 CPU with AVX-512 BF16 and
-either a prebuilt library named by ``$KUNLUN_CPU_KERNELS_LIB`` (what the runtime image ships:
-``python -m kunlun_runtime.layers.cpu_kernels --build-to FILE`` makes it, on any x86 machine with a
-compiler) or a compiler for a build on first use (into ``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``; later processes load the cached library in milliseconds).
-Otherwise ``unavailable_reason()`` says what is missing and callers keep the oneDNN path.
+A tier is named by the activations it computes on: the AVX-512 tier (``csrc/avx512``, BF16
+activations; AMX tiles where granted) and the AVX2 tier (``csrc/avx2``, FP32 activations: BF16 is
+emulated on AVX2, so weights stay BF16 or INT8 and are widened in registers). Both implement
+``csrc/kernels.h``; each library registers its own op namespace (``torch.ops.kunlun_avx512``,
+``torch.ops.kunlun_avx2``), so a process may load both and an AVX-512 machine tests both. The
+functions below pick the library from the activations' dtype.
+
+``load(dtype)`` is True when the tier for ``dtype`` runs here: the tier in force
+(``platforms.cpu_features``, ``KUNLUN_CPU_ISA``) includes it, and either a prebuilt library sits in
+``$KUNLUN_CPU_KERNELS_DIR`` (what the runtime image ships: ``python -m
+kunlun_runtime.layers.cpu_kernels --build-to DIR`` makes every tier on any x86 machine with a
+compiler) or a compiler builds it on first use (into ``$TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``; later processes load the cached library in milliseconds). Otherwise
+``unavailable_reason(dtype)`` says what is missing and callers keep the plain PyTorch path.
 """
 
 from __future__ import annotations
@@ -15,63 +23,105 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
+
 log = logging.getLogger(__name__)
 
-SOURCES = (
-    Path(__file__).parent / "csrc" / "small_batch_linear.cpp",
-    Path(__file__).parent / "csrc" / "amx_linear.cpp",
-    Path(__file__).parent / "csrc" / "decode_ops.cpp",
-    Path(__file__).parent / "csrc" / "decode_layers.cpp",
-    Path(__file__).parent / "csrc" / "argmax.cpp",
+CSRC = Path(__file__).parent / "csrc"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTier:
+    """One kernel library: its tier, op namespace, activation dtype, sources and flags."""
+
+    tier: IsaTier
+    namespace: str
+    activation_dtype: torch.dtype
+    sources: tuple[Path, ...]
+    compile_flags: tuple[str, ...]
+
+
+_COMMON_SOURCES = (CSRC / "decode_layers.cpp", CSRC / "registration.cpp")
+_COMMON_FLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden")
+TIERS = {
+    IsaTier.AVX512: KernelTier(
+        tier=IsaTier.AVX512,
+        namespace="kunlun_avx512",
+        activation_dtype=torch.bfloat16,
+        sources=(
+            CSRC / "avx512" / "small_batch_linear.cpp",
+            CSRC / "avx512" / "amx_linear.cpp",
+            CSRC / "avx512" / "decode_ops.cpp",
+            CSRC / "avx512" / "argmax.cpp",
+            *_COMMON_SOURCES,
+        ),
+        compile_flags=(
+            *_COMMON_FLAGS,
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512bf16",
+            "-mavx512vnni",
+            "-mamx-tile",
+            "-mamx-bf16",
+        ),
+    ),
+    IsaTier.AVX2: KernelTier(
+        tier=IsaTier.AVX2,
+        namespace="kunlun_avx2",
+        activation_dtype=torch.float32,
+        sources=(
+            CSRC / "avx2" / "linear.cpp",
+            CSRC / "avx2" / "decode_ops.cpp",
+            CSRC / "avx2" / "argmax.cpp",
+            *_COMMON_SOURCES,
+        ),
+        compile_flags=(*_COMMON_FLAGS, "-mavx2", "-mfma", "-mf16c"),
+    ),
+}
+SOURCES = tuple(dict.fromkeys(source for tier in TIERS.values() for source in tier.sources))
+HEADERS = (
+    CSRC / "kernels.h",
+    CSRC / "avx512" / "bf16_vec.h",
+    CSRC / "avx512" / "amx_linear.h",
+    CSRC / "avx2" / "vec_avx2.h",
 )
-HEADERS = (Path(__file__).parent / "csrc" / "kernels.h", Path(__file__).parent / "csrc" / "bf16_vec.h")
+PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
 # The largest batches our linears take instead of oneDNN: BF16 runs 3-16 rows in one AMX pass
-# (measured faster than oneDNN up to 16 rows); the INT8 kernel is compute-bound above 8.
+# (measured faster than oneDNN up to 16 rows); the INT8 kernels are compute-bound above 8.
 MAX_ROWS = 16
 INT8_MAX_ROWS = 8
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
-_COMPILE_FLAGS = [
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mavx512vnni",
-    "-mamx-tile",
-    "-mamx-bf16",
-    "-fopenmp",
-]
 
 
-def _missing_cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return list(REQUIRED_CPU_FLAGS)
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
-    )
-    return [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
+def tier_for_dtype(dtype: torch.dtype) -> KernelTier | None:
+    """The kernel tier whose activations are ``dtype`` (None: no kernels compute in it)."""
+    return next((tier for tier in TIERS.values() if tier.activation_dtype == dtype), None)
 
 
-def _compile() -> Path:
-    """Compiles (or finds cached) and loads the library; returns its path."""
+def _library_name(tier: KernelTier) -> str:
+    # The name carries a digest of the sources and flags, so an edited kernel is rebuilt.
+    text = b"".join(path.read_bytes() for path in (*tier.sources, *HEADERS)) + " ".join(tier.compile_flags).encode()
+    return f"{tier.namespace}_{hashlib.sha256(text).hexdigest()[:10]}"
+
+
+def _compile(tier: KernelTier) -> Path:
+    """Compiles (or finds cached) and loads ``tier``'s library; returns its path."""
     from torch.utils import cpp_extension
 
-    # The library's name carries a digest of the sources, so an edited kernel is rebuilt.
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))).hexdigest()[:10]
-    name = f"kunlun_cpu_kernels_{digest}"
+    name = _library_name(tier)
     cpp_extension.load(
         name=name,
-        sources=[str(source) for source in SOURCES],
-        extra_cflags=_COMPILE_FLAGS,
+        sources=[str(source) for source in tier.sources],
+        extra_cflags=[*tier.compile_flags, f"-DKUNLUN_OPS={tier.namespace}"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
@@ -80,68 +130,92 @@ def _compile() -> Path:
 
 
 @functools.cache
-def _build() -> str | None:
-    """Loads (building if needed) the library; returns None on success, else why it is unavailable."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the CPU kernels need x86-64, this is {platform.machine()}"
-    missing = _missing_cpu_flags()
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    prebuilt = os.environ.get("KUNLUN_CPU_KERNELS_LIB")
-    if prebuilt:
+def _build(tier_name: IsaTier) -> str | None:
+    """Loads (building if needed) a tier's library; returns None on success, else why it is unavailable."""
+    tier = TIERS[tier_name]
+    capabilities = cpu_capabilities()
+    if not capabilities.tier >= tier.tier:
+        forced = capabilities.tier != capabilities.detected_tier
+        return (
+            f"the {tier.tier.value} kernels need the {tier.tier.value} ISA tier; "
+            + (f"KUNLUN_CPU_ISA={capabilities.tier.value} is in force" if forced else
+               f"this CPU ({capabilities.model_name}) is {capabilities.detected_tier.value}")
+        )
+    prebuilt_dir = os.environ.get(PREBUILT_ENV)
+    if prebuilt_dir:
+        path = Path(prebuilt_dir) / f"{tier.namespace}.so"
         try:
-            torch.ops.load_library(prebuilt)
+            torch.ops.load_library(str(path))
         except (OSError, RuntimeError) as exc:
-            return f"loading KUNLUN_CPU_KERNELS_LIB={prebuilt} failed: {exc}"
+            return f"loading {path} ({PREBUILT_ENV}) failed: {exc}"
     else:
         try:
-            _compile()
+            _compile(tier)
         except Exception as exc:  # no compiler, no ninja, a compile error: all mean "not here"
             lines = str(exc).strip().splitlines() or [repr(exc)]
             first_error = next((line for line in lines if "error" in line.lower()), lines[-1])
-            return f"building the CPU kernels failed: {first_error.strip()}"
-    log.info("loaded the AVX-512 BF16 CPU kernels")
+            return f"building the {tier.tier.value} CPU kernels failed: {first_error.strip()}"
+    log.info("loaded the %s CPU kernels", tier.tier.value)
     return None
 
 
-def load() -> bool:
-    return _build() is None
+def load(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether our kernels for ``dtype`` activations run here (building them on first call)."""
+    return unavailable_reason(dtype) is None
 
 
-def unavailable_reason() -> str | None:
-    return _build()
+def unavailable_reason(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    tier = tier_for_dtype(dtype)
+    if tier is None:
+        return f"no kernel tier computes in {dtype}"
+    try:
+        return _build(tier.tier)
+    except ConfigError as exc:  # a bad KUNLUN_CPU_ISA
+        return str(exc)
+
+
+def _ops_for_tier(tier: IsaTier):
+    return getattr(torch.ops, TIERS[tier].namespace)
+
+
+def _ops(activations: torch.Tensor):
+    return _ops_for_tier(IsaTier.AVX512 if activations.dtype == torch.bfloat16 else IsaTier.AVX2)
+
+
+def _argmax_tier() -> IsaTier:
+    return IsaTier.AVX512 if load(torch.bfloat16) else IsaTier.AVX2
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.kunlun_cpu.linear_bf16(x, weight, bias)
+    return _ops(x).linear_bf16(x, weight, bias)
 
 
 def linear_int8(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return torch.ops.kunlun_cpu.linear_int8(x, weight, scales, bias)
+    return _ops(x).linear_int8(x, weight, scales, bias)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, dim=-1)`` for contiguous FP32 [S, V] logits, in one AVX-512 pass
-    per row (torch's reduction took 133 µs for one 49,152-entry row here)."""
-    return torch.ops.kunlun_cpu.argmax_rows(logits)
+    """``torch.argmax(logits, dim=-1)`` for contiguous FP32 [S, V] logits, one vector pass per row
+    in the best tier loaded (torch's reduction took 133 µs for one 49,152-entry row here)."""
+    return _ops_for_tier(_argmax_tier()).argmax_rows(logits)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.ops.kunlun_cpu.rms_norm(x, weight, eps)
+    return _ops(x).rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta rounded to BF16, its RMSNorm) in one pass."""
-    return torch.ops.kunlun_cpu.add_rms_norm(x, delta, weight, eps)
+    return _ops(x).add_rms_norm(x, delta, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """bf16(bf16(silu(gate)) * up) for gate_up = [gate | up] along the last dimension."""
-    return torch.ops.kunlun_cpu.silu_mul(gate_up)
+    return _ops(gate_up).silu_mul(gate_up)
 
 
 def decode_attention(
@@ -158,7 +232,7 @@ def decode_attention(
     window: int,
 ) -> torch.Tensor:
     """Rotary, KV write and paged attention for one new token per sequence (see decode_ops.cpp)."""
-    return torch.ops.kunlun_cpu.decode_attention(
+    return _ops(q).decode_attention(
         q, k, v, cos, sin, k_blocks, v_blocks, block_tables, context_lens, scale, window
     )
 
@@ -176,7 +250,7 @@ def rotary_kv_write(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary on q and k and the K/V write into the paged cache for any number of tokens;
     returns (rotated q, rotated k) (see decode_ops.cpp)."""
-    return torch.ops.kunlun_cpu.rotary_kv_write(
+    return _ops(q).rotary_kv_write(
         q, k, v, cos, sin, k_blocks, v_blocks, slot_block_ids, slot_offsets
     )
 
@@ -197,21 +271,22 @@ def decode_layers(
 ) -> torch.Tensor:
     """Every decoder layer of a decode step in one call (see decode_layers.cpp for ``weights``);
     ``shape`` is (num_heads, num_kv_heads, head_dim)."""
-    return torch.ops.kunlun_cpu.decode_layers(
+    return _ops(x).decode_layers(
         x, cos, sin, weights, k_caches, v_caches, block_tables, context_lens, *shape, eps, scale, window
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--build-to FILE``: compile the library (the CPU need not have AVX-512) and copy it there."""
+    """``--build-to DIR``: compile every tier's library (the CPU need not run them) into DIR."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--build-to", type=Path, required=True)
     args = parser.parse_args(argv)
-    args.build_to.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(_compile(), args.build_to)
-    print(f"built {args.build_to}")
+    args.build_to.mkdir(parents=True, exist_ok=True)
+    for tier in TIERS.values():
+        shutil.copy2(_compile(tier), args.build_to / f"{tier.namespace}.so")
+        print(f"built {args.build_to / tier.namespace}.so")
     return 0
 
 

@@ -1,18 +1,25 @@
 """Linear layers in the backend's fastest weight format, converted once at load time.
 
 - ``PackedLinear``: BF16 weights reordered into oneDNN's blocked layout (CPU), so each matmul
-  streams the weight once without re-layout.
-- ``NativeLinear``: the plain BF16 weight; batches of up to 16 rows (decode) go through our
-  AVX-512 BF16 / AMX kernels (``cpu_kernels``: it streams the weight near DRAM speed, where oneDNN's GEMM
-  reaches about a third of it at one row), larger ones (prefill) through ``F.linear``.
-- ``Int8Linear``: weight-only INT8 with one scale per output channel, BF16 activations, through
-  ``torch._weight_int8pack_mm`` (measured the fastest decode matmul on AVX-512/AMX CPUs); the
-  weight is read at half the bytes of BF16, which is what decode at small batch is bound by.
+  streams the weight once without re-layout. oneDNN's BF16 path needs AVX-512 BW/VL/DQ (or
+  AVX-NE-CONVERT); elsewhere ``prepacked`` is refused.
+- ``NativeLinear``: the plain BF16 weight; batches of up to 16 rows (decode) go through our kernels
+  (``cpu_kernels``: the AVX-512 tier for BF16 activations, the AVX2 tier for FP32 ones; they stream
+  the weight near DRAM speed, where oneDNN's GEMM reaches about a third of it at one row), larger
+  ones (prefill) through ``F.linear``, or ``widened_linear`` when the activations are FP32.
+- ``WideningLinear``: BF16 weight, FP32 activations, no kernels of ours (the plain floor of CPUs
+  without native BF16): the weight is widened chunk by chunk into a small per-thread FP32
+  workspace for oneDNN's SGEMM, so no FP32 copy of the model stays resident.
+- ``Int8Linear``: weight-only INT8 with one scale per output channel. Small batches through our
+  kernels where loaded; else ``torch._weight_int8pack_mm`` (BF16 activations, measured the fastest
+  library decode matmul on AVX-512/AMX CPUs) or the weight dequantized into the workspace (FP32).
 
 Module names are kept (``qkv_proj`` stays ``qkv_proj``), so golden runs hook the same layers.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -20,32 +27,115 @@ from torch import nn
 
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.layers import cpu_kernels
+from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 
 LINEAR_BACKENDS = frozenset({"plain", "prepacked", "native"})
+# oneDNN's BF16 weight reorder refuses CPUs without these ("bf16 path needs the cpu support
+# avx_ne_convert or avx512bw, avx512vl and avx512dq").
+ONEDNN_BF16_FLAGS = ("avx512bw", "avx512vl", "avx512dq")
+# FP32 elements of the per-thread workspace that BF16/INT8 weights are widened into (16 MiB): a
+# weight larger than that (a vocabulary projection) is widened and multiplied in row chunks.
+WORKSPACE_ELEMENTS = 4 << 20
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def choose_linear_backend(requested: str, dtype: torch.dtype, device: torch.device) -> str:
-    """Resolves ``auto`` for this dtype and device: our native kernels for BF16 on CPUs that have
-    them, else oneDNN-prepacked weights. An explicit ``native`` that cannot run says why."""
+def choose_linear_backend(
+    requested: str, dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype | None = None
+) -> str:
+    """Resolves ``auto`` for the compute ``dtype``, the ``weight_dtype`` (default: the same) and
+    the device: our kernels where the CPU tier runs them for this dtype, else oneDNN-prepacked
+    BF16 weights where oneDNN's BF16 path runs, else plain PyTorch (runs on any CPU).
+
+    Raises ConfigError when an explicit ``native`` or ``prepacked`` cannot run here, naming the
+    setting and what the CPU lacks.
+    """
+    weight_dtype = weight_dtype or dtype
     if requested == "native":
-        _require_native()
+        _require_native(dtype)
+    if requested == "prepacked" and device.type == "cpu" and weight_dtype == torch.bfloat16:
+        _require_prepacked(dtype)
     if requested != "auto":
         return requested
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load():
+    if device.type != "cpu":
+        return "plain"
+    if weight_dtype == torch.bfloat16 and cpu_kernels.load(dtype):
         return "native"
-    return "prepacked"
+    if weight_dtype == dtype == torch.bfloat16 and onednn_bf16_reason() is None:
+        return "prepacked"
+    return "plain"
 
 
-def _require_native() -> None:
-    if not cpu_kernels.load():
+def onednn_bf16_reason() -> str | None:
+    """Why oneDNN's BF16 weight path cannot run under the tier in force (None: it can)."""
+    capabilities = cpu_capabilities()
+    if capabilities.tier >= IsaTier.AVX512:
+        return None
+    if capabilities.tier != capabilities.detected_tier:
+        return f"KUNLUN_CPU_ISA={capabilities.tier.value} is in force"
+    flags = capabilities.flags
+    if "avx_ne_convert" in flags or all(flag in flags for flag in ONEDNN_BF16_FLAGS):
+        return None
+    lacking = [flag for flag in ONEDNN_BF16_FLAGS if flag not in flags]
+    return f"the CPU lacks {', '.join(lacking)} (or avx_ne_convert)"
+
+
+def _require_prepacked(dtype: torch.dtype) -> None:
+    reason = onednn_bf16_reason()
+    if dtype != torch.bfloat16:
+        reason = f"it computes in BF16 but the compute dtype is {dtype}"
+    if reason is not None:
         raise ConfigError(
-            f"linear_backend: native is unavailable here: {cpu_kernels.unavailable_reason()}",
+            f"linear_backend: prepacked (oneDNN BF16) is unavailable here: {reason}", field="linear_backend"
+        )
+
+
+def _require_native(dtype: torch.dtype = torch.bfloat16) -> None:
+    if not cpu_kernels.load(dtype):
+        raise ConfigError(
+            f"linear_backend: native is unavailable here: {cpu_kernels.unavailable_reason(dtype)}",
             field="linear_backend",
         )
 
 
 def _uses_small_batch_kernel(x: torch.Tensor, max_rows: int = cpu_kernels.MAX_ROWS) -> bool:
-    return x.dim() == 2 and x.shape[0] <= max_rows and x.dtype == torch.bfloat16
+    return x.dim() == 2 and x.shape[0] <= max_rows and x.dtype in _KERNEL_DTYPES
+
+
+class _Workspace(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+_workspace = _Workspace()
+
+
+def _workspace_rows(num_rows: int, row_elements: int) -> torch.Tensor:
+    """A [num_rows, row_elements] FP32 view of this thread's workspace (grown on demand)."""
+    needed = num_rows * row_elements
+    if _workspace.buffer is None or _workspace.buffer.numel() < needed:
+        _workspace.buffer = torch.empty(needed, dtype=torch.float32)
+    return _workspace.buffer[:needed].view(num_rows, row_elements)
+
+
+def widened_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, float(weight) [* scales], bias)`` for FP32 ``x`` and a BF16 or INT8 (with
+    per-row ``scales``) ``weight``, widening at most ``WORKSPACE_ELEMENTS`` weight elements at a
+    time into this thread's workspace."""
+    num_out, num_in = weight.shape
+    rows = max(1, min(num_out, WORKSPACE_ELEMENTS // num_in))
+    chunks = []
+    for start in range(0, num_out, rows):
+        stop = min(num_out, start + rows)
+        widened = _workspace_rows(stop - start, num_in)
+        widened.copy_(weight[start:stop])
+        if scales is not None:
+            widened.mul_(scales[start:stop, None])
+        chunks.append(F.linear(x, widened, None if bias is None else bias[start:stop]))
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,14 +173,30 @@ class NativeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _uses_small_batch_kernel(x):
             return cpu_kernels.linear_bf16(x.contiguous(), self.weight, self.bias_fp32)
+        if x.dtype != self.weight.dtype:
+            return widened_linear(x, self.weight, self.bias_fp32)
         return F.linear(x, self.weight, self.bias)
 
 
+class WideningLinear(nn.Module):
+    """BF16 weight, FP32 activations, plain PyTorch (see ``widened_linear``)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_buffer("bias_fp32", None if linear.bias is None else linear.bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return widened_linear(x, self.weight, self.bias_fp32)
+
+
 class Int8Linear(nn.Module):
-    """INT8 weights (per output channel). Without an activation scale (W8A16, the default):
-    small batches (decode) go through our AVX-512 kernel when ``native`` is on (else
-    ``_weight_int8pack_mm``) with BF16 activations, larger ones through the weight dequantized
-    to BF16. With a calibrated static ``input_scale`` (W8A8, where
+    """INT8 weights (per output channel). Without an activation scale (the default), small
+    batches (decode) go through our kernels when ``native`` is on: the AVX-512 tier's W8A16 for
+    BF16 activations, the AVX2 tier's W8A8 with dynamic activation scales for FP32 ones; else
+    ``_weight_int8pack_mm`` with BF16 activations. Larger batches multiply the weight
+    dequantized to the activations' dtype. With a calibrated static ``input_scale`` (W8A8, where
     calibration showed it accurate), larger batches run on the INT8 matrix units via ``_int_mm``."""
 
     SMALL_BATCH = 4
@@ -119,6 +225,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and _uses_small_batch_kernel(x, cpu_kernels.INT8_MAX_ROWS):
             return cpu_kernels.linear_int8(x.contiguous(), self.weight_int8, self.scales_fp32, self.bias)
+        if x.dtype == torch.float32 and self.input_scale is None:
+            return widened_linear(x, self.weight_int8, self.bias, self.scales_fp32)
         if x.shape[0] <= self.SMALL_BATCH:
             out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales).float()
         elif self.input_scale is None:
@@ -142,31 +250,39 @@ def _replace(model: nn.Module, make, skip: frozenset[str] = frozenset()) -> int:
     return count
 
 
-def convert_linears(model: nn.Module, *, backend: str, quantization: str | None) -> int:
+def convert_linears(
+    model: nn.Module, *, backend: str, quantization: str | None, compute_dtype: torch.dtype | None = None
+) -> int:
     """Convert the ``nn.Linear`` layers of ``model`` in place; returns how many were converted.
 
-    ``quantization="int8"`` → Int8Linear (W8A16) for every linear, ``lm_head`` included: once the
-    layers are INT8 the vocabulary projection is a fifth of a decode step's bytes on SmolLM2, and
-    quantizing it measured +0.2 points of perplexity and no loss of greedy agreement
-    (``benchmarks/bench_int8_quality.py``). A tied ``lm_head`` gets its own INT8 copy; the
-    embedding stays BF16. Then ``backend="prepacked"`` → PackedLinear for the remaining BF16
-    linears on CPU but ``lm_head``; ``"native"`` →
-    NativeLinear for every remaining BF16 linear, ``lm_head`` included, and our kernel for the INT8
-    ones; ``"plain"`` leaves them.
+    ``quantization="int8"`` → Int8Linear (per output channel) for every linear, ``lm_head``
+    included: once the layers are INT8 the vocabulary projection is a fifth of a decode step's
+    bytes on SmolLM2, and quantizing it measured +0.2 points of perplexity and no loss of greedy
+    agreement (``benchmarks/bench_int8_quality.py``). A tied ``lm_head`` gets its own INT8 copy;
+    the embedding stays BF16. Then ``backend="native"`` → NativeLinear for every remaining BF16
+    linear, ``lm_head`` included, and our kernels for the INT8 ones; ``"prepacked"`` →
+    PackedLinear for the remaining BF16 linears on CPU but ``lm_head``. Where the activations
+    (``compute_dtype``, default: the weights' dtype) are FP32 and the weights BF16, every linear
+    not made native becomes a WideningLinear: ``"plain"`` then means plain PyTorch over widened
+    weights.
     """
     count = 0
     if quantization == "int8":
         count += _replace(model, Int8Linear.from_linear)
     weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
+    compute_dtype = compute_dtype or weight.dtype
     if backend == "native":
-        _require_native()
+        _require_native(compute_dtype)
         for module in model.modules():
             if isinstance(module, Int8Linear):
                 module.native = True
         if weight.dtype == torch.bfloat16:
             count += _replace(model, NativeLinear)
     on_mkldnn = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-    if backend == "prepacked" and weight.dtype == torch.bfloat16 and on_mkldnn:
+    if backend == "prepacked" and weight.dtype == compute_dtype == torch.bfloat16 and on_mkldnn:
+        _require_prepacked(compute_dtype)
         # lm_head (49152 × 576 on SmolLM2) measured slower prepacked than plain BF16 at batch 1.
         count += _replace(model, PackedLinear, skip=frozenset({"lm_head"}))
+    if weight.dtype == torch.bfloat16 and compute_dtype == torch.float32:
+        count += _replace(model, WideningLinear)
     return count

@@ -1,5 +1,5 @@
 """RMSNorm, computed in FP32 and cast back exactly as the HF reference does (our CPU kernel when
-``native`` is on, for the 2-D BF16 activations of the decoder layers)."""
+``native`` is on, for the 2-D activations of the decoder layers in the kernels' dtype)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         self.native = False
 
     def uses_native(self, x: torch.Tensor) -> bool:
-        return self.native and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
+        return self.native and x.dim() == 2 and x.dtype == self.weight.dtype and x.is_contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_native(x):

@@ -68,7 +68,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.native and self.fused_attention and meta.max_query_len == 1 and q.dtype == torch.bfloat16:
+        k_blocks, v_blocks = kv_cache.k_blocks[self.layer_index], kv_cache.v_blocks[self.layer_index]
+        kv_written = self.native and self.fused_attention and q.dtype == k_blocks.dtype
+        if kv_written and meta.max_query_len == 1:
             cos, sin = cos_sin
             out = cpu_kernels.decode_attention(
                 q,
@@ -76,16 +78,14 @@ class Attention(nn.Module):
                 v,
                 cos.view(-1, self.head_dim),
                 sin.view(-1, self.head_dim),
-                kv_cache.k_blocks[self.layer_index],
-                kv_cache.v_blocks[self.layer_index],
+                k_blocks,
+                v_blocks,
                 meta.block_tables,
                 meta.context_lens,
                 self.scale,
                 meta.sliding_window,
             )
             return self._project_out(out)
-        k_blocks, v_blocks = kv_cache.k_blocks[self.layer_index], kv_cache.v_blocks[self.layer_index]
-        kv_written = self.native and self.fused_attention and q.dtype == k_blocks.dtype == torch.bfloat16
         if kv_written and meta.split is not None:
             return self._project_out(self._native_mixed(q, k, v, cos_sin, k_blocks, v_blocks, meta.split))
         if kv_written:  # rotary and the K/V write in one kernel call
@@ -179,7 +179,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.native and gate_up.dim() == 2 and gate_up.dtype == torch.bfloat16:
+        if self.native and gate_up.dim() == 2:
             out = self.down_proj(cpu_kernels.silu_mul(gate_up.contiguous()))
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -224,13 +224,21 @@ class DecoderModel(nn.Module):
         self.decode_weights: list[torch.Tensor] | None = None
         self.decode_max_rows = cpu_kernels.MAX_ROWS
         self.native_kernels = False  # set by enable_native_kernels
+        # The activations' dtype where it differs from the weights' (FP32 over BF16 weights on CPUs
+        # without native BF16); None: the embedding's dtype. Set by the loader.
+        self.compute_dtype: torch.dtype | None = None
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.compute_dtype or self.embed_tokens.weight.dtype
 
     def enable_native_kernels(self) -> bool:
-        """Routes BF16 RMSNorm and decode attention through our CPU kernels (``cpu_kernels``);
-        returns False, changing nothing, where they are unavailable or the model is not BF16."""
+        """Routes RMSNorm, SiLU·up and decode attention through our CPU kernels of the tier that
+        computes in the model's activation dtype (``cpu_kernels``); returns False, changing
+        nothing, where they are unavailable or the weights are not BF16."""
         if self.embed_tokens.weight.dtype != torch.bfloat16 or self.embed_tokens.weight.device.type != "cpu":
             return False
-        if not cpu_kernels.load():
+        if not cpu_kernels.load(self.activation_dtype):
             return False
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
@@ -286,7 +294,7 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.activation_dtype)
         cos_sin = self.rotary.lookup(positions, x.dtype)
         if self._runs_fused_decode(meta):
             cos, sin = cos_sin

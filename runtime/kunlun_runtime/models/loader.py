@@ -2,7 +2,9 @@
 
 HF weight names are mapped onto ours (q/k/v → ``qkv_proj``, gate/up → ``gate_up_proj``); a
 missing weight is an error naming it; a tied checkpoint without ``lm_head.weight`` shares the
-embedding. Weights are cast once to the serving dtype.
+embedding. Matrices (linears, embedding) are cast once to the weight dtype, vectors (norms,
+biases) to the compute dtype: on CPUs without native BF16 the weights stay BF16 while the
+activations are FP32.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def load_model(
     *,
     tp_rank: int = 0,
     tp_world: int = 1,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[DecoderModel, ModelConfig]:
-    """Load ``model_dir`` into a DecoderModel on ``device`` in ``dtype``; with ``tp_world > 1``
-    only rank ``tp_rank``'s shard (``model.config`` then holds the per-rank shapes). Returns the
-    model and the full model config.
+    """Load ``model_dir`` into a DecoderModel on ``device`` with weights in ``dtype`` and
+    activations in ``compute_dtype`` (default: ``dtype``); with ``tp_world > 1`` only rank
+    ``tp_rank``'s shard (``model.config`` then holds the per-rank shapes). Returns the model and
+    the full model config.
 
     Raises ModelLoadError for an unsupported architecture, a missing/truncated file or weight,
     ConfigError when the model cannot be split ``tp_world`` ways.
@@ -100,11 +104,13 @@ def load_model(
             raise ModelLoadError(
                 f"{model_dir}: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
             )
+    compute_dtype = compute_dtype or dtype
     converted: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
     for name in params:
         source = state[name]
         if id(source) not in converted:
-            converted[id(source)] = source.to(device=device, dtype=dtype).contiguous()
+            target = dtype if source.dim() >= 2 else compute_dtype
+            converted[id(source)] = source.to(device=device, dtype=target).contiguous()
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         owner._parameters[attr] = torch.nn.Parameter(converted[id(source)], requires_grad=False)
@@ -114,4 +120,5 @@ def load_model(
         int8 = Int8Linear(pieces["weight"], pieces["weight_scale"], linear.bias, pieces.get("input_scale"))
         setattr(model.get_submodule(owner_name) if owner_name else model, attr, int8.to(device))
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
+    model.compute_dtype = compute_dtype
     return model.requires_grad_(False).eval(), config

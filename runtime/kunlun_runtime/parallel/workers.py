@@ -36,7 +36,8 @@ class RankSpec:
     """What every rank needs to build its shard (picklable, sent to the workers)."""
 
     model_dir: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations and KV cache
+    weight_dtype: torch.dtype
     device_type: str
     max_positions: int
     num_blocks: int
@@ -59,9 +60,17 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
         torch.device(spec.device_type) if spec.device_type == "cpu" else torch.device(spec.device_type, rank)
     )
     model, _ = load_model(
-        Path(spec.model_dir), spec.dtype, device, spec.max_positions, tp_rank=rank, tp_world=spec.world
+        Path(spec.model_dir),
+        spec.weight_dtype,
+        device,
+        spec.max_positions,
+        tp_rank=rank,
+        tp_world=spec.world,
+        compute_dtype=spec.dtype,
     )
-    convert_linears(model, backend=spec.linear_backend, quantization=spec.quantization)
+    convert_linears(
+        model, backend=spec.linear_backend, quantization=spec.quantization, compute_dtype=spec.dtype
+    )
     for layer in model.layers:
         layer.self_attn.fused_attention = spec.fused_attention
     if spec.native_kernels:

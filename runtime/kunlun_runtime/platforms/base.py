@@ -52,8 +52,14 @@ class Platform:
         return (torch.float32, torch.bfloat16)
 
     def default_dtype(self) -> torch.dtype:
-        """BF16 where the platform computes it natively, else FP32."""
+        """The compute (activation) dtype of ``--dtype auto``: BF16 where the platform computes it
+        natively, else FP32."""
         return torch.bfloat16 if torch.bfloat16 in self.supported_dtypes() else torch.float32
+
+    def default_weight_dtype(self) -> torch.dtype:
+        """The dtype weights are kept in under ``--dtype auto`` (the compute dtype unless the
+        platform widens narrower weights in its kernels)."""
+        return self.default_dtype()
 
     def total_memory_bytes(self) -> int:
         raise NotImplementedError

@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from kunlun_runtime.engine import LLMEngine
 from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.platforms.cpu_features import cpu_capabilities
 from kunlun_runtime.server.chat import create_chat_completion
 from kunlun_runtime.server.completions import create_completion
 from kunlun_runtime.server.errors import APIError, install_error_handlers, unavailable
@@ -95,8 +96,8 @@ def create_app(
         raise unavailable(f"not ready: {life.state.value}")
 
     @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+    async def version() -> dict[str, object]:
+        return {"version": __version__, "cpu": cpu_capabilities().describe()}
 
     @app.get("/metrics")
     async def metrics() -> Response:

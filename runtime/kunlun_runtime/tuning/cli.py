@@ -25,7 +25,15 @@ def build_document(measurements: Measurements, recommendation: Recommendation) -
         "engine": dict(recommendation.options),
         "why": dict(recommendation.reasons),
         "measurements": measurements.to_dict(),
+        "cpu": cpu_record(),
     }
+
+
+def cpu_record() -> dict[str, object]:
+    """The host CPU's ISA tier and caches: recommendations measured on one tier do not carry over."""
+    from kunlun_runtime.platforms.cpu_features import cpu_capabilities
+
+    return cpu_capabilities().describe()
 
 
 def render_document(document: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""Our AVX-512 BF16 small-batch linear kernels against FP32 references, and how layers pick them."""
+"""Our AVX-512 tier (BF16 activations) against FP32 references, and how layers pick the kernels."""
 
 import pytest
 import torch
@@ -13,8 +13,11 @@ from kunlun_runtime.layers.linear import (
     choose_linear_backend,
     quantize_per_channel_int8,
 )
+from kunlun_runtime.platforms.cpu_features import IsaTier
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason=str(cpu_kernels.unavailable_reason()))
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
+)
 # (N, K): SmolLM2's shapes, and odd ones that leave row and column tails.
 SHAPES = [(960, 576), (576, 1536), (577, 33), (5, 7), (13, 100)]
 BF16_REL = 2**-7  # one rounding of the output to BF16, plus FP32 accumulation-order noise
@@ -108,8 +111,8 @@ def test_kernels_reject_bad_inputs_with_a_message():
         cpu_kernels.linear_bf16(torch.zeros(0, 8, dtype=torch.bfloat16), w, None)
     with pytest.raises(RuntimeError, match="columns"):
         cpu_kernels.linear_bf16(torch.zeros(1, 7, dtype=torch.bfloat16), w, None)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        cpu_kernels.linear_bf16(torch.zeros(1, 8), w, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):  # FP32 activations are the AVX2 tier's
+        torch.ops.kunlun_avx512.linear_bf16(torch.zeros(1, 8), w, None)
     with pytest.raises(RuntimeError, match="bias"):
         cpu_kernels.linear_bf16(torch.zeros(1, 8, dtype=torch.bfloat16), w, torch.zeros(3))
 
@@ -135,16 +138,16 @@ def test_int8_linear_native_and_oneDNN_paths_agree():
     _close(int8(x), reference.float())
 
 
-def test_auto_backend_is_native_only_for_bf16_on_cpus_with_the_kernels():
+def test_auto_backend_is_native_only_for_bf16_weights_on_cpus_with_the_kernels():
     cpu = torch.device("cpu")
-    assert choose_linear_backend("auto", torch.float32, cpu) == "prepacked"
+    assert choose_linear_backend("auto", torch.float32, cpu) == "plain"  # FP32 weights: oneDNN's SGEMM
     assert choose_linear_backend("plain", torch.bfloat16, cpu) == "plain"
-    expected = "native" if cpu_kernels.load() else "prepacked"
+    expected = "native" if cpu_kernels.load(torch.bfloat16) else "prepacked"
     assert choose_linear_backend("auto", torch.bfloat16, cpu) == expected
 
 
 def test_explicit_native_backend_says_why_it_is_unavailable(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_build", lambda: "the CPU lacks avx512_bf16")
+    monkeypatch.setattr(cpu_kernels, "_build", lambda tier: "the CPU lacks avx512_bf16")
     with pytest.raises(ConfigError, match="avx512_bf16") as caught:
         choose_linear_backend("native", torch.bfloat16, torch.device("cpu"))
     assert caught.value.field == "linear_backend"
@@ -321,13 +324,14 @@ def test_decode_attention_rejects_an_empty_batch():
         )  # fmt: skip
 
 
-def test_a_broken_prebuilt_library_is_reported_not_raised(monkeypatch, tmp_path):
-    library = tmp_path / "kunlun_cpu_kernels.so"
+@pytest.mark.parametrize("tier", [IsaTier.AVX512, IsaTier.AVX2])
+def test_a_broken_prebuilt_library_is_reported_not_raised(monkeypatch, tmp_path, tier):
+    library = tmp_path / f"{cpu_kernels.TIERS[tier].namespace}.so"
     library.write_bytes(b"not an ELF file")
-    monkeypatch.setenv("KUNLUN_CPU_KERNELS_LIB", str(library))
-    reason = cpu_kernels._build.__wrapped__()  # uncached: the real load, with this environment
+    monkeypatch.setenv(cpu_kernels.PREBUILT_ENV, str(tmp_path))
+    reason = cpu_kernels._build.__wrapped__(tier)  # uncached: the real load, with this environment
     assert reason is not None
-    assert str(library) in reason or "CPU" in reason  # a CPU without AVX-512 BF16 stops earlier
+    assert str(library) in reason or "tier" in reason  # a CPU below the tier stops earlier
 
 
 @needs_kernels

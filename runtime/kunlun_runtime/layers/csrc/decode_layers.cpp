@@ -14,7 +14,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <vector>
@@ -36,14 +35,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc
   return kunlun_cpu::linear_bf16(x, w, b);
 }
 
-at::Tensor add(const at::Tensor& x, const at::Tensor& delta) {  // bf16(x + delta), as the eager add
+at::Tensor add(const at::Tensor& x, const at::Tensor& delta) {  // x + delta rounded as the eager add
   at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) {
+    const float* xp = x.const_data_ptr<float>();
+    const float* dp = delta.const_data_ptr<float>();
+    float* op = out.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) op[i] = xp[i] + dp[i];
+    return out;
+  }
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   const auto* dp = delta.const_data_ptr<c10::BFloat16>();
   auto* op = out.mutable_data_ptr<c10::BFloat16>();
   for (int64_t i = 0; i < x.numel(); ++i) op[i] = c10::BFloat16(static_cast<float>(xp[i]) + static_cast<float>(dp[i]));
   return out;
 }
+
+}  // namespace
+
+namespace kunlun_cpu {
 
 at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList weights, at::TensorList k_caches, at::TensorList v_caches,
@@ -57,19 +67,19 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   const int64_t B = x_in.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = x_in;
-  at::Tensor h = kunlun_cpu::rms_norm(x, weights[0], eps);
+  at::Tensor h = rms_norm(x, weights[0], eps);
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + l * kTensorsPerLayer;
     const at::Tensor qkv = linear(h, w[1], w[2], w[3]);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
-    const at::Tensor attention = kunlun_cpu::decode_attention(q, k, v, cos, sin, k_caches[l], v_caches[l],
+    const at::Tensor attention = decode_attention(q, k, v, cos, sin, k_caches[l], v_caches[l],
                                                               block_tables, context_lens, scale, window);
-    std::tie(x, h) = kunlun_cpu::add_rms_norm(x, linear(attention, w[4], w[5]), w[6], eps);
-    const at::Tensor mlp = linear(kunlun_cpu::silu_mul(linear(h, w[7], w[8])), w[9], w[10]);
+    std::tie(x, h) = add_rms_norm(x, linear(attention, w[4], w[5]), w[6], eps);
+    const at::Tensor mlp = linear(silu_mul(linear(h, w[7], w[8])), w[9], w[10]);
     if (l + 1 < num_layers) {
-      std::tie(x, h) = kunlun_cpu::add_rms_norm(x, mlp, weights[(l + 1) * kTensorsPerLayer], eps);
+      std::tie(x, h) = add_rms_norm(x, mlp, weights[(l + 1) * kTensorsPerLayer], eps);
     } else {
       x = add(x, mlp);
     }
@@ -77,13 +87,4 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   return x;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(kunlun_cpu, m) {
-  m.def(
-      "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
-      "Tensor(b!)[] v_caches, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float eps, float scale, int window) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kunlun_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
+}  // namespace kunlun_cpu

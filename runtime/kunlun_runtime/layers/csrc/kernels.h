@@ -1,20 +1,23 @@
-// The operators of the kunlun_cpu library, callable from one another (see each .cpp for details).
+// The operators every kernel tier implements, for the activations of its compute dtype: the
+// AVX-512 tier (avx512/) takes BF16 activations, the AVX2 tier (avx2/) FP32 ones; weights are BF16
+// or INT8 in both. decode_layers.cpp composes them and registration.cpp registers them as torch
+// ops in the namespace KUNLUN_OPS that the build defines (kunlun_avx512, kunlun_avx2), so one
+// process can load both tiers side by side.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/TensorBody.h>
 
 #include <optional>
 #include <tuple>
 
 namespace kunlun_cpu {
 
+// y = x · wᵀ (+ bias), w BF16 [N, K]; bias FP32 [N].
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// y = (x · qᵀ) · scales (+ bias), q INT8 [N, K] with one FP32 scale per output channel.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
-bool amx_available();
-bool amx_linear_fits(const at::Tensor& x, const at::Tensor& w);  // up to 16 rows, K % 32 == N % 16 == 0
-at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& w, const float* bias);
-void configure_amx_tiles();  // this thread's eight tiles, each 16 rows × 64 bytes
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
                                                 double eps);
@@ -23,5 +26,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window);
+std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& cos, const at::Tensor& sin,
+                                                   const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                                                   const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets);
+at::Tensor argmax_rows(const at::Tensor& logits);
+at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         double eps, double scale, int64_t window);
 
 }  // namespace kunlun_cpu

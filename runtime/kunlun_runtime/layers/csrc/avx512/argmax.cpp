@@ -11,13 +11,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "bf16_vec.h"
-#include "kernels.h"
+#include "../kernels.h"
 
 namespace {
 
@@ -64,7 +63,3 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }
 
 }  // namespace kunlun_cpu
-
-TORCH_LIBRARY_FRAGMENT(kunlun_cpu, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
-
-TORCH_LIBRARY_IMPL(kunlun_cpu, CPU, m) { m.impl("argmax_rows", &kunlun_cpu::argmax_rows); }

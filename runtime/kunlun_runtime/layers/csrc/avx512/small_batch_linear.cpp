@@ -23,10 +23,10 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include "bf16_vec.h"
-#include "kernels.h"
+#include "amx_linear.h"
+#include "../kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -288,13 +288,3 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }
 
 }  // namespace kunlun_cpu
-
-TORCH_LIBRARY(kunlun_cpu, m) {
-  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("linear_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kunlun_cpu, CPU, m) {
-  m.impl("linear_bf16", &kunlun_cpu::linear_bf16);
-  m.impl("linear_int8", &kunlun_cpu::linear_int8);
-}

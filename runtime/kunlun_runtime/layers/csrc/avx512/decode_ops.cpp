@@ -27,10 +27,9 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include "bf16_vec.h"
-#include "kernels.h"
+#include "../kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -519,23 +518,3 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
 }
 
 }  // namespace kunlun_cpu
-
-TORCH_LIBRARY_FRAGMENT(kunlun_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def(
-      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_blocks, "
-      "Tensor(b!) v_blocks, Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
-  m.def(
-      "rotary_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_blocks, Tensor(b!) v_blocks, "
-      "Tensor slot_block_ids, Tensor slot_offsets) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(kunlun_cpu, CPU, m) {
-  m.impl("rms_norm", &kunlun_cpu::rms_norm);
-  m.impl("add_rms_norm", &kunlun_cpu::add_rms_norm);
-  m.impl("silu_mul", &kunlun_cpu::silu_mul);
-  m.impl("decode_attention", &kunlun_cpu::decode_attention);
-  m.impl("rotary_kv_write", &kunlun_cpu::rotary_kv_write);
-}

@@ -24,7 +24,8 @@
 #include <vector>
 
 #include "bf16_vec.h"
-#include "kernels.h"
+#include "amx_linear.h"
+#include "../kernels.h"
 
 namespace {
 

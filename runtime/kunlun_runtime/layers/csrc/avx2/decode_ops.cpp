@@ -1,0 +1,629 @@
+// Fused decode-step operators for x86 CPUs with AVX2 + FMA (FP32 tensors, FP32 arithmetic).
+//
+// On these CPUs BF16 arithmetic is emulated, so the AVX2 tier keeps activations, the KV cache,
+// cos/sin and the norm weights in FP32, and the reference is plain FP32 math (there are no BF16
+// roundings to reproduce). As in the AVX-512 tier, each operator replaces a chain of ATen calls
+// (RMSNorm is about eight, rotary a dozen, paged attention a scatter, two gathers and an SDPA call)
+// with one pass:
+//
+//   kunlun_cpu::rms_norm(x [T, H], w [H], eps)                  -> w * (x * 1/sqrt(mean(x²) + eps))
+//   kunlun_cpu::add_rms_norm(x [T, H], delta [T, H], w [H], eps) -> (s = x + delta, rms_norm(s))
+//   kunlun_cpu::silu_mul(gate_up [T, 2I])                       -> silu(gate) * up
+//   kunlun_cpu::decode_attention(q [B, H, D], k [B, KVH, D], v [B, KVH, D], cos [B, D], sin [B, D],
+//                                k_blocks, v_blocks [NB, BS, KVH, D], block_tables [B, MB],
+//                                context_lens [B], scale, window)  -> [B, H * D]
+//     one new token per sequence: rotary on q and k, k and v written into the paged cache at
+//     position context_len - 1, then softmax(scale · q·Kᵀ) · V over the sequence's blocks
+//     (GQA: query head h reads KV head h / (H / KVH); window > 0 keeps the last `window` keys).
+//   kunlun_cpu::rotary_kv_write(q [T, H, D], k [T, KVH, D], v [T, KVH, D], cos [T, D], sin [T, D],
+//                               k_blocks, v_blocks, slot_block_ids [T], slot_offsets [T])
+//                                 -> (rotated q [T, H, D], rotated k [T, KVH, D])
+//     the same rotary and cache write for any number of tokens (prefill chunks); attention is
+//     left to the caller. The slots must be distinct (as a step's metadata makes them): tokens
+//     are written in parallel.
+//
+// Rotary and the residual add give the same bits as the eager PyTorch expressions (each product
+// and sum rounded once, see rotate()); the norm, SiLU and attention differ from PyTorch only by
+// summation order and our exp (relative error ~2e-7), i.e. by a few FP32 ulps.
+//
+// Only AVX2, FMA and F16C instructions are used (built with -mavx2 -mfma -mf16c): no AVX-512, even
+// on CPUs that have it. Masked loads and stores (VMASKMOVPS) are kept out of inner loops: they are
+// slow on AMD Zen 2 (stores especially), so they only handle row tails.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <immintrin.h>
+
+#include "vec_avx2.h"
+#include "../kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using kunlun_cpu::avx2::hmax;
+using kunlun_cpu::avx2::hsum;
+using kunlun_cpu::avx2::load_ps;
+using kunlun_cpu::avx2::store_ps;
+using kunlun_cpu::avx2::tail_mask;
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32 (the AVX2 kernels compute in FP32), got ",
+              t.scalar_type());
+}
+
+// The value as computed so far, opaque to the optimiser. GCC contracts a product followed by a
+// sum into one FMA (-ffp-contract=fast is its default, and it applies to intrinsics too), which
+// rounds once where eager PyTorch rounds twice; passing the products through here keeps them
+// rounded, so rotary gives apply_rotary's bits.
+inline __m256 rounded(__m256 v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+
+inline __m256 negate(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }  // as -x, zeros included
+
+// The shared e^x (x <= 0) with a NaN argument giving NaN: that helper clamps x before it keeps
+// its NaN lanes, so a NaN comes out as -87 there. A NaN score must spread as in the reference.
+inline __m256 softmax_exp(__m256 x) {
+  return _mm256_blendv_ps(kunlun_cpu::avx2::exp_nonpositive(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------
+
+float inverse_rms(const float* x, int64_t H, float eps) {
+  __m256 squares0 = _mm256_setzero_ps(), squares1 = _mm256_setzero_ps();  // two chains: FMA latency
+  int64_t i = 0;
+  for (; i + 16 <= H; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    squares0 = _mm256_fmadd_ps(a, a, squares0);
+    squares1 = _mm256_fmadd_ps(b, b, squares1);
+  }
+  for (; i < H; i += 8) {
+    const __m256 a = load_ps(x + i, H - i);
+    squares0 = _mm256_fmadd_ps(a, a, squares0);
+  }
+  // As HF: variance + eps in FP32, then the reciprocal of its square root (torch.rsqrt).
+  return 1.0f / std::sqrt(hsum(_mm256_add_ps(squares0, squares1)) / static_cast<float>(H) + eps);
+}
+
+void normalise_row(const float* x, const float* w, float* out, int64_t H, float inverse) {
+  const __m256 inv = _mm256_set1_ps(inverse);
+  for (int64_t i = 0; i < H; i += 8) {  // w * (x * inv), HF's order of the two products
+    const int64_t count = H - i;
+    store_ps(out + i, _mm256_mul_ps(load_ps(w + i, count), _mm256_mul_ps(load_ps(x + i, count), inv)), count);
+  }
+}
+
+// ---- SiLU ----------------------------------------------------------------------------------
+
+// silu(g) · up for 8 lanes: g · sigmoid(g), sigmoid from e = e^-|g| <= 1 (never overflows):
+// 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0. e is 2^n · p(r) with p a degree-7 Taylor
+// polynomial on |r| <= ln2/2 (relative error ~5e-9) and 2^n applied in two halves, the second
+// last of all, so that for g < -87 (e below FP32's normal range) the product g · e is rounded once,
+// where it lands, instead of losing e's bits to a subnormal first; g < -110 gives -0 (|silu(g)| is
+// below half the smallest subnormal there), as does -inf. NaN stays NaN. Accurate to a few 1e-7
+// relative for every g whose SiLU is a normal float (torch's x / (1 + exp(-x)) turns g < -88.7
+// into -0 where the true value is still normal down to -91.5).
+inline __m256 silu(__m256 g) {
+  const __m256 x = _mm256_max_ps(_mm256_set1_ps(-110.0f), _mm256_or_ps(g, _mm256_set1_ps(-0.0f)));  // -|g|; NaN kept
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // [-159, 0]
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // n = n1 + n2 with n1, n2 in [-80, 0]: both 2^n1 and 2^n2 are normal floats.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1);
+  const __m256i n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 scale1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 scale2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  const __m256 partial = _mm256_mul_ps(p, scale1);  // e · 2^-n2, normal
+  const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(partial, scale2));  // 1 + e in [1, 2]
+  // 1 / (1 + e): reciprocal estimate (12 bits) and one Newton step (~1.5e-7 relative), several
+  // times cheaper than VDIVPS, which would dominate a prefill-sized call.
+  __m256 reciprocal = _mm256_rcp_ps(denominator);
+  reciprocal = _mm256_mul_ps(reciprocal, _mm256_fnmadd_ps(denominator, reciprocal, _mm256_set1_ps(2.0f)));
+  const __m256 ratio = _mm256_mul_ps(g, reciprocal);
+  const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 result = _mm256_blendv_ps(ratio, _mm256_mul_ps(_mm256_mul_ps(ratio, partial), scale2), negative);
+  const __m256 vanishing = _mm256_cmp_ps(g, _mm256_set1_ps(-110.0f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(result, _mm256_set1_ps(-0.0f), vanishing);
+}
+
+// ---- rotary and the paged cache ------------------------------------------------------------
+
+// HF's rotate-half rotary in FP32: x·cos + rotate_half(x)·sin, rotate_half(x) = [-x2, x1], each
+// product rounded before the sum as the eager expression rounds it (see rounded()). `scratch`
+// (D floats) holds rotate_half(x) where a half is not a whole number of 8-lane vectors.
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out, float* scratch) {
+  const int64_t half = D / 2;
+  if (half % 8 == 0) {  // each vector lies in one half
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 rotated = i < half ? negate(_mm256_loadu_ps(x + i + half)) : _mm256_loadu_ps(x + i - half);
+      const __m256 a = rounded(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(cos + i)));
+      const __m256 b = rounded(_mm256_mul_ps(rotated, _mm256_loadu_ps(sin + i)));
+      _mm256_storeu_ps(out + i, _mm256_add_ps(a, b));
+    }
+    return;
+  }
+  for (int64_t i = 0; i < half; ++i) scratch[i] = -x[i + half];
+  for (int64_t i = half; i < D; ++i) scratch[i] = x[i - half];
+  for (int64_t i = 0; i < D; i += 8) {
+    const int64_t count = D - i;
+    const __m256 a = rounded(_mm256_mul_ps(load_ps(x + i, count), load_ps(cos + i, count)));
+    const __m256 b = rounded(_mm256_mul_ps(load_ps(scratch + i, count), load_ps(sin + i, count)));
+    store_ps(out + i, _mm256_add_ps(a, b), count);
+  }
+}
+
+struct PagedCache {
+  float* data;
+  int64_t block_stride, slot_stride, head_stride;
+  float* at(int64_t block, int64_t slot, int64_t head) const {
+    return data + block * block_stride + slot * slot_stride + head * head_stride;
+  }
+};
+
+// q [T, H, D], k and v [T, KVH, D] (rows of D contiguous, so q, k, v may be views of a fused qkv
+// row), cos and sin [T, D], K/V caches [NB, BS, KVH, D]: all FP32, shapes consistent, H a
+// multiple of KVH, D even.
+void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"},
+                                {&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
+    check_f32(*t, name);
+  }
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(D > 0 && D % 2 == 0, "head_dim must be even, got ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == KVH && k.size(2) == D && v.size(2) == D,
+              "k and v must be [tokens, KVH, D] like q");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v rows must be contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "cos and sin must be contiguous [tokens, D]");
+  TORCH_CHECK(k_blocks.sizes() == v_blocks.sizes() && k_blocks.dim() == 4 && k_blocks.size(2) == KVH &&
+                  k_blocks.size(3) == D,
+              "k_blocks and v_blocks must be [NB, BS, KVH, D]");
+}
+
+PagedCache paged(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 4 && blocks.stride(3) == 1, "k/v blocks must be [NB, BS, KVH, D], D contiguous");
+  return {blocks.mutable_data_ptr<float>(), blocks.stride(0), blocks.stride(1), blocks.stride(2)};
+}
+
+// Slot pointers (KV head 0) for positions [start, end) of a sequence, walked block by block.
+void gather_slots(const PagedCache& cache, const int64_t* table, int64_t block_size, int64_t start, int64_t end,
+                  const float** slots) {
+  for (int64_t position = start; position < end;) {
+    const int64_t block = position / block_size, slot = position % block_size;
+    const int64_t count = std::min(block_size - slot, end - position);
+    const float* row = cache.at(table[block], slot, 0);
+    for (int64_t i = 0; i < count; ++i) slots[position - start + i] = row + i * cache.slot_stride;
+    position += count;
+  }
+}
+
+// ---- decode attention ----------------------------------------------------------------------
+
+// Keys scored per pass: a chunk's K and V rows of one KV head stay in L1 while every query head of
+// that KV head reads them (32 keys × D = 64 FP32 is 8 KiB of K and 8 of V, a quarter of a 32 KiB
+// L1 each; 64-key chunks measured no faster).
+constexpr int64_t kKeyChunk = 32;
+constexpr int64_t kMinSplitKeys = 64;  // a sequence's keys are split across threads down to this
+constexpr int kStripe = 4;             // 8-lane vectors of D a P·V pass keeps per query head
+constexpr int kHeadTile = 3;           // query heads a P·V pass accumulates at once (12 registers)
+
+// Eight FP32 vectors in, one out: lane j holds the sum of the lanes of v[j].
+inline __m256 transpose_sum8(const __m256 v[8]) {
+  __m256 pairs[4], quads[2];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v2i, v2i+1
+    pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {  // per 128-bit lane: the lane sums of v4i .. v4i+3
+    quads[i] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+
+// q · row for eight key rows: `full` whole vectors, then (TAIL) the last D % 8 lanes by a masked
+// load, so no read passes the end of a row (the pool's last row ends the allocation). q is zero
+// padded to whole vectors.
+template <bool TAIL>
+inline __m256 dot8(const float* q, const float* const rows[8], int64_t full, __m256i tail) {
+  __m256 dots[8];
+  for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < full; ++c) {
+    const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[i] + 8 * c), dots[i]);
+  }
+  if constexpr (TAIL) {
+    const __m256 qc = _mm256_loadu_ps(q + 8 * full);
+    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qc, _mm256_maskload_ps(rows[i] + 8 * full, tail), dots[i]);
+  }
+  return transpose_sum8(dots);
+}
+
+// acc[g] = acc[g] · corrections[g] + Σ_j probs[g][j] · value_j over one stripe of W vectors of D
+// (from vector `first`) for TILE query heads, the accumulators in registers. TAIL: the stripe's
+// last vector is a row tail, read by a masked load.
+template <int W, int TILE, bool TAIL>
+void accumulate_values(const float* const* value_slots, int64_t head_offset, int64_t n, const float* probs,
+                       const float* corrections, float* acc, int64_t padded_dim, int64_t first, __m256i tail) {
+  __m256 sum[TILE][W];
+  for (int g = 0; g < TILE; ++g) {
+    const __m256 correction = _mm256_set1_ps(corrections[g]);
+    for (int c = 0; c < W; ++c) sum[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * padded_dim + 8 * (first + c)), correction);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = value_slots[j] + head_offset + 8 * first;
+    __m256 value[W];
+    for (int c = 0; c < W; ++c) {
+      value[c] = TAIL && c == W - 1 ? _mm256_maskload_ps(row + 8 * c, tail) : _mm256_loadu_ps(row + 8 * c);
+    }
+    for (int g = 0; g < TILE; ++g) {
+      const __m256 weight = _mm256_broadcast_ss(probs + g * kKeyChunk + j);
+      for (int c = 0; c < W; ++c) sum[g][c] = _mm256_fmadd_ps(weight, value[c], sum[g][c]);
+    }
+  }
+  for (int g = 0; g < TILE; ++g)
+    for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + g * padded_dim + 8 * (first + c), sum[g][c]);
+}
+
+using AccumulateFn = void (*)(const float* const*, int64_t, int64_t, const float*, const float*, float*, int64_t,
+                              int64_t, __m256i);
+
+template <int W, int TILE>
+AccumulateFn pick_accumulate(bool tail) {
+  return tail ? &accumulate_values<W, TILE, true> : &accumulate_values<W, TILE, false>;
+}
+
+template <int TILE>
+AccumulateFn pick_accumulate(int width, bool tail) {
+  switch (width) {
+    case 1: return pick_accumulate<1, TILE>(tail);
+    case 2: return pick_accumulate<2, TILE>(tail);
+    case 3: return pick_accumulate<3, TILE>(tail);
+    default: return pick_accumulate<kStripe, TILE>(tail);
+  }
+}
+
+AccumulateFn pick_accumulate(int tile, int width, bool tail) {
+  static_assert(kHeadTile == 3, "one case per tile size");
+  switch (tile) {
+    case 1: return pick_accumulate<1>(width, tail);
+    case 2: return pick_accumulate<2>(width, tail);
+    default: return pick_accumulate<3>(width, tail);
+  }
+}
+
+struct AttentionShape {
+  int64_t H, KVH, D, padded_dim;  // padded_dim: D rounded up to whole vectors (q and acc rows)
+  const PagedCache* keys;
+  const PagedCache* values;
+  int64_t block_size;
+  float scale;
+};
+
+// One split of one sequence: every query head (q: H rows of padded_dim FP32, rotated, zero padded)
+// over keys [start, end), as flash-decoding does it: per head the running maximum score, the sum
+// of exponentials relative to it, and the unnormalised output (acc, H × padded_dim), merged across
+// splits by the caller. Each chunk of kKeyChunk slots is read from memory once for all heads:
+// scores come 8 keys at a time (one FMA chain per key, one transpose-reduce), each value vector is
+// loaded once for up to kHeadTile query heads that share its KV head, and the next chunk's K and V
+// rows are prefetched into L2 while this one computes (blocks sit in random order, which the
+// hardware prefetcher cannot follow), a row per key as the first query head of each KV head scores
+// it, spread out rather than all at once (the AVX-512 kernel measured that faster).
+template <bool TAIL>
+void attend_split(const float* q, const AttentionShape& s, const int64_t* table, int64_t start, int64_t end,
+                  float* maxima, float* sums, float* acc) {
+  const int64_t H = s.H, KVH = s.KVH, D = s.D, padded_dim = s.padded_dim, group = H / KVH;
+  const PagedCache& keys = *s.keys;
+  const PagedCache& values = *s.values;
+  const int64_t full = D / 8, vectors = padded_dim / 8;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  const __m256i tail = tail_mask(D % 8);
+  std::vector<float> probs_storage(kKeyChunk * group), corrections(group);  // probs: [head in group][key]
+  float* probs = probs_storage.data();
+  const float* slot_storage[4][kKeyChunk];  // this chunk's slots and the next's, swapped as they advance
+  const float** key_slots = slot_storage[0];
+  const float** value_slots = slot_storage[1];
+  const float** next_key_slots = slot_storage[2];
+  const float** next_value_slots = slot_storage[3];
+  for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
+  std::fill(acc, acc + H * padded_dim, 0.0f);
+  gather_slots(keys, table, s.block_size, start, std::min(end, start + kKeyChunk), key_slots);
+  gather_slots(values, table, s.block_size, start, std::min(end, start + kKeyChunk), value_slots);
+  for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, end - c0);
+    const int64_t next = c0 + n < end ? std::min(kKeyChunk, end - c0 - n) : 0;  // <= n
+    if (next > 0) {
+      gather_slots(keys, table, s.block_size, c0 + n, c0 + n + next, next_key_slots);
+      gather_slots(values, table, s.block_size, c0 + n, c0 + n + next, next_value_slots);
+    }
+    for (int64_t kv = 0; kv < KVH; ++kv) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv * group + g;
+        float* p = probs + g * kKeyChunk;
+        __m256 max_lanes = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j += 8) {
+          const int64_t count = std::min<int64_t>(8, n - j);
+          const float* rows[8];
+          for (int64_t i = 0; i < 8; ++i) {  // lanes past the chunk re-read its first key, masked below
+            rows[i] = key_slots[j + (i < count ? i : 0)] + kv * keys.head_stride;
+          }
+          if (g == 0) {  // the next chunk's rows of this KV head, into L2
+            for (int64_t i = j; i < std::min(j + 8, next); ++i) {
+              const char* next_key = reinterpret_cast<const char*>(next_key_slots[i] + kv * keys.head_stride);
+              const char* next_value = reinterpret_cast<const char*>(next_value_slots[i] + kv * values.head_stride);
+              for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+                _mm_prefetch(next_key + offset, _MM_HINT_T1);
+                _mm_prefetch(next_value + offset, _MM_HINT_T1);
+              }
+            }
+          }
+          __m256 scores = _mm256_mul_ps(dot8<TAIL>(q + h * padded_dim, rows, full, tail), _mm256_set1_ps(s.scale));
+          if (count < 8) {
+            scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
+          }
+          _mm256_storeu_ps(p + j, scores);  // kKeyChunk is a multiple of 8: whole vectors fit
+          max_lanes = _mm256_max_ps(max_lanes, scores);
+        }
+        const float new_max = std::max(maxima[h], hmax(max_lanes));
+        corrections[g] = maxima[h] == -INFINITY ? 0.0f : std::exp(maxima[h] - new_max);
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 8) {  // masked-off keys score -inf: they add 0
+          const __m256 e = softmax_exp(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(new_max)));
+          _mm256_storeu_ps(p + j, e);
+          total = _mm256_add_ps(total, e);
+        }
+        sums[h] = sums[h] * corrections[g] + hsum(total);
+        maxima[h] = new_max;
+      }
+      // P · V for this KV head's query heads, in stripes of D and tiles of heads so the
+      // accumulators stay in registers; the earlier chunks' sums are rescaled on the way.
+      for (int64_t g0 = 0; g0 < group; g0 += kHeadTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kHeadTile, group - g0));
+        for (int64_t first = 0; first < vectors; first += kStripe) {
+          const int width = static_cast<int>(std::min<int64_t>(kStripe, vectors - first));
+          pick_accumulate(tile, width, TAIL && first + width == vectors)(
+              value_slots, kv * values.head_stride, n, probs + g0 * kKeyChunk, corrections.data() + g0,
+              acc + (kv * group + g0) * padded_dim, padded_dim, first, tail);
+        }
+      }
+    }
+    std::swap(key_slots, next_key_slots);
+    std::swap(value_slots, next_value_slots);
+  }
+}
+
+}  // namespace
+
+namespace kunlun_cpu {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
+              "rms_norm: x must be contiguous [T, H] and w [H]");
+  const int64_t T = x.size(0), H = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      normalise_row(xp + t * H, wp, op + t * H, H, inverse_rms(xp + t * H, H, static_cast<float>(eps)));
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
+                                                double eps) {
+  check_f32(x, "x");
+  check_f32(delta, "delta");
+  check_f32(w, "w");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == delta.sizes() && x.is_contiguous() && delta.is_contiguous() &&
+                  w.is_contiguous() && w.numel() == x.size(1),
+              "add_rms_norm: x and delta must be contiguous [T, H] and w [H]");
+  const int64_t T = x.size(0), H = x.size(1);
+  at::Tensor sum = at::empty_like(x);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.const_data_ptr<float>();
+  const float* dp = delta.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* sp = sum.mutable_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* s = sp + t * H;
+      for (int64_t i = 0; i < H; i += 8) {  // s = x + delta, as the eager add (one rounding)
+        const int64_t count = H - i;
+        store_ps(s + i, _mm256_add_ps(load_ps(xp + t * H + i, count), load_ps(dp + t * H + i, count)), count);
+      }
+      normalise_row(s, wp, op + t * H, H, inverse_rms(s, H, static_cast<float>(eps)));
+    }
+  });
+  return {sum, out};
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be contiguous [T, 2 * I]");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* gate = gp + t * 2 * I;
+      const float* up = gate + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
+      }
+      if (i < I) store_ps(o + i, _mm256_mul_ps(silu(load_ps(gate + i, I - i)), load_ps(up + i, I - i)), I - i);
+    }
+  });
+  return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                            const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window) {
+  check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(B >= 1, "decode_attention needs at least one sequence");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == B && context_lens.numel() == B,
+              "block_tables must be int64 [B, MB] and context_lens int64 [B]");
+  const PagedCache keys = paged(k_blocks), values = paged(v_blocks);
+  const int64_t block_size = k_blocks.size(1), num_blocks = k_blocks.size(0), max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  const int64_t* lengths = context_lens.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // every block read or written is checked before anything is written
+    TORCH_CHECK(lengths[b] >= 1 && lengths[b] <= max_blocks * block_size, "context length ", lengths[b],
+                " of sequence ", b, " does not fit its block table");
+    for (int64_t i = 0; i < (lengths[b] + block_size - 1) / block_size; ++i) {
+      const int64_t block = tables[b * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+    }
+  }
+  const float* cp = cos.const_data_ptr<float>();
+  const float* sp = sin.const_data_ptr<float>();
+
+  // The new token's K (rotated) and V go into the cache first: it attends to itself.
+  std::vector<float> scratch(D);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t position = lengths[b] - 1;
+    const int64_t block = tables[b * max_blocks + position / block_size], slot = position % block_size;
+    for (int64_t h = 0; h < KVH; ++h) {
+      rotate(k.const_data_ptr<float>() + b * k.stride(0) + h * k.stride(1), cp + b * D, sp + b * D, D,
+             keys.at(block, slot, h), scratch.data());
+      const float* value = v.const_data_ptr<float>() + b * v.stride(0) + h * v.stride(1);
+      std::copy(value, value + D, values.at(block, slot, h));
+    }
+  }
+  at::Tensor out = at::empty({B, H * D}, q.options());
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t padded_dim = (D + 7) / 8 * 8;
+  const AttentionShape shape{H, KVH, D, padded_dim, &keys, &values, block_size, static_cast<float>(scale)};
+  // A task is one split of one sequence's keys, for all its query heads (each slot is read once).
+  // Sequences are split until there are two tasks per thread, down to kMinSplitKeys keys a split;
+  // the splits' partial results are merged here by their maxima (as flash-decoding does).
+  std::vector<int64_t> first_task(B + 1, 0), splits(B);
+  const int64_t wanted = (2 * at::get_num_threads() + B - 1) / B;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
+    splits[b] = std::max<int64_t>(1, std::min(wanted, (lengths[b] - start) / kMinSplitKeys));
+    first_task[b + 1] = first_task[b] + splits[b];
+  }
+  const int64_t tasks = first_task[B];
+  std::vector<float> maxima(tasks * H), sums(tasks * H), partial(tasks * H * padded_dim);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(H * padded_dim, 0.0f), rotate_scratch(D);  // rows zero padded
+    int64_t rotated_for = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      if (rotated_for != b) {
+        for (int64_t h = 0; h < H; ++h) {
+          rotate(q.const_data_ptr<float>() + b * q.stride(0) + h * q.stride(1), cp + b * D, sp + b * D, D,
+                 queries.data() + h * padded_dim, rotate_scratch.data());
+        }
+        rotated_for = b;
+      }
+      const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
+      const int64_t split = task - first_task[b], length = lengths[b] - start;
+      const int64_t k0 = start + length * split / splits[b], k1 = start + length * (split + 1) / splits[b];
+      (D % 8 == 0 ? attend_split<false> : attend_split<true>)(queries.data(), shape, tables + b * max_blocks, k0, k1,
+                                                               maxima.data() + task * H, sums.data() + task * H,
+                                                               partial.data() + task * H * padded_dim);
+    }
+  });
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / H, h = item % H;
+      float largest = -INFINITY;
+      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) largest = std::max(largest, maxima[t * H + h]);
+      float total = 0.0f;
+      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) total += sums[t * H + h] * std::exp(maxima[t * H + h] - largest);
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 merged = _mm256_setzero_ps();
+        for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) {
+          const __m256 weight = _mm256_set1_ps(std::exp(maxima[t * H + h] - largest) / total);
+          merged = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + (t * H + h) * padded_dim + d), merged);
+        }
+        store_ps(op + b * H * D + h * D + d, merged, D - d);  // masked only for a row tail
+      }
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& cos, const at::Tensor& sin,
+                                                   const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                                                   const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets) {
+  check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(slot_block_ids.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  slot_block_ids.is_contiguous() && slot_offsets.is_contiguous() && slot_block_ids.numel() == T &&
+                  slot_offsets.numel() == T,
+              "slot_block_ids and slot_offsets must be int64 [T]");
+  const PagedCache keys = paged(k_blocks), values = paged(v_blocks);
+  const int64_t num_blocks = k_blocks.size(0), block_size = k_blocks.size(1);
+  const int64_t* blocks = slot_block_ids.const_data_ptr<int64_t>();
+  const int64_t* offsets = slot_offsets.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {  // every slot is checked before anything is written
+    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks, "block id ", blocks[t], " out of range");
+    TORCH_CHECK(offsets[t] >= 0 && offsets[t] < block_size, "slot offset ", offsets[t], " out of range");
+  }
+  at::Tensor q_out = at::empty({T, H, D}, q.options());
+  at::Tensor k_out = at::empty({T, KVH, D}, k.options());
+  const float* cp = cos.const_data_ptr<float>();
+  const float* sp = sin.const_data_ptr<float>();
+  float* qo = q_out.mutable_data_ptr<float>();
+  float* ko = k_out.mutable_data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(D);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        rotate(q.const_data_ptr<float>() + t * q.stride(0) + h * q.stride(1), cp + t * D, sp + t * D, D,
+               qo + (t * H + h) * D, scratch.data());
+      }
+      for (int64_t h = 0; h < KVH; ++h) {
+        float* rotated = ko + (t * KVH + h) * D;
+        rotate(k.const_data_ptr<float>() + t * k.stride(0) + h * k.stride(1), cp + t * D, sp + t * D, D, rotated,
+               scratch.data());
+        std::copy(rotated, rotated + D, keys.at(blocks[t], offsets[t], h));
+        const float* value = v.const_data_ptr<float>() + t * v.stride(0) + h * v.stride(1);
+        std::copy(value, value + D, values.at(blocks[t], offsets[t], h));
+      }
+    }
+  });
+  return {q_out, k_out};
+}
+
+}  // namespace kunlun_cpu

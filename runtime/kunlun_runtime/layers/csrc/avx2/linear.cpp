@@ -1,0 +1,369 @@
+// Small-batch (decode) linear kernels for x86 CPUs with AVX2 + FMA (+ F16C), FP32 activations.
+//
+// HEADER: filled in after measurement.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include "vec_avx2.h"
+#include "../kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using kunlun_cpu::avx2::bf16;
+
+#define KUNLUN_INLINE inline __attribute__((always_inline))
+
+// Rows of x one tile computes (passes over the channel block's weight, which stays in L1).
+constexpr int kTileRows = 4;
+
+// Software prefetch distance along each thread's weight stream, in bytes. The lines go to L2
+// (_MM_HINT_T1).
+constexpr int64_t kPrefetchBytes = 8192;
+
+// Output channels per block for the BF16 kernel at `rows` rows per tile: rows × channels FP32
+// accumulators, enough independent FMA chains to cover the FMA latency.
+constexpr int bf16_channels(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows == 3 ? 4 : 3; }
+constexpr int int8_channels(int rows) { return rows == 1 ? 4 : rows == 2 ? 4 : rows == 3 ? 2 : 2; }
+
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+template <typename Fn>
+KUNLUN_INLINE void dispatch_rows(int64_t rows, Fn fn) {
+  static_assert(kTileRows <= 8);
+  switch (rows) {
+    case 1: fn(Int<1>{}); break;
+    case 2: fn(Int<2>{}); break;
+    case 3: fn(Int<3>{}); break;
+    case 4: if constexpr (kTileRows >= 4) fn(Int<4>{}); break;
+    case 5: if constexpr (kTileRows >= 5) fn(Int<5>{}); break;
+    case 6: if constexpr (kTileRows >= 6) fn(Int<6>{}); break;
+    case 7: if constexpr (kTileRows >= 7) fn(Int<7>{}); break;
+    default: if constexpr (kTileRows >= 8) fn(Int<8>{}); break;
+  }
+}
+
+// How M rows split into tiles: as few tiles as kTileRows allows, their sizes differing by at
+// most one (M = 5 → 3 + 2, not 4 + 1: the channel count is set by the largest tile).
+struct TilePlan {
+  int64_t tiles, base, extra;
+  explicit TilePlan(int64_t M) : tiles((M + kTileRows - 1) / kTileRows), base(M / tiles), extra(M % tiles) {}
+  int64_t largest() const { return base + (extra > 0); }
+  int64_t rows(int64_t t) const { return base + (t < extra); }
+};
+
+// Runs tile(rows, channels, m0, n0, prefetch) over every (row tile, channel block): the output
+// channels go in blocks of R, split across the intra-op threads; each block runs all row tiles
+// back to back, so its weight comes from memory once (the first tile prefetches the stream ahead,
+// the later ones find the block in L1). Channels past the last whole block go one at a time.
+template <int R, typename Tile>
+void for_each_tile(int64_t M, int64_t N, int64_t block_bytes, Tile tile) {
+  const TilePlan plan(M);
+  const int64_t num_blocks = (N + R - 1) / R;
+  // At least ~32 KiB of weight per task, so a small layer is not split finer than it is worth.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, block_bytes));
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R;
+      int64_t m0 = 0;
+      for (int64_t t = 0; t < plan.tiles; ++t) {
+        const int64_t rows = plan.rows(t);
+        dispatch_rows(rows, [&](auto mt) {
+          if (n0 + R <= N) {
+            if (t == 0) {
+              tile(mt, Int<R>{}, m0, n0, std::true_type{});
+            } else {
+              tile(mt, Int<R>{}, m0, n0, std::false_type{});
+            }
+          } else {
+            for (int64_t n = n0; n < N; ++n) tile(mt, Int<1>{}, m0, n, std::false_type{});
+          }
+        });
+        m0 += rows;
+      }
+    }
+  });
+}
+
+// Calls fn(Int<R>) with the channel count chosen for the largest row tile of M rows.
+template <int (*ChannelsFor)(int), typename Fn>
+void dispatch_channels(int64_t M, Fn fn) {
+  switch (TilePlan(M).largest()) {
+    case 1: fn(Int<ChannelsFor(1)>{}); break;
+    case 2: fn(Int<ChannelsFor(2)>{}); break;
+    case 3: fn(Int<ChannelsFor(3)>{}); break;
+    case 4: if constexpr (kTileRows >= 4) fn(Int<ChannelsFor(4)>{}); break;
+    case 5: if constexpr (kTileRows >= 5) fn(Int<ChannelsFor(5)>{}); break;
+    case 6: if constexpr (kTileRows >= 6) fn(Int<ChannelsFor(6)>{}); break;
+    case 7: if constexpr (kTileRows >= 7) fn(Int<ChannelsFor(7)>{}); break;
+    default: if constexpr (kTileRows >= 8) fn(Int<ChannelsFor(8)>{}); break;
+  }
+}
+
+// ---- BF16 weights ---------------------------------------------------------------------------
+
+// acc[m][r] += x[m][k, k + 8) · w[r][k, k + 8), the weight widened in registers (exact).
+template <int MT, int R>
+KUNLUN_INLINE void bf16_step(__m256 (&acc)[MT][R], const float* x, const bf16* w, int64_t K, int64_t k) {
+  __m256 wv[R];
+  for (int r = 0; r < R; ++r) wv[r] = kunlun_cpu::avx2::widen_bf16x8(w + r * K + k);
+  for (int m = 0; m < MT; ++m) {
+    const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+  }
+}
+
+// out[m][n0 + r] = x[m] · w[n0 + r] + bias for MT rows of x (x, out: the tile's first row) and R
+// output channels (w: channel n0's row).
+template <int MT, int R, bool Prefetch>
+void bf16_tile(const float* x, const bf16* w, const float* bias, float* out, int64_t K, int64_t N, int64_t n0) {
+  __m256 acc[MT][R];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  // The block's R rows are R·K·2 contiguous bytes, and the thread's blocks follow each other, so
+  // its weight is one stream: each 32 columns consume R lines of it, and prefetch the R lines
+  // kPrefetchBytes further on.
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if constexpr (Prefetch) {
+      for (int r = 0; r < R; ++r) _mm_prefetch(ahead + r * 64, _MM_HINT_T1);
+      ahead += R * 64;
+    }
+    bf16_step(acc, x, w, K, k);
+    bf16_step(acc, x, w, K, k + 8);
+    bf16_step(acc, x, w, K, k + 16);
+    bf16_step(acc, x, w, K, k + 24);
+  }
+  for (; k + 8 <= K; k += 8) bf16_step(acc, x, w, K, k);
+  if (k < K) {  // the last K % 8 columns: x masked, w copied (never read past the end of w)
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = kunlun_cpu::avx2::widen_bf16x8_tail(w + r * K + k, K - k);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xv = kunlun_cpu::avx2::load_ps(x + m * K + k, K - k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r)
+      out[m * N + n0 + r] = kunlun_cpu::avx2::hsum(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+}
+
+// ---- INT8 weights, INT8 activations (W8A8) ---------------------------------------------------
+
+constexpr int64_t kQBlock = 32;  // activations per INT8 scale: one ymm of INT8
+
+// x quantized per row in blocks of kQBlock: q (INT8, the row padded with zeros to a whole
+// number of blocks), |q| (the unsigned operand of maddubs, computed once here rather than per
+// output channel) and one FP32 scale per block.
+struct QuantizedRows {
+  int64_t blocks, stride;  // blocks per row; INT8 elements per row (blocks · kQBlock)
+  std::vector<int8_t> q, abs_q;
+  std::vector<float> scales;
+};
+
+// 32 floats → 32 INT8 (already rounded and within [-127, 127]) in order.
+KUNLUN_INLINE __m256i pack_int8x32(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+  const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
+  // packs interleaves the 128-bit lanes: dwords come out as a0 b0 c0 d0 a1 b1 c1 d1.
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Per block: scale = max|x| / 127, q = round_half_even(x · (1 / scale)) clamped to ±127. A block
+// whose max |x| is below 1e-30 is all zeros with scale 0 (its reciprocal could overflow); a row
+// with a NaN or an infinity gets NaN scales and zero q, so its outputs are NaN as a float matmul's
+// would be.
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  QuantizedRows qr;
+  qr.blocks = (K + kQBlock - 1) / kQBlock;
+  qr.stride = qr.blocks * kQBlock;
+  qr.q.assign(M * qr.stride, 0);
+  qr.abs_q.assign(M * qr.stride, 0);
+  qr.scales.assign(M * qr.blocks, 0.0f);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    __m256 non_finite = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 v = kunlun_cpu::avx2::load_ps(row + k, K - k);
+      non_finite = _mm256_or_ps(non_finite, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    }
+    float* scales = qr.scales.data() + m * qr.blocks;
+    if (_mm256_movemask_ps(non_finite) != 0) {
+      std::fill(scales, scales + qr.blocks, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    for (int64_t block = 0; block < qr.blocks; ++block) {
+      const int64_t k0 = block * kQBlock;
+      __m256 v[4];
+      __m256 largest = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = kunlun_cpu::avx2::load_ps(row + k0 + 8 * i, K - k0 - 8 * i);  // past K: zeros
+        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign_bit, v[i]));
+      }
+      const float amax = kunlun_cpu::avx2::hmax(largest);
+      if (amax < 1e-30f) continue;  // zeros, scale 0
+      const float scale = amax / 127.0f;
+      const __m256 inverse = _mm256_set1_ps(1.0f / scale);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v[i] = _mm256_min_ps(_mm256_max_ps(scaled, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+      }
+      const __m256i q = pack_int8x32(v[0], v[1], v[2], v[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr.q.data() + m * qr.stride + k0), q);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr.abs_q.data() + m * qr.stride + k0), _mm256_abs_epi8(q));
+      scales[block] = scale;
+    }
+  }
+  return qr;
+}
+
+// totals[m][r] += scale_x[m] · Σ over one block of q[m] · w[r], the sum in exact integers:
+// maddubs(|q|, w · sign(q)) adds pairs of products of at most 127 · 127 (no INT16 saturation),
+// madd with ones adds pairs of those into INT32 lanes.
+template <int MT, int R>
+KUNLUN_INLINE void w8a8_step(__m256 (&totals)[MT][R], const __m256i (&wv)[R], const int8_t* q, const int8_t* abs_q,
+                             const float* x_scales, int64_t stride, int64_t blocks, int64_t block) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MT; ++m) {
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * stride + block * kQBlock));
+    const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(abs_q + m * stride + block * kQBlock));
+    const __m256 scale = _mm256_broadcast_ss(x_scales + m * blocks + block);
+    for (int r = 0; r < R; ++r) {
+      const __m256i products = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[r], xq));
+      const __m256i sums = _mm256_madd_epi16(products, ones);
+      totals[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, totals[m][r]);
+    }
+  }
+}
+
+template <int R>
+KUNLUN_INLINE void load_w_block(__m256i (&wv)[R], const int8_t* w, int64_t K, int64_t k) {
+  for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
+}
+
+template <int MT, int R, bool Prefetch>
+void w8a8_tile(const QuantizedRows& qr, int64_t m0, const int8_t* w, const float* scales, const float* bias,
+               float* out, int64_t K, int64_t N, int64_t n0) {
+  const int8_t* q = qr.q.data() + m0 * qr.stride;
+  const int8_t* abs_q = qr.abs_q.data() + m0 * qr.stride;
+  const float* x_scales = qr.scales.data() + m0 * qr.blocks;
+  __m256 totals[MT][R];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) totals[m][r] = _mm256_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;  // as in bf16_tile
+  const int64_t full = K / kQBlock;
+  int64_t block = 0;
+  __m256i wv[R];
+  for (; block + 2 <= full; block += 2) {  // two blocks: one 64-byte line of each weight row
+    if constexpr (Prefetch) {
+      for (int r = 0; r < R; ++r) _mm_prefetch(ahead + r * 64, _MM_HINT_T1);
+      ahead += R * 64;
+    }
+    load_w_block(wv, w, K, block * kQBlock);
+    w8a8_step(totals, wv, q, abs_q, x_scales, qr.stride, qr.blocks, block);
+    load_w_block(wv, w, K, (block + 1) * kQBlock);
+    w8a8_step(totals, wv, q, abs_q, x_scales, qr.stride, qr.blocks, block + 1);
+  }
+  if (block < full) {
+    load_w_block(wv, w, K, block * kQBlock);
+    w8a8_step(totals, wv, q, abs_q, x_scales, qr.stride, qr.blocks, block);
+    ++block;
+  }
+  if (block < qr.blocks) {  // K % 32 columns left: the weight copied, never read past its end
+    const int64_t k = block * kQBlock;
+    alignas(32) int8_t tail[R][kQBlock] = {};
+    for (int r = 0; r < R; ++r) std::memcpy(tail[r], w + r * K + k, K - k);
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail[r]));
+    w8a8_step(totals, wv, q, abs_q, x_scales, qr.stride, qr.blocks, block);
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      out[m * N + n] = kunlun_cpu::avx2::hsum(totals[m][r]) * scales[n] + (bias ? bias[n] : 0.0f);
+    }
+}
+
+// ---- Input checks ---------------------------------------------------------------------------
+
+void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K], got ", x.dim(), "-D ", x.sizes());
+  TORCH_CHECK(w.dim() == 2, op, ": w must be 2-D [N, K], got ", w.dim(), "-D ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32 (the AVX2 tier's activations), got ",
+              x.scalar_type());
+  TORCH_CHECK(x.size(0) >= 1, op, ": x must have at least one row");
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": x has ", x.size(1), " columns but w has ", w.size(1));
+  TORCH_CHECK(x.is_cpu() && w.is_cpu(), op, ": x and w must be CPU tensors");
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
+  TORCH_CHECK(w.is_contiguous(), op, ": w must be contiguous");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->numel() == w.size(0) &&
+                    bias->is_contiguous() && bias->is_cpu(),
+                op, ": bias must be a contiguous float32 vector of ", w.size(0), " elements, got ",
+                bias->scalar_type(), " ", bias->sizes());
+  }
+}
+
+}  // namespace
+
+namespace kunlun_cpu {
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  check_inputs("linear_bf16", x, w, bias);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear_bf16: w must be bfloat16, got ", w.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.const_data_ptr<float>();
+  const bf16* wp = w.const_data_ptr<bf16>();
+  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  float* op = out.mutable_data_ptr<float>();
+  dispatch_channels<bf16_channels>(M, [&](auto channels) {
+    constexpr int R = decltype(channels)::value;
+    for_each_tile<R>(M, N, R * K * 2, [&](auto mt, auto r, int64_t m0, int64_t n0, auto prefetch) {
+      bf16_tile<decltype(mt)::value, decltype(r)::value, decltype(prefetch)::value>(xp + m0 * K, wp + n0 * K, bp,
+                                                                                    op + m0 * N, K, N, n0);
+    });
+  });
+  return out;
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  check_inputs("linear_int8", x, w, bias);
+  TORCH_CHECK(w.scalar_type() == at::kChar, "linear_int8: w must be int8, got ", w.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.numel() == w.size(0) &&
+                  scales.is_contiguous() && scales.is_cpu(),
+              "linear_int8: scales must be a contiguous float32 vector of ", w.size(0), " elements, got ",
+              scales.scalar_type(), " ", scales.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const QuantizedRows qr = quantize_rows(x.const_data_ptr<float>(), M, K);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const int8_t* wp = w.const_data_ptr<int8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  float* op = out.mutable_data_ptr<float>();
+  dispatch_channels<int8_channels>(M, [&](auto channels) {
+    constexpr int R = decltype(channels)::value;
+    for_each_tile<R>(M, N, R * K, [&](auto mt, auto r, int64_t m0, int64_t n0, auto prefetch) {
+      w8a8_tile<decltype(mt)::value, decltype(r)::value, decltype(prefetch)::value>(qr, m0, wp + n0 * K, sp, bp,
+                                                                                    op + m0 * N, K, N, n0);
+    });
+  });
+  return out;
+}
+
+}  // namespace kunlun_cpu
