@@ -1,5 +1,10 @@
 """Engine benchmark: ours vs HF ``transformers`` ``generate()`` on the same weights, side by side.
 
+Ours runs ``--dtype auto`` (BF16 on CPUs that compute it natively, FP32 over BF16 weights below
+that); HF runs its fastest dtype on this CPU's tier (BF16 with AVX-512 BF16, FP32 otherwise: its
+emulated BF16 is several times slower). The tier is printed and recorded; ``KUNLUN_CPU_ISA=avx2``
+benchmarks the AVX2 tier on an AVX-512 machine.
+
 Every scenario runs the baseline and ours interleaved in the same process, ``--reps`` times, and
 reports medians and ratios (these machines are shared and noisy: only ratios from one run mean
 anything). Also measures DRAM read bandwidth in the same run for the decode roofline, and an
@@ -29,6 +34,13 @@ from pathlib import Path
 import torch
 
 from kunlun_runtime.layers.attention import fresh_prompt_attention
+from kunlun_runtime.layers.linear import onednn_bf16_reason
+from kunlun_runtime.platforms.cpu_features import cpu_capabilities
+
+
+def fastest_dtype() -> torch.dtype:
+    """The compute dtype HF and the kernels' floor run in here: BF16 only where it is native."""
+    return torch.bfloat16 if cpu_capabilities().computes_bf16 else torch.float32
 
 
 def median_of(reps: int, fn: Callable[[], float]) -> float:
@@ -99,18 +111,17 @@ class PrefillKernels:
     def __init__(self, config, warm_up: list[int]) -> None:
         self.config = config
         shapes = linear_shapes(config)
-        self.weights = [
-            torch.randn(n, k, dtype=torch.bfloat16) for _ in range(config.num_layers) for n, k in shapes
-        ]
+        self.dtype = fastest_dtype()
+        self.weights = [torch.randn(n, k, dtype=self.dtype) for _ in range(config.num_layers) for n, k in shapes]
         for tokens in warm_up:
             self.time(tokens)
 
     def time(self, tokens: int) -> tuple[float, float]:
         """(seconds of the linears, seconds of the attention) at ``tokens`` prompt tokens."""
         config = self.config
-        inputs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for _, k in linear_shapes(config)}
-        q = torch.randn(tokens, config.num_heads, config.head_dim, dtype=torch.bfloat16)
-        k, v = (torch.randn(tokens, config.num_kv_heads, config.head_dim, dtype=torch.bfloat16) for _ in "kv")
+        inputs = {k: torch.randn(tokens, k, dtype=self.dtype) for _, k in linear_shapes(config)}
+        q = torch.randn(tokens, config.num_heads, config.head_dim, dtype=self.dtype)
+        k, v = (torch.randn(tokens, config.num_kv_heads, config.head_dim, dtype=self.dtype) for _ in "kv")
         gqa, scale = config.num_heads != config.num_kv_heads, config.head_dim**-0.5
         start = time.perf_counter()
         for weight in self.weights:
@@ -207,11 +218,20 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     sizes = {"prompt": 256, "new": 128, "batch": 8, "batch_prompt": 128, "long": 2048, "history": 2000}
     if args.quick:
         sizes = {"prompt": 16, "new": 8, "batch": 2, "batch_prompt": 8, "long": 48, "history": 40}
-    common = {"dtype": "bfloat16", "max_model_len": max(sizes["long"], sizes["history"]) + 64 + sizes["new"]}
+    common = {"dtype": "auto", "max_model_len": max(sizes["long"], sizes["history"]) + 64 + sizes["new"]}
     ours = Ours(model_dir, kv_cache_memory="1GiB", **common)
-    hf = HF(model_dir, torch.bfloat16)
+    hf = HF(model_dir, fastest_dtype())
     vocab = ours.llm.engine.model_config.vocab_size
-    results: dict = {"model": model_dir, "threads": args.threads, "sizes": sizes, "scenarios": {}}
+    results: dict = {
+        "model": model_dir,
+        "threads": args.threads,
+        "sizes": sizes,
+        "cpu": cpu_capabilities().describe(),
+        "ours_dtype": str(ours.llm.engine.dtype).removeprefix("torch."),
+        "ours_weight_dtype": str(ours.llm.engine.weight_dtype).removeprefix("torch."),
+        "hf_dtype": str(fastest_dtype()).removeprefix("torch."),
+        "scenarios": {},
+    }
     # Bandwidth is sampled at the start, middle and end, and the best sample is the roofline: on a
     # shared machine a neighbour's burst lowers one sample, and a lowered roofline would flatter us.
     bandwidth_mb = 64 if args.quick else 1024
@@ -339,16 +359,25 @@ ABLATIONS = {
         "linear_backend": "prepacked",
         "fused_attention": False,
     },
-    "oneDNN engine, plain BF16 linears": {"native_kernels": False, "linear_backend": "plain"},
+    "oneDNN engine, plain linears": {"native_kernels": False, "linear_backend": "plain"},
     "no cache-set skew": {"kv_block_skew": False},
 }
 
 
-def run_ablation(args, model_dir: str, common: dict, prompts, new_tokens: int) -> dict:
-    engines = {
-        name: Ours(model_dir, kv_cache_memory="1GiB", **common, **opts) for name, opts in ABLATIONS.items()
+def ablations() -> dict[str, dict]:
+    """ABLATIONS less those this tier cannot run (oneDNN's BF16 weights need native BF16)."""
+    prepacked_runs = fastest_dtype() == torch.bfloat16 and onednn_bf16_reason() is None
+    return {
+        name: opts
+        for name, opts in ABLATIONS.items()
+        if prepacked_runs or opts.get("linear_backend") != "prepacked"
     }
-    rates: dict[str, list[float]] = {name: [] for name in ABLATIONS}
+
+
+def run_ablation(args, model_dir: str, common: dict, prompts, new_tokens: int) -> dict:
+    chosen = ablations()
+    engines = {name: Ours(model_dir, kv_cache_memory="1GiB", **common, **opts) for name, opts in chosen.items()}
+    rates: dict[str, list[float]] = {name: [] for name in chosen}
     for _ in range(args.reps):  # interleaved
         for name, engine in engines.items():
             engine.reset_prefix_cache()
@@ -361,9 +390,12 @@ def run_ablation(args, model_dir: str, common: dict, prompts, new_tokens: int) -
 
 
 def format_table(results: dict) -> str:
+    cpu = results["cpu"]
     lines = [
+        f"cpu {cpu['model_name']}  ISA tier {cpu['isa_tier']} (detected {cpu['detected_isa_tier']})  ours"
+        f" {results['ours_dtype']} over {results['ours_weight_dtype']} weights, HF {results['hf_dtype']}",
         f"model {results['model']}  threads {results['threads']}  DRAM read {results['bandwidth_gbs']:.1f} GB/s"
-        f" (best of {', '.join(f'{g:.1f}' for g in results['bandwidth_samples_gbs'])})"
+        f" (best of {', '.join(f'{g:.1f}' for g in results['bandwidth_samples_gbs'])})",
     ]
     single = results["scenarios"]["single_256_128"]
     lines.append(

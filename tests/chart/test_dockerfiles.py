@@ -260,5 +260,5 @@ def test_the_installed_package_carries_every_kernel_source() -> None:
     patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["*"]
     for path in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
         assert any(path.match(pattern) for pattern in patterns), f"{path.name} is not package data"
-    on_disk = {path.name for path in cpu_kernels.SOURCES[0].parent.iterdir()}
-    assert on_disk == {path.name for path in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS)}
+    on_disk = {path for path in cpu_kernels.CSRC.rglob("*") if path.is_file()}
+    assert on_disk == {*cpu_kernels.SOURCES, *cpu_kernels.HEADERS}
