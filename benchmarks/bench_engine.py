@@ -13,11 +13,13 @@ ablation table (each optimisation switched off in turn). Writes ``results.json``
 When ``LLAMA_BENCH`` names llama.cpp's ``llama-bench`` and ``LLAMA_BENCH_GGUF`` a Q8_0 GGUF of the
 same model, the INT8 scenario also runs llama.cpp on the same shape (128 tokens decoded after a
 256-token context, 2 threads), interleaved with ours, flash attention off and on, the better one
-counting. This script never downloads or builds llama.cpp: ``benchmarks/build_llama_cpp.sh`` does.
+counting; ``LLAMA_BENCH_GGUF_BF16`` (a BF16 GGUF) adds the same comparison for BF16 weights. This
+script never downloads or builds llama.cpp: ``benchmarks/build_llama_cpp.sh`` does.
 
     .venv/bin/python benchmarks/bench_engine.py                  # full run on the embedded SmolLM2
     .venv/bin/python benchmarks/bench_engine.py --quick --model DIR   # smoke run (the test suite)
     LLAMA_BENCH=/path/llama-bench LLAMA_BENCH_GGUF=/path/smollm2-q8_0.gguf .venv/bin/python benchmarks/bench_engine.py
+    KUNLUN_CPU_ISA=avx2 LLAMA_BENCH=... .venv/bin/python benchmarks/bench_engine.py  # the AVX2 tier
 """
 
 from __future__ import annotations
@@ -112,7 +114,9 @@ class PrefillKernels:
         self.config = config
         shapes = linear_shapes(config)
         self.dtype = fastest_dtype()
-        self.weights = [torch.randn(n, k, dtype=self.dtype) for _ in range(config.num_layers) for n, k in shapes]
+        self.weights = [
+            torch.randn(n, k, dtype=self.dtype) for _ in range(config.num_layers) for n, k in shapes
+        ]
         for tokens in warm_up:
             self.time(tokens)
 
@@ -144,6 +148,14 @@ def llama_bench_from_env() -> tuple[str, str] | None:
             " weights, e.g. llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf out.gguf Q8_0"
         )
     return binary, gguf
+
+
+def llama_bf16_gguf_from_env() -> str | None:
+    """A BF16 GGUF of the same weights (``LLAMA_BENCH_GGUF_BF16``) for the BF16 decode comparison."""
+    gguf = os.environ.get("LLAMA_BENCH_GGUF_BF16")
+    if gguf and not Path(gguf).is_file():
+        raise SystemExit(f"LLAMA_BENCH_GGUF_BF16 ({gguf!r}) is not a file (build_llama_cpp.sh writes one)")
+    return gguf or None
 
 
 def llama_bench_decode_rate(binary: str, gguf: str, threads: int, context: int, new_tokens: int) -> float:
@@ -273,6 +285,18 @@ def run_scenarios(args: argparse.Namespace) -> dict:
         table[name] = entry
 
     side_by_side("single_256_128", single, sizes["new"])
+    llama_bf16 = llama_bf16_gguf_from_env() if llama is not None else None
+    if llama_bf16 is not None:  # BF16 weights on both sides, interleaved
+        ours_rates, llama_rates = [], []
+        for _ in range(args.reps):
+            ours_rates.append(decode_rate(ours.run, single, sizes["new"])[1])
+            llama_rates.append(
+                llama_bench_decode_rate(llama[0], llama_bf16, args.threads, sizes["prompt"], sizes["new"])
+            )
+        table["single_256_128"]["llama_cpp_bf16_tok_s"] = statistics.median(llama_rates)
+        table["single_256_128"]["vs_llama_cpp_bf16"] = statistics.median(ours_rates) / statistics.median(
+            llama_rates
+        )
     side_by_side("batch8_128_128", batch, sizes["new"])
     samples.append(measure_bandwidth_gbs(bandwidth_mb))
     side_by_side("long_2048_ttft", long_prompt, 2)
@@ -376,7 +400,9 @@ def ablations() -> dict[str, dict]:
 
 def run_ablation(args, model_dir: str, common: dict, prompts, new_tokens: int) -> dict:
     chosen = ablations()
-    engines = {name: Ours(model_dir, kv_cache_memory="1GiB", **common, **opts) for name, opts in chosen.items()}
+    engines = {
+        name: Ours(model_dir, kv_cache_memory="1GiB", **common, **opts) for name, opts in chosen.items()
+    }
     rates: dict[str, list[float]] = {name: [] for name in chosen}
     for _ in range(args.reps):  # interleaved
         for name, engine in engines.items():

@@ -6,6 +6,10 @@
 # run the same weights). Nothing it makes is committed, shipped or used by the runtime.
 #
 #   benchmarks/build_llama_cpp.sh /tmp/llama.cpp        # about 10 minutes on 2 cores
+#   LLAMA_CPP_ISA=avx2 benchmarks/build_llama_cpp.sh /tmp/llama.cpp-avx2
+#
+# By default ggml is built for this CPU (GGML_NATIVE). LLAMA_CPP_ISA=avx2 builds its AVX2 + FMA +
+# F16C kernels only, to compare with our AVX2 tier (KUNLUN_CPU_ISA=avx2) on an AVX-512 machine.
 #
 # GCC 12 builds a ggml whose AMX path dies with "Illegal instruction" unless the CPU backend is
 # compiled with -fno-tree-dse -fno-dse (a known compiler issue), so every file gets those flags.
@@ -21,7 +25,13 @@ out=$(cd "$out" && pwd)
 "$python" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$out"
 tar -xzf "$out/llama_cpp_python-$version.tar.gz" -C "$out"
 src="$out/llama_cpp_python-$version/vendor/llama.cpp"
-cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+case "${LLAMA_CPP_ISA:-native}" in
+  native) isa_flags="-DGGML_NATIVE=ON" ;;
+  avx2) isa_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" ;;
+  *) echo "LLAMA_CPP_ISA must be native or avx2" >&2; exit 2 ;;
+esac
+# shellcheck disable=SC2086  # isa_flags holds several arguments
+cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release $isa_flags -DLLAMA_CURL=OFF \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$out/configure.log" 2>&1
 cmake --build "$out/build" -j"$(nproc)" --target llama-server llama-bench llama-quantize >"$out/build.log" 2>&1

@@ -63,7 +63,10 @@ def test_kernels_the_forced_tier_lacks_are_refused_by_name(tiny_model_dir: Path)
     native = run_cli("none", "generate", "--model", str(tiny_model_dir), "--prompt", "hi",
                      "--linear-backend", "native")  # fmt: skip
     assert native.returncode == 2
-    assert "linear_backend: native is unavailable here" in native.stderr and "KUNLUN_CPU_ISA=none" in native.stderr
+    assert (
+        "linear_backend: native is unavailable here" in native.stderr
+        and "KUNLUN_CPU_ISA=none" in native.stderr
+    )
     prepacked = run_cli("none", "generate", "--model", str(tiny_model_dir), "--prompt", "hi",
                         "--dtype", "bfloat16", "--linear-backend", "prepacked")  # fmt: skip
     assert prepacked.returncode == 2
@@ -84,7 +87,11 @@ def test_the_plain_floor_serves_the_openai_api(tiny_model_dir: Path) -> None:
         assert httpx.get(f"{base_url}/version").json()["cpu"]["isa_tier"] == "none"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
         reply = client.completions.create(
-            model=tiny_model_dir.name, prompt="hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+            model=tiny_model_dir.name,
+            prompt="hello",
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
         assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"
     finally:

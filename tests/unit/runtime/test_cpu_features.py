@@ -54,7 +54,7 @@ def test_the_override_runs_a_lower_tier_and_says_what_the_cpu_has():
 
 
 def test_asking_for_a_tier_the_cpu_lacks_names_the_missing_flags():
-    with pytest.raises(ConfigError, match="lacks avx512f, avx512bw.*best tier is avx2") as caught:
+    with pytest.raises(ConfigError, match=r"lacks avx512f, avx512bw.*best tier is avx2") as caught:
         probe(make_cpuinfo(ZEN3, "EPYC"), "x86_64", {"KUNLUN_CPU_ISA": "avx512"})
     assert caught.value.field == "KUNLUN_CPU_ISA"
     with pytest.raises(ConfigError, match="amx_tile, amx_bf16"):
@@ -75,7 +75,12 @@ def test_missing_flags_include_the_lower_tiers():
 def test_cache_sizes_come_from_sysfs_and_skip_the_instruction_cache(tmp_path):
     cache = tmp_path / "devices/system/cpu/cpu0/cache"
     for index, (level, kind, size) in enumerate(
-        [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "1024K"), ("3", "Unified", "32M")]
+        [
+            ("1", "Data", "48K"),
+            ("1", "Instruction", "32K"),
+            ("2", "Unified", "1024K"),
+            ("3", "Unified", "32M"),
+        ]
     ):
         folder = cache / f"index{index}"
         folder.mkdir(parents=True)
@@ -85,5 +90,9 @@ def test_cache_sizes_come_from_sysfs_and_skip_the_instruction_cache(tmp_path):
     sizes = read_cache_bytes(tmp_path)
     assert sizes == {"L1d": 48 * 1024, "L2": 1024 * 1024, "L3": 32 * 1024**2}
     capabilities = probe(make_cpuinfo(ZEN3), "x86_64", {}, sizes)
-    assert (capabilities.l1d_bytes, capabilities.l2_bytes, capabilities.l3_bytes) == (49152, 1048576, 33554432)
+    assert (capabilities.l1d_bytes, capabilities.l2_bytes, capabilities.l3_bytes) == (
+        49152,
+        1048576,
+        33554432,
+    )
     assert read_cache_bytes(tmp_path / "absent") == {}

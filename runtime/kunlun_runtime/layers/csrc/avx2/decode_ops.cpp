@@ -227,8 +227,9 @@ void gather_slots(const PagedCache& cache, const int64_t* table, int64_t block_s
 // L1 each; 64-key chunks measured no faster).
 constexpr int64_t kKeyChunk = 32;
 constexpr int64_t kMinSplitKeys = 64;  // a sequence's keys are split across threads down to this
-constexpr int kStripe = 4;             // 8-lane vectors of D a P·V pass keeps per query head
-constexpr int kHeadTile = 3;           // query heads a P·V pass accumulates at once (12 registers)
+constexpr int kStripe = 3;             // 8-lane vectors of D a P·V pass keeps per query head
+constexpr int kHeadTile = 3;           // query heads a P·V pass accumulates at once (9 registers)
+constexpr int64_t kPrefetchChunks = 1;  // how far ahead K and V rows are prefetched
 
 // Eight FP32 vectors in, one out: lane j holds the sum of the lanes of v[j].
 inline __m256 transpose_sum8(const __m256 v[8]) {
@@ -263,28 +264,35 @@ inline __m256 dot8(const float* q, const float* const rows[8], int64_t full, __m
 
 // acc[g] = acc[g] · corrections[g] + Σ_j probs[g][j] · value_j over one stripe of W vectors of D
 // (from vector `first`) for TILE query heads, the accumulators in registers. TAIL: the stripe's
-// last vector is a row tail, read by a masked load.
+// last vector is a row tail, read by a masked load. The constant loops are unrolled by pragma:
+// GCC otherwise unrolled them only after deciding that `sum` lives in memory, and stored all of
+// it to the stack on every key.
 template <int W, int TILE, bool TAIL>
 void accumulate_values(const float* const* value_slots, int64_t head_offset, int64_t n, const float* probs,
                        const float* corrections, float* acc, int64_t padded_dim, int64_t first, __m256i tail) {
   __m256 sum[TILE][W];
-  for (int g = 0; g < TILE; ++g) {
+  _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
     const __m256 correction = _mm256_set1_ps(corrections[g]);
-    for (int c = 0; c < W; ++c) sum[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * padded_dim + 8 * (first + c)), correction);
+    _Pragma("GCC unroll 4") for (int c = 0; c < W; ++c) {
+      sum[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * padded_dim + 8 * (first + c)), correction);
+    }
   }
   for (int64_t j = 0; j < n; ++j) {
     const float* row = value_slots[j] + head_offset + 8 * first;
     __m256 value[W];
-    for (int c = 0; c < W; ++c) {
+    _Pragma("GCC unroll 4") for (int c = 0; c < W; ++c) {
       value[c] = TAIL && c == W - 1 ? _mm256_maskload_ps(row + 8 * c, tail) : _mm256_loadu_ps(row + 8 * c);
     }
-    for (int g = 0; g < TILE; ++g) {
+    _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
       const __m256 weight = _mm256_broadcast_ss(probs + g * kKeyChunk + j);
-      for (int c = 0; c < W; ++c) sum[g][c] = _mm256_fmadd_ps(weight, value[c], sum[g][c]);
+      _Pragma("GCC unroll 4") for (int c = 0; c < W; ++c) sum[g][c] = _mm256_fmadd_ps(weight, value[c], sum[g][c]);
     }
   }
-  for (int g = 0; g < TILE; ++g)
-    for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + g * padded_dim + 8 * (first + c), sum[g][c]);
+  _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
+    _Pragma("GCC unroll 4") for (int c = 0; c < W; ++c) {
+      _mm256_storeu_ps(acc + g * padded_dim + 8 * (first + c), sum[g][c]);
+    }
+  }
 }
 
 using AccumulateFn = void (*)(const float* const*, int64_t, int64_t, const float*, const float*, float*, int64_t,
@@ -297,20 +305,21 @@ AccumulateFn pick_accumulate(bool tail) {
 
 template <int TILE>
 AccumulateFn pick_accumulate(int width, bool tail) {
+  static_assert(kStripe >= 1 && kStripe <= 4, "one case per stripe width");
   switch (width) {
     case 1: return pick_accumulate<1, TILE>(tail);
-    case 2: return pick_accumulate<2, TILE>(tail);
-    case 3: return pick_accumulate<3, TILE>(tail);
+    case 2: return pick_accumulate<std::min(2, kStripe), TILE>(tail);
+    case 3: return pick_accumulate<std::min(3, kStripe), TILE>(tail);
     default: return pick_accumulate<kStripe, TILE>(tail);
   }
 }
 
 AccumulateFn pick_accumulate(int tile, int width, bool tail) {
-  static_assert(kHeadTile == 3, "one case per tile size");
+  static_assert(kHeadTile >= 1 && kHeadTile <= 3, "one case per tile size");
   switch (tile) {
     case 1: return pick_accumulate<1>(width, tail);
-    case 2: return pick_accumulate<2>(width, tail);
-    default: return pick_accumulate<3>(width, tail);
+    case 2: return pick_accumulate<std::min(2, kHeadTile)>(width, tail);
+    default: return pick_accumulate<kHeadTile>(width, tail);
   }
 }
 
@@ -342,22 +351,21 @@ void attend_split(const float* q, const AttentionShape& s, const int64_t* table,
   const __m256i tail = tail_mask(D % 8);
   std::vector<float> probs_storage(kKeyChunk * group), corrections(group);  // probs: [head in group][key]
   float* probs = probs_storage.data();
-  const float* slot_storage[4][kKeyChunk];  // this chunk's slots and the next's, swapped as they advance
-  const float** key_slots = slot_storage[0];
-  const float** value_slots = slot_storage[1];
-  const float** next_key_slots = slot_storage[2];
-  const float** next_value_slots = slot_storage[3];
+  // Slots (KV head 0) of this chunk, and of the chunk kPrefetchChunks ahead, whose rows are prefetched.
+  const float* key_slots[kKeyChunk];
+  const float* value_slots[kKeyChunk];
+  const float* ahead_key_slots[kKeyChunk];
+  const float* ahead_value_slots[kKeyChunk];
   for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
   std::fill(acc, acc + H * padded_dim, 0.0f);
-  gather_slots(keys, table, s.block_size, start, std::min(end, start + kKeyChunk), key_slots);
-  gather_slots(values, table, s.block_size, start, std::min(end, start + kKeyChunk), value_slots);
   for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, end - c0);
-    const int64_t next = c0 + n < end ? std::min(kKeyChunk, end - c0 - n) : 0;  // <= n
-    if (next > 0) {
-      gather_slots(keys, table, s.block_size, c0 + n, c0 + n + next, next_key_slots);
-      gather_slots(values, table, s.block_size, c0 + n, c0 + n + next, next_value_slots);
-    }
+    gather_slots(keys, table, s.block_size, c0, c0 + n, key_slots);
+    gather_slots(values, table, s.block_size, c0, c0 + n, value_slots);
+    const int64_t ahead_start = c0 + kPrefetchChunks * kKeyChunk;
+    const int64_t ahead = std::clamp<int64_t>(end - ahead_start, 0, kKeyChunk);  // <= n
+    gather_slots(keys, table, s.block_size, ahead_start, ahead_start + ahead, ahead_key_slots);
+    gather_slots(values, table, s.block_size, ahead_start, ahead_start + ahead, ahead_value_slots);
     for (int64_t kv = 0; kv < KVH; ++kv) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
@@ -369,13 +377,13 @@ void attend_split(const float* q, const AttentionShape& s, const int64_t* table,
           for (int64_t i = 0; i < 8; ++i) {  // lanes past the chunk re-read its first key, masked below
             rows[i] = key_slots[j + (i < count ? i : 0)] + kv * keys.head_stride;
           }
-          if (g == 0) {  // the next chunk's rows of this KV head, into L2
-            for (int64_t i = j; i < std::min(j + 8, next); ++i) {
-              const char* next_key = reinterpret_cast<const char*>(next_key_slots[i] + kv * keys.head_stride);
-              const char* next_value = reinterpret_cast<const char*>(next_value_slots[i] + kv * values.head_stride);
+          if (g == 0) {  // a later chunk's rows of this KV head, into L2
+            for (int64_t i = j; i < std::min(j + 8, ahead); ++i) {
+              const char* key = reinterpret_cast<const char*>(ahead_key_slots[i] + kv * keys.head_stride);
+              const char* value = reinterpret_cast<const char*>(ahead_value_slots[i] + kv * values.head_stride);
               for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-                _mm_prefetch(next_key + offset, _MM_HINT_T1);
-                _mm_prefetch(next_value + offset, _MM_HINT_T1);
+                _mm_prefetch(key + offset, _MM_HINT_T1);
+                _mm_prefetch(value + offset, _MM_HINT_T1);
               }
             }
           }
@@ -409,8 +417,6 @@ void attend_split(const float* q, const AttentionShape& s, const int64_t* table,
         }
       }
     }
-    std::swap(key_slots, next_key_slots);
-    std::swap(value_slots, next_value_slots);
   }
 }
 

@@ -31,11 +31,11 @@ constexpr int kTileRows = 4;
 
 // Software prefetch distance along each thread's weight stream, in bytes. The lines go to L2
 // (_MM_HINT_T1).
-constexpr int64_t kPrefetchBytes = 8192;
+constexpr int64_t kPrefetchBytes = 16384;
 
 // Output channels per block for the BF16 kernel at `rows` rows per tile: rows × channels FP32
 // accumulators, enough independent FMA chains to cover the FMA latency.
-constexpr int bf16_channels(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows == 3 ? 4 : 3; }
+constexpr int bf16_channels(int rows) { return rows == 1 ? 6 : rows == 2 ? 4 : 3; }
 constexpr int int8_channels(int rows) { return rows == 1 ? 4 : rows == 2 ? 4 : rows == 3 ? 2 : 2; }
 
 template <int N>
@@ -115,21 +115,60 @@ void dispatch_channels(int64_t M, Fn fn) {
 
 // ---- BF16 weights ---------------------------------------------------------------------------
 
-// acc[m][r] += x[m][k, k + 8) · w[r][k, k + 8), the weight widened in registers (exact).
+// Columns per step: 16 BF16 weights are one 32-byte load; each 32-bit lane holds an even column
+// (low half) and the odd one after it (high half), so a shift widens the even columns and a
+// mask the odd ones: two cheap ops per 16 weights, where widening in order (vpmovzxwd + shift)
+// takes four. The dot product does not care about the order, so x is rearranged once per call to
+// match: each group of 16 columns as its 8 even columns, then its 8 odd ones.
+constexpr int64_t kGroup = 16;
+
+// x [M, K] → [M, stride] with each group of 16 columns reordered to even, odd; the row padded
+// with zeros to `stride` (a multiple of 16).
+std::vector<float> split_even_odd(const float* x, int64_t M, int64_t K, int64_t stride) {
+  std::vector<float> out(M * stride);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float* dst = out.data() + m * stride;
+    for (int64_t k = 0; k < stride; k += kGroup) {
+      const __m256 a = kunlun_cpu::avx2::load_ps(row + k, K - k);  // past K: zeros
+      const __m256 b = kunlun_cpu::avx2::load_ps(row + k + 8, K - k - 8);
+      // shuffle_ps works within 128-bit lanes: [a0 a2 b0 b2 | a4 a6 b4 b6], then the 64-bit
+      // quarters in order 0 2 1 3.
+      const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+      const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+      _mm256_storeu_ps(dst + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+      _mm256_storeu_ps(dst + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+    }
+  }
+  return out;
+}
+
+// acc[m][r] += x[m] · w[r] over one group of 16 columns (x: the group's even/odd halves, row
+// stride `stride`; w: the group's 16 BF16 weights of channel 0, row stride K).
 template <int MT, int R>
-KUNLUN_INLINE void bf16_step(__m256 (&acc)[MT][R], const float* x, const bf16* w, int64_t K, int64_t k) {
+KUNLUN_INLINE void bf16_step(__m256 (&acc)[MT][R], const float* x, int64_t stride, const bf16* w, int64_t K) {
+  const __m256 high_half = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  // The even columns for every (row, channel), then the odd ones: R widened weights live at a
+  // time, next to the MT·R accumulators, within the 16 registers.
   __m256 wv[R];
-  for (int r = 0; r < R; ++r) wv[r] = kunlun_cpu::avx2::widen_bf16x8(w + r * K + k);
+  for (int r = 0; r < R; ++r)
+    wv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K)), 16));
   for (int m = 0; m < MT; ++m) {
-    const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+    const __m256 xv = _mm256_loadu_ps(x + m * stride);
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+  }
+  for (int r = 0; r < R; ++r) wv[r] = _mm256_and_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(w + r * K)), high_half);
+  for (int m = 0; m < MT; ++m) {
+    const __m256 xv = _mm256_loadu_ps(x + m * stride + 8);
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
   }
 }
 
-// out[m][n0 + r] = x[m] · w[n0 + r] + bias for MT rows of x (x, out: the tile's first row) and R
-// output channels (w: channel n0's row).
+// out[m][n0 + r] = x[m] · w[n0 + r] + bias for MT rows of x (xs: the tile's first row, split by
+// split_even_odd; out: its output row) and R output channels (w: channel n0's row).
 template <int MT, int R, bool Prefetch>
-void bf16_tile(const float* x, const bf16* w, const float* bias, float* out, int64_t K, int64_t N, int64_t n0) {
+void bf16_tile(const float* xs, int64_t stride, const bf16* w, const float* bias, float* out, int64_t K, int64_t N,
+               int64_t n0) {
   __m256 acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -138,24 +177,23 @@ void bf16_tile(const float* x, const bf16* w, const float* bias, float* out, int
   // kPrefetchBytes further on.
   const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
+  for (; k + 2 * kGroup <= K; k += 2 * kGroup) {
     if constexpr (Prefetch) {
       for (int r = 0; r < R; ++r) _mm_prefetch(ahead + r * 64, _MM_HINT_T1);
       ahead += R * 64;
     }
-    bf16_step(acc, x, w, K, k);
-    bf16_step(acc, x, w, K, k + 8);
-    bf16_step(acc, x, w, K, k + 16);
-    bf16_step(acc, x, w, K, k + 24);
+    bf16_step(acc, xs + k, stride, w + k, K);
+    bf16_step(acc, xs + k + kGroup, stride, w + k + kGroup, K);
   }
-  for (; k + 8 <= K; k += 8) bf16_step(acc, x, w, K, k);
-  if (k < K) {  // the last K % 8 columns: x masked, w copied (never read past the end of w)
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = kunlun_cpu::avx2::widen_bf16x8_tail(w + r * K + k, K - k);
-    for (int m = 0; m < MT; ++m) {
-      const __m256 xv = kunlun_cpu::avx2::load_ps(x + m * K + k, K - k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
+  if (k + kGroup <= K) {
+    bf16_step(acc, xs + k, stride, w + k, K);
+    k += kGroup;
+  }
+  if (k < K) {  // the last K % 16 columns: the weight copied, zero-padded (never read past its end)
+    alignas(32) bf16 tail[R][kGroup];
+    std::memset(tail, 0, sizeof(tail));
+    for (int r = 0; r < R; ++r) std::memcpy(tail[r], w + r * K + k, (K - k) * sizeof(bf16));
+    bf16_step(acc, xs + k, stride, &tail[0][0], kGroup);
   }
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r)
@@ -327,15 +365,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear_bf16: w must be bfloat16, got ", w.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.const_data_ptr<float>();
+  const int64_t stride = (K + kGroup - 1) / kGroup * kGroup;
+  const std::vector<float> xs = split_even_odd(x.const_data_ptr<float>(), M, K, stride);
   const bf16* wp = w.const_data_ptr<bf16>();
   const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   float* op = out.mutable_data_ptr<float>();
   dispatch_channels<bf16_channels>(M, [&](auto channels) {
     constexpr int R = decltype(channels)::value;
     for_each_tile<R>(M, N, R * K * 2, [&](auto mt, auto r, int64_t m0, int64_t n0, auto prefetch) {
-      bf16_tile<decltype(mt)::value, decltype(r)::value, decltype(prefetch)::value>(xp + m0 * K, wp + n0 * K, bp,
-                                                                                    op + m0 * N, K, N, n0);
+      bf16_tile<decltype(mt)::value, decltype(r)::value, decltype(prefetch)::value>(
+          xs.data() + m0 * stride, stride, wp + n0 * K, bp, op + m0 * N, K, N, n0);
     });
   });
   return out;
