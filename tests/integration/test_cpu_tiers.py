@@ -98,6 +98,7 @@ def test_the_plain_floor_serves_the_openai_api(tiny_model_dir: Path) -> None:
         process.terminate()
         output, _ = process.communicate(timeout=60)
     assert "dtype=torch.float32 weights=torch.bfloat16" in output
+    assert "ISA tier none (forced by KUNLUN_CPU_ISA" in output or cpu_capabilities().detected_tier is IsaTier.NONE
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="the CPU lacks AVX2, FMA or F16C")

@@ -73,6 +73,13 @@ class CpuCapabilities:
         """Whether BF16 arithmetic is native (not emulated) in the tier in force."""
         return self.tier >= IsaTier.AVX512
 
+    def summary(self) -> str:
+        """One line for logs: the CPU, the tier in force and, when forced, the one detected."""
+        forced = ""
+        if self.tier != self.detected_tier:
+            forced = f" (forced by {ISA_ENV}; the CPU has {self.detected_tier.value})"
+        return f"CPU {self.model_name}: ISA tier {self.tier.value}{forced}"
+
     def describe(self) -> dict[str, object]:
         """A JSON-ready summary (``--version``, ``/version``, ``tune``'s record)."""
         return {
@@ -183,11 +190,5 @@ def cpu_capabilities() -> CpuCapabilities:
     except OSError:
         text = ""
     capabilities = probe(text, platform.machine(), os.environ, read_cache_bytes(Path("/sys")))
-    forced = capabilities.tier != capabilities.detected_tier
-    log.info(
-        "CPU: %s, ISA tier %s%s",
-        capabilities.model_name,
-        capabilities.tier.value,
-        f" (forced by {ISA_ENV}; the CPU has {capabilities.detected_tier.value})" if forced else "",
-    )
+    log.info("%s", capabilities.summary())
     return capabilities

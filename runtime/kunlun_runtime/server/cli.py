@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from types import FrameType
 
 import uvicorn
@@ -84,6 +85,7 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
 @command("serve", "serve the OpenAI-compatible HTTP API (and /health, /metrics)", _serve_args)
 def run_serve(args: argparse.Namespace) -> int:
     from kunlun_runtime.engine import LLMEngine
+    from kunlun_runtime.platforms.cpu_features import cpu_capabilities
     from kunlun_runtime.server.app import create_app
 
     config = engine_config_from_args(args)
@@ -102,6 +104,8 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server = DrainingServer(uvicorn_config, lifecycle, args.shutdown_timeout)
     lifecycle.on_fatal = server.fail
+    if config.device in ("auto", "cpu"):  # what every automatic CPU choice resolves against
+        print(f"kunlun-runtime serve: {cpu_capabilities().summary()}", file=sys.stderr, flush=True)
     server.run()
     logging.getLogger(__name__).info("server stopped (exit %d)", server.exit_code)
     return server.exit_code

@@ -3,11 +3,11 @@ against the FP32 PyTorch paths they replace.
 
 Bounds: the kernels do the references' FP32 arithmetic in another order and with their own exp
 (relative error ~2e-7), so results differ by a few FP32 ulps (2**-24 ≈ 6e-8 each): 1e-5 relative
-leaves a margin of ~100x over the errors measured (≤ 3e-7 for the norms and SiLU, ~1e-6 of the
-attention's largest |V| for attention, whose output is a convex combination of V rows and can
-cancel to near zero, so its bound is relative to that scale rather than to each element). Rotary,
-the residual add and the cache writes are exact: each product and sum is rounded once, as the
-eager expressions round them.
+leaves a margin of 20x or more over the errors measured (≤ 3e-7 for the norms and SiLU; for
+attention ≤ 5e-7 of the largest |V|, and as close to a float64 reference as torch's FP32 SDPA is;
+its output is a convex combination of V rows that can cancel to near zero, so its bound is relative
+to that scale rather than to each element). Rotary, the residual add and the cache writes are
+exact: each product and sum is rounded once, as the eager expressions round them.
 """
 
 import contextlib
@@ -60,7 +60,8 @@ def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * (x * torch.rsqrt(variance + eps))
 
 
-@pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 100), (37, 7), (3, 4096)])  # vector tails, prefill rows
+# A decode row of SmolLM2; vector tails (100, 7: masked loads only); prefill-sized rows.
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 100), (37, 7), (3, 4096)])
 def test_rms_norm_matches_hf_rms_norm_in_fp32(rows, hidden):
     generator = torch.Generator().manual_seed(hidden)
     x = torch.randn(rows, hidden, generator=generator) * 4
@@ -71,7 +72,8 @@ def test_rms_norm_matches_hf_rms_norm_in_fp32(rows, hidden):
 @pytest.mark.parametrize("rows,hidden", [(2, 576), (19, 13)])
 def test_add_rms_norm_returns_the_exact_sum_and_its_norm(rows, hidden):
     generator = torch.Generator().manual_seed(rows)
-    x, delta = torch.randn(rows, hidden, generator=generator) * 3, torch.randn(rows, hidden, generator=generator)
+    x = torch.randn(rows, hidden, generator=generator) * 3
+    delta = torch.randn(rows, hidden, generator=generator)
     weight = torch.randn(hidden, generator=generator)
     total, normed = cpu_kernels.add_rms_norm(x, delta, weight, 1e-6)
     assert torch.equal(total, x + delta)  # one FP32 rounding, as the eager add
@@ -179,11 +181,22 @@ def _check_decode_attention(heads, head_dim, lengths, window, threads, seed=0):
 
 # head_dim 64 and 128: whole vectors, rotary halves of whole vectors; 40: whole vectors, rotary
 # halves that are not (20); 36: a 4-lane row tail in scores, P·V and the output (masked loads).
-# (heads, KV heads): GQA groups of 3 (SmolLM2), 1 and 4 (a head tile of 3 plus 1).
-@pytest.mark.parametrize("head_dim", [64, 128, 40, 36])
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 2)])
-@pytest.mark.parametrize("window", [0, 9])
-@pytest.mark.parametrize("threads", [1, 2])
+# (heads, KV heads): GQA groups of 3 (SmolLM2), 1 and 4 (a head tile of 3 plus 1). One thread for
+# the grid (a second changes only which thread runs a sequence; on a busy machine every parallel
+# call can wait a scheduler slice for it), two for a few cases and for the split test below.
+DECODE_CASES = [
+    *(
+        (head_dim, heads, window, 1)
+        for head_dim in (64, 128, 40, 36)
+        for heads in ((9, 3), (4, 4), (8, 2))
+        for window in (0, 9)
+    ),
+    (64, (9, 3), 9, 2),
+    (36, (8, 2), 0, 2),
+]
+
+
+@pytest.mark.parametrize("head_dim,heads,window,threads", DECODE_CASES)
 def test_decode_attention_matches_rotary_and_the_fp32_paged_sdpa_path(head_dim, heads, window, threads):
     # Lengths 1 (only itself), then 17, 40 and 100: not multiples of the block size.
     _check_decode_attention(heads, head_dim, (1, 17, 40, 100), window, threads, seed=head_dim + window)
@@ -256,7 +269,9 @@ def test_decode_attention_rejects_a_block_outside_the_pool_before_writing():
     unchanged = _unchanged(cache)
     tables, lengths = torch.tensor([[1, 99]]), torch.tensor([17])  # the new token's block is out of range
     with pytest.raises(RuntimeError, match="block id 99 out of range"):
-        cpu_kernels.decode_attention(q, k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, tables, lengths, 0.1, 0)
+        cpu_kernels.decode_attention(
+            q, k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, tables, lengths, 0.1, 0
+        )
     with pytest.raises(RuntimeError, match="does not fit its block table"):
         cpu_kernels.decode_attention(
             q, k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, tables[:, :1], lengths, 0.1, 0
@@ -277,14 +292,26 @@ def test_decode_attention_rejects_other_dtypes_and_shapes():
             q.bfloat16(), k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, tables, lengths, 0.1, 0
         )
     with pytest.raises(RuntimeError, match="int64"):
-        cpu_kernels.decode_attention(q, k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, tables.int(), lengths, 0.1, 0)
+        cpu_kernels.decode_attention(
+            q, k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, tables.int(), lengths, 0.1, 0
+        )
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         cpu_kernels.decode_attention(
             q[:, :5], k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, tables, lengths, 0.1, 0
         )
     with pytest.raises(RuntimeError, match="at least one sequence"):
         cpu_kernels.decode_attention(
-            q[:0], k[:0], v[:0], cos[:0], sin[:0], *cache.k_blocks, *cache.v_blocks, tables[:0], lengths[:0], 0.1, 0
+            q[:0],
+            k[:0],
+            v[:0],
+            cos[:0],
+            sin[:0],
+            *cache.k_blocks,
+            *cache.v_blocks,
+            tables[:0],
+            lengths[:0],
+            0.1,
+            0,
         )
     assert unchanged()
 
@@ -332,7 +359,9 @@ def _argmaxes():
     return [cpu_kernels.argmax_rows, _avx2_ops().argmax_rows]  # the best tier loaded, and AVX2's own
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 8, 31, 32, 33, 100, 49152, 100003])  # around the 8- and 32-wide steps
+@pytest.mark.parametrize(
+    "vocab", [1, 7, 8, 31, 32, 33, 100, 49152, 100003]
+)  # around the 8- and 32-wide steps
 def test_argmax_rows_matches_torch_argmax(vocab):
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(6, vocab, generator=generator)

@@ -1,6 +1,44 @@
-// Small-batch (decode) linear kernels for x86 CPUs with AVX2 + FMA (+ F16C), FP32 activations.
+// Small-batch (decode) linear kernels for x86 CPUs with AVX2 + FMA: the AVX2 tier (AMD Zen 2/3,
+// Hygon, Intel Haswell on), which computes on FP32 activations because BF16 arithmetic is only
+// emulated there. Only AVX2/FMA instructions are used.
 //
-// HEADER: filled in after measurement.
+//   kunlun_cpu::linear_bf16(x fp32 [M, K], w bf16 [N, K], bias fp32 [N]?)                 -> fp32 [M, N]
+//   kunlun_cpu::linear_int8(x fp32 [M, K], w int8 [N, K], scales fp32 [N], bias fp32 [N]?) -> fp32 [M, N]
+//
+// At decode a linear layer multiplies a few activation rows by a weight matrix streamed from
+// memory once per step. The weights stay as stored, BF16 or INT8 (half or a quarter of FP32's
+// bytes), and are widened in registers; each weight row is read once for all M rows of x. At one
+// row the weight stream sets the pace; from about two rows on (BF16) the FP32 arithmetic does, at
+// eight MACs per FMA, so the kernels aim at the fewest instructions per weight byte.
+//
+// linear_bf16 computes x · float(w)ᵀ + bias in FP32: BF16 → FP32 is exact, so the result differs
+// from an FP32 matmul over the widened weight only in the order of the additions (lane-wise FP32
+// accumulators, one horizontal sum per output). The widening takes two cheap ops per 16 weights:
+// a 32-bit lane of BF16 holds an even column in its low half and the odd one in its high half, so
+// a shift by 16 yields the even columns as FP32 and a mask the odd ones; x is rearranged once per
+// call to match (each group of 16 columns as its 8 even, then its 8 odd columns). Widening in
+// column order (vpmovzxwd + shift per 8 weights) measured up to 15 % slower at one row on
+// cache-resident weights, 2-4 % from two rows on.
+//
+// linear_int8 is W8A8 with dynamic activation scales, the scheme of llama.cpp's Q8_0 dot product
+// on AVX2: each row of x is quantized once per call to INT8 in blocks of 32 (scale = max|x| /
+// 127, round to nearest even), and each block's dot product with a weight row runs in exact
+// integer arithmetic: maddubs(|q|, w · sign(q)) multiplies and adds pairs (at most 2 · 127², no
+// INT16 saturation) and madd with ones adds pairs of those into INT32 lanes; the INT32 sums are
+// scaled by the block's activation scale into FP32 accumulators, and the channel's weight scale
+// and the bias come last. The activations' rounding (at most max|x_block| / 254 per element) is
+// the price: about 0.5 % (RMS) of the output for Gaussian activations, 1 % with scattered
+// outliers 20x the rest; the per-channel INT8 rounding of Gaussian weights alone costs 0.8 %.
+// Widening the INT8 weights to FP32 instead (W8A16: cvtepi8_epi32 + cvtepi32_ps + FMA on FP32 x,
+// no activation rounding) measured 1.2-1.7x slower at one row, where W8A8 spends 5 ops per 32
+// weights and W8A16 3 per 8, and up to 1.2x slower at eight rows, where it is FMA-bound (equal on
+// the smallest layer); so W8A8 it is. (INT16 activations with madd on sign-extended weights,
+// which skips the sign trick, measured slower than either.)
+//
+// Both kernels split the output channels across the intra-op threads (at::parallel_for) in
+// blocks of a few channels; a block runs tiles of up to four rows of x back to back, the later
+// tiles finding the block's weight in L1, and its first tile prefetches the thread's weight stream
+// ahead.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,39 +58,61 @@
 #include <type_traits>
 #include <vector>
 
+#define KUNLUN_INLINE inline __attribute__((always_inline))
+// bf16_tile stays out of line: inlined into the parallel loop's lambda, GCC allocated registers
+// worse for its 3- and 4-row tiles, which then ran 20 % slower (the INT8 tiles run a few percent
+// faster inlined).
+#define KUNLUN_NOINLINE __attribute__((noinline))
+
 namespace {
 
 using kunlun_cpu::avx2::bf16;
 
-#define KUNLUN_INLINE inline __attribute__((always_inline))
-
-// Rows of x one tile computes (passes over the channel block's weight, which stays in L1).
+// Rows of x per tile: a tile holds rows × channels FP32 accumulators in registers, and AVX2 has
+// 16. Four rows by three channels beat eight rows by one (each widened weight feeds more FMAs per
+// load of x); a batch above four rows runs as several tiles over each channel block, whose weight
+// is then still in L1, so the weight streams in from memory once per call at any M.
 constexpr int kTileRows = 4;
 
-// Software prefetch distance along each thread's weight stream, in bytes. The lines go to L2
-// (_MM_HINT_T1).
+// Software prefetch distance along each thread's weight stream, in bytes. Without it, with the
+// hardware prefetcher alone, weights streamed from DRAM took up to twice as long; 2-4 KiB ahead
+// measured slower than 16 KiB at one row, 8-64 KiB about the same. The lines go to L1
+// (_MM_HINT_T0): on the AMD machine that measured faster than L2 (_MM_HINT_T1) at one row and
+// the same from two rows on (the AVX-512 tier found the opposite on a Xeon).
 constexpr int64_t kPrefetchBytes = 16384;
 
-// Output channels per block for the BF16 kernel at `rows` rows per tile: rows × channels FP32
-// accumulators, enough independent FMA chains to cover the FMA latency.
+// Output channels per block for a tile of `rows` rows: enough independent accumulator chains to
+// hide the FMA latency, few enough that accumulators and widened weights fit the 16 registers
+// (measured: one row 6 channels, not 4 or 8; two rows 4; three and four rows 3).
 constexpr int bf16_channels(int rows) { return rows == 1 ? 6 : rows == 2 ? 4 : 3; }
-constexpr int int8_channels(int rows) { return rows == 1 ? 4 : rows == 2 ? 4 : rows == 3 ? 2 : 2; }
+// The INT8 kernel also keeps each row's q, |q| and block scale in registers (measured: 4 channels
+// at one and two rows, 6 no faster at one; 3 at three rows; 2 at four, 3 no faster).
+constexpr int int8_channels(int rows) { return rows <= 2 ? 4 : rows == 3 ? 3 : 2; }
+
+// The main loops prefetch R lines per R lines consumed; when K is not a multiple of their step,
+// the block's share of the stream ends past the last line they prefetched: prefetch_rest takes
+// the lines up to `end`.
+// (Addresses are integers here: the stream runs past the end of w at the last block, harmlessly
+// for a prefetch, but not for pointer arithmetic.)
+KUNLUN_INLINE void prefetch_line(uintptr_t address) {
+  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
+}
+KUNLUN_INLINE void prefetch_rest(uintptr_t ahead, uintptr_t end) {
+  for (; ahead < end; ahead += 64) prefetch_line(ahead);
+}
 
 template <int N>
 using Int = std::integral_constant<int, N>;
 
-template <typename Fn>
+// Calls fn(Int<rows>) for rows in [1, MaxRows] (MaxRows <= kTileRows).
+template <int MaxRows = kTileRows, typename Fn>
 KUNLUN_INLINE void dispatch_rows(int64_t rows, Fn fn) {
-  static_assert(kTileRows <= 8);
-  switch (rows) {
+  static_assert(kTileRows == 4 && MaxRows >= 1 && MaxRows <= kTileRows);
+  switch (std::min<int64_t>(rows, MaxRows)) {
     case 1: fn(Int<1>{}); break;
-    case 2: fn(Int<2>{}); break;
-    case 3: fn(Int<3>{}); break;
-    case 4: if constexpr (kTileRows >= 4) fn(Int<4>{}); break;
-    case 5: if constexpr (kTileRows >= 5) fn(Int<5>{}); break;
-    case 6: if constexpr (kTileRows >= 6) fn(Int<6>{}); break;
-    case 7: if constexpr (kTileRows >= 7) fn(Int<7>{}); break;
-    default: if constexpr (kTileRows >= 8) fn(Int<8>{}); break;
+    case 2: if constexpr (MaxRows >= 2) fn(Int<2>{}); break;
+    case 3: if constexpr (MaxRows >= 3) fn(Int<3>{}); break;
+    default: if constexpr (MaxRows >= 4) fn(Int<4>{}); break;
   }
 }
 
@@ -65,11 +125,17 @@ struct TilePlan {
   int64_t rows(int64_t t) const { return base + (t < extra); }
 };
 
+// Calls fn(Int<R>, Int<rows>) with rows = the largest tile of M rows, R = ChannelsFor(rows).
+template <int (*ChannelsFor)(int), typename Fn>
+void dispatch_channels(int64_t M, Fn fn) {
+  dispatch_rows(TilePlan(M).largest(), [&](auto rows) { fn(Int<ChannelsFor(decltype(rows)::value)>{}, rows); });
+}
+
 // Runs tile(rows, channels, m0, n0, prefetch) over every (row tile, channel block): the output
 // channels go in blocks of R, split across the intra-op threads; each block runs all row tiles
 // back to back, so its weight comes from memory once (the first tile prefetches the stream ahead,
-// the later ones find the block in L1). Channels past the last whole block go one at a time.
-template <int R, typename Tile>
+// the later ones find the block in L1). The channels past the last whole block go one at a time.
+template <int R, int MaxRows, typename Tile>
 void for_each_tile(int64_t M, int64_t N, int64_t block_bytes, Tile tile) {
   const TilePlan plan(M);
   const int64_t num_blocks = (N + R - 1) / R;
@@ -81,36 +147,19 @@ void for_each_tile(int64_t M, int64_t N, int64_t block_bytes, Tile tile) {
       int64_t m0 = 0;
       for (int64_t t = 0; t < plan.tiles; ++t) {
         const int64_t rows = plan.rows(t);
-        dispatch_rows(rows, [&](auto mt) {
-          if (n0 + R <= N) {
-            if (t == 0) {
-              tile(mt, Int<R>{}, m0, n0, std::true_type{});
-            } else {
-              tile(mt, Int<R>{}, m0, n0, std::false_type{});
-            }
-          } else {
+        dispatch_rows<MaxRows>(rows, [&](auto mt) {
+          if (n0 + R > N) {
             for (int64_t n = n0; n < N; ++n) tile(mt, Int<1>{}, m0, n, std::false_type{});
+          } else if (t == 0) {
+            tile(mt, Int<R>{}, m0, n0, std::true_type{});
+          } else {
+            tile(mt, Int<R>{}, m0, n0, std::false_type{});
           }
         });
         m0 += rows;
       }
     }
   });
-}
-
-// Calls fn(Int<R>) with the channel count chosen for the largest row tile of M rows.
-template <int (*ChannelsFor)(int), typename Fn>
-void dispatch_channels(int64_t M, Fn fn) {
-  switch (TilePlan(M).largest()) {
-    case 1: fn(Int<ChannelsFor(1)>{}); break;
-    case 2: fn(Int<ChannelsFor(2)>{}); break;
-    case 3: fn(Int<ChannelsFor(3)>{}); break;
-    case 4: if constexpr (kTileRows >= 4) fn(Int<ChannelsFor(4)>{}); break;
-    case 5: if constexpr (kTileRows >= 5) fn(Int<ChannelsFor(5)>{}); break;
-    case 6: if constexpr (kTileRows >= 6) fn(Int<ChannelsFor(6)>{}); break;
-    case 7: if constexpr (kTileRows >= 7) fn(Int<ChannelsFor(7)>{}); break;
-    default: if constexpr (kTileRows >= 8) fn(Int<ChannelsFor(8)>{}); break;
-  }
 }
 
 // ---- BF16 weights ---------------------------------------------------------------------------
@@ -151,13 +200,16 @@ KUNLUN_INLINE void bf16_step(__m256 (&acc)[MT][R], const float* x, int64_t strid
   // The even columns for every (row, channel), then the odd ones: R widened weights live at a
   // time, next to the MT·R accumulators, within the 16 registers.
   __m256 wv[R];
-  for (int r = 0; r < R; ++r)
-    wv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K)), 16));
+  for (int r = 0; r < R; ++r) {
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K));
+    wv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+  }
   for (int m = 0; m < MT; ++m) {
     const __m256 xv = _mm256_loadu_ps(x + m * stride);
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
   }
-  for (int r = 0; r < R; ++r) wv[r] = _mm256_and_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(w + r * K)), high_half);
+  for (int r = 0; r < R; ++r)
+    wv[r] = _mm256_and_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(w + r * K)), high_half);
   for (int m = 0; m < MT; ++m) {
     const __m256 xv = _mm256_loadu_ps(x + m * stride + 8);
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
@@ -167,24 +219,25 @@ KUNLUN_INLINE void bf16_step(__m256 (&acc)[MT][R], const float* x, int64_t strid
 // out[m][n0 + r] = x[m] · w[n0 + r] + bias for MT rows of x (xs: the tile's first row, split by
 // split_even_odd; out: its output row) and R output channels (w: channel n0's row).
 template <int MT, int R, bool Prefetch>
-void bf16_tile(const float* xs, int64_t stride, const bf16* w, const float* bias, float* out, int64_t K, int64_t N,
-               int64_t n0) {
+KUNLUN_NOINLINE void bf16_tile(const float* xs, int64_t stride, const bf16* w, const float* bias, float* out,
+                               int64_t K, int64_t N, int64_t n0) {
   __m256 acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   // The block's R rows are R·K·2 contiguous bytes, and the thread's blocks follow each other, so
   // its weight is one stream: each 32 columns consume R lines of it, and prefetch the R lines
   // kPrefetchBytes further on.
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchBytes;
   int64_t k = 0;
   for (; k + 2 * kGroup <= K; k += 2 * kGroup) {
     if constexpr (Prefetch) {
-      for (int r = 0; r < R; ++r) _mm_prefetch(ahead + r * 64, _MM_HINT_T1);
+      for (int r = 0; r < R; ++r) prefetch_line(ahead + r * 64);
       ahead += R * 64;
     }
     bf16_step(acc, xs + k, stride, w + k, K);
     bf16_step(acc, xs + k + kGroup, stride, w + k + kGroup, K);
   }
+  if constexpr (Prefetch) prefetch_rest(ahead, reinterpret_cast<uintptr_t>(w + R * K) + kPrefetchBytes);
   if (k + kGroup <= K) {
     bf16_step(acc, xs + k, stride, w + k, K);
     k += kGroup;
@@ -258,7 +311,8 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
       const float scale = amax / 127.0f;
       const __m256 inverse = _mm256_set1_ps(1.0f / scale);
       for (int i = 0; i < 4; ++i) {
-        const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 scaled =
+            _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         v[i] = _mm256_min_ps(_mm256_max_ps(scaled, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
       }
       const __m256i q = pack_int8x32(v[0], v[1], v[2], v[3]);
@@ -303,13 +357,13 @@ void w8a8_tile(const QuantizedRows& qr, int64_t m0, const int8_t* w, const float
   __m256 totals[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) totals[m][r] = _mm256_setzero_ps();
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;  // as in bf16_tile
+  uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + kPrefetchBytes;  // as in bf16_tile
   const int64_t full = K / kQBlock;
   int64_t block = 0;
   __m256i wv[R];
   for (; block + 2 <= full; block += 2) {  // two blocks: one 64-byte line of each weight row
     if constexpr (Prefetch) {
-      for (int r = 0; r < R; ++r) _mm_prefetch(ahead + r * 64, _MM_HINT_T1);
+      for (int r = 0; r < R; ++r) prefetch_line(ahead + r * 64);
       ahead += R * 64;
     }
     load_w_block(wv, w, K, block * kQBlock);
@@ -317,6 +371,7 @@ void w8a8_tile(const QuantizedRows& qr, int64_t m0, const int8_t* w, const float
     load_w_block(wv, w, K, (block + 1) * kQBlock);
     w8a8_step(totals, wv, q, abs_q, x_scales, qr.stride, qr.blocks, block + 1);
   }
+  if constexpr (Prefetch) prefetch_rest(ahead, reinterpret_cast<uintptr_t>(w + R * K) + kPrefetchBytes);
   if (block < full) {
     load_w_block(wv, w, K, block * kQBlock);
     w8a8_step(totals, wv, q, abs_q, x_scales, qr.stride, qr.blocks, block);
@@ -370,9 +425,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
   const bf16* wp = w.const_data_ptr<bf16>();
   const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   float* op = out.mutable_data_ptr<float>();
-  dispatch_channels<bf16_channels>(M, [&](auto channels) {
+  dispatch_channels<bf16_channels>(M, [&](auto channels, auto largest_tile) {
     constexpr int R = decltype(channels)::value;
-    for_each_tile<R>(M, N, R * K * 2, [&](auto mt, auto r, int64_t m0, int64_t n0, auto prefetch) {
+    constexpr int largest = decltype(largest_tile)::value;
+    for_each_tile<R, largest>(M, N, R * K * 2, [&](auto mt, auto r, int64_t m0, int64_t n0, auto prefetch) {
       bf16_tile<decltype(mt)::value, decltype(r)::value, decltype(prefetch)::value>(
           xs.data() + m0 * stride, stride, wp + n0 * K, bp, op + m0 * N, K, N, n0);
     });
@@ -395,9 +451,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* sp = scales.const_data_ptr<float>();
   const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   float* op = out.mutable_data_ptr<float>();
-  dispatch_channels<int8_channels>(M, [&](auto channels) {
+  dispatch_channels<int8_channels>(M, [&](auto channels, auto largest_tile) {
     constexpr int R = decltype(channels)::value;
-    for_each_tile<R>(M, N, R * K, [&](auto mt, auto r, int64_t m0, int64_t n0, auto prefetch) {
+    constexpr int largest = decltype(largest_tile)::value;
+    for_each_tile<R, largest>(M, N, R * K, [&](auto mt, auto r, int64_t m0, int64_t n0, auto prefetch) {
       w8a8_tile<decltype(mt)::value, decltype(r)::value, decltype(prefetch)::value>(qr, m0, wp + n0 * K, sp, bp,
                                                                                     op + m0 * N, K, N, n0);
     });
