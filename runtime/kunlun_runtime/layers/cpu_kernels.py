@@ -209,12 +209,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta rounded to BF16, its RMSNorm) in one pass."""
+    """(x + delta, its RMSNorm) in one pass, rounded as the eager ops round in x's dtype."""
     return _ops(x).add_rms_norm(x, delta, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """bf16(bf16(silu(gate)) * up) for gate_up = [gate | up] along the last dimension."""
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension (in BF16 with the eager
+    path's roundings: bf16(bf16(silu(gate)) * up))."""
     return _ops(gate_up).silu_mul(gate_up)
 
 

@@ -70,12 +70,6 @@ inline __m256 rounded(__m256 v) {
 
 inline __m256 negate(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }  // as -x, zeros included
 
-// The shared e^x (x <= 0) with a NaN argument giving NaN: that helper clamps x before it keeps
-// its NaN lanes, so a NaN comes out as -87 there. A NaN score must spread as in the reference.
-inline __m256 softmax_exp(__m256 x) {
-  return _mm256_blendv_ps(kunlun_cpu::avx2::exp_nonpositive(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
-
 // ---- RMSNorm -------------------------------------------------------------------------------
 
 float inverse_rms(const float* x, int64_t H, float eps) {
@@ -404,7 +398,7 @@ void attend_split(const float* q, const AttentionShape& s, const int64_t* table,
         corrections[g] = maxima[h] == -INFINITY ? 0.0f : std::exp(maxima[h] - new_max);
         __m256 total = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j += 8) {  // masked-off keys score -inf: they add 0
-          const __m256 e = softmax_exp(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(new_max)));
+          const __m256 e = kunlun_cpu::avx2::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(new_max)));
           _mm256_storeu_ps(p + j, e);
           total = _mm256_add_ps(total, e);
         }

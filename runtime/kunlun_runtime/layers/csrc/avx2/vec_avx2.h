@@ -59,10 +59,10 @@ inline float hmax(__m256 v) {
 
 // e^x for x <= 0 (softmax arguments): 2^n · p(r), r = x − n·ln2 in [−ln2/2, ln2/2], a degree-6
 // Taylor polynomial (relative error below 2e-7); x below -87 gives 0, a NaN stays NaN.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+inline __m256 exp_nonpositive(__m256 input) {
+  const __m256 nan = _mm256_cmp_ps(input, input, _CMP_UNORD_Q);
+  const __m256 underflow = _mm256_cmp_ps(input, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  const __m256 x = _mm256_max_ps(input, _mm256_set1_ps(-87.0f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
@@ -78,7 +78,7 @@ inline __m256 exp_nonpositive(__m256 x) {
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
   result = _mm256_andnot_ps(underflow, result);
-  return _mm256_blendv_ps(result, x, nan);
+  return _mm256_blendv_ps(result, input, nan);  // a NaN argument stays NaN
 }
 
 }  // namespace kunlun_cpu::avx2
