@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from kunlun_runtime.cli import main
 from kunlun_runtime.config_file import load_engine_options
 from kunlun_runtime.llm import LLM
 from kunlun_runtime.platforms import CpuPlatform
+from kunlun_runtime.platforms.cpu_features import cpu_capabilities
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.tuning.profiler import BLOCK_SIZES, DECODE_SEQS, PREFILL_TOKENS
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
@@ -39,25 +41,32 @@ def test_tune_writes_yaml_that_serves(
     code = main(["tune", "--model", str(tiny_model), "--device", "cpu", "--budget-s", "6", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    dtype = str(CpuPlatform().default_dtype()).removeprefix("torch.")  # bfloat16 only where it is native
-    assert printed.startswith(f"tune: wrote {out}: dtype={dtype} max_model_len=512 block_size=")
+    # BF16 where it is native; below that FP32 over BF16 weights, which only `auto` reproduces.
+    native_bf16 = CpuPlatform().default_dtype() == torch.bfloat16
+    compute, weights = ("bfloat16", None) if native_bf16 else ("float32", "bfloat16")
+    assert printed.startswith(
+        f"tune: wrote {out}: dtype={compute if native_bf16 else 'auto'} max_model_len=512 block_size="
+    )
 
     text = out.read_text()
-    assert text.startswith("# kunlun-runtime tune: model tiny-llama (bfloat16) on cpu, 1 card(s) of ")
+    precision = compute if native_bf16 else f"{compute} over {weights} weights"
+    assert text.startswith(f"# kunlun-runtime tune: model tiny-llama ({precision}) on cpu, 1 card(s) of ")
     document = yaml.safe_load(text)
-    assert list(document) == ["engine", "why", "measurements"]
+    assert list(document) == ["engine", "why", "measurements", "cpu"]
+    assert document["cpu"] == cpu_capabilities().describe()
     assert list(document["engine"]) == ENGINE_KEYS
     assert list(document["why"]) == ENGINE_KEYS
     measured = document["measurements"]
     assert measured["model"] == {
         "name": "tiny-llama",
-        "dtype": "bfloat16",
+        "dtype": compute,
         "num_layers": 2,
         "num_heads": 4,
         "num_kv_heads": 2,
         "head_dim": 16,
         "weight_bytes": measured["model"]["weight_bytes"],
         "max_model_len": 512,
+        "weight_dtype": weights,
     }
     # at least the bf16 bytes of the matrices: embedding and lm head, then per layer q/o, k/v and the MLP
     matrices = 2 * 320 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160)

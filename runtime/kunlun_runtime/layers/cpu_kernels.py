@@ -121,12 +121,39 @@ def _compile(tier: KernelTier) -> Path:
     cpp_extension.load(
         name=name,
         sources=[str(source) for source in tier.sources],
-        extra_cflags=[*tier.compile_flags, f"-DKUNLUN_OPS={tier.namespace}"],
+        extra_cflags=_cflags(tier),
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
     return Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+
+
+def _compile_without_loading(tier: KernelTier) -> Path:
+    """Compiles ``tier``'s library without loading it: loading runs its static initialisers,
+    compiled with the tier's instructions, which a build host below the tier cannot execute."""
+    from torch.utils import cpp_extension
+
+    name = _library_name(tier)
+    build_directory = cpp_extension._get_build_directory(name, verbose=False)
+    cpp_extension._write_ninja_file_and_build_library(
+        name=name,
+        sources=[str(source) for source in tier.sources],
+        extra_cflags=_cflags(tier),
+        extra_cuda_cflags=[],
+        extra_sycl_cflags=[],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[],
+        build_directory=build_directory,
+        verbose=False,
+        with_cuda=False,
+        with_sycl=False,
+    )
+    return Path(build_directory) / f"{name}.so"
+
+
+def _cflags(tier: KernelTier) -> list[str]:
+    return [*tier.compile_flags, f"-DKUNLUN_OPS={tier.namespace}"]
 
 
 @functools.cache
@@ -278,7 +305,8 @@ def decode_layers(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--build-to DIR``: compile every tier's library (the CPU need not run them) into DIR."""
+    """``--build-to DIR``: compile every tier's library into DIR (the build host need not run them:
+    nothing is loaded)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -286,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.build_to.mkdir(parents=True, exist_ok=True)
     for tier in TIERS.values():
-        shutil.copy2(_compile(tier), args.build_to / f"{tier.namespace}.so")
+        shutil.copy2(_compile_without_loading(tier), args.build_to / f"{tier.namespace}.so")
         print(f"built {args.build_to / tier.namespace}.so")
     return 0
 

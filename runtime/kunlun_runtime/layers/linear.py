@@ -112,7 +112,8 @@ def _workspace_rows(num_rows: int, row_elements: int) -> torch.Tensor:
     """A [num_rows, row_elements] FP32 view of this thread's workspace (grown on demand)."""
     needed = num_rows * row_elements
     if _workspace.buffer is None or _workspace.buffer.numel() < needed:
-        _workspace.buffer = torch.empty(needed, dtype=torch.float32)
+        with torch.inference_mode(False):  # usable in and outside inference mode alike
+            _workspace.buffer = torch.empty(needed, dtype=torch.float32)
     return _workspace.buffer[:needed].view(num_rows, row_elements)
 
 
@@ -126,6 +127,9 @@ def widened_linear(
     per-row ``scales``) ``weight``, widening at most ``WORKSPACE_ELEMENTS`` weight elements at a
     time into this thread's workspace."""
     num_out, num_in = weight.shape
+    if torch.is_grad_enabled() and x.requires_grad:  # autograd keeps the widened weight: no reuse
+        widened = weight.float() if scales is None else weight.float() * scales[:, None]
+        return F.linear(x, widened, bias)
     rows = max(1, min(num_out, WORKSPACE_ELEMENTS // num_in))
     chunks = []
     for start in range(0, num_out, rows):
@@ -225,7 +229,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and _uses_small_batch_kernel(x, cpu_kernels.INT8_MAX_ROWS):
             return cpu_kernels.linear_int8(x.contiguous(), self.weight_int8, self.scales_fp32, self.bias)
-        if x.dtype == torch.float32 and self.input_scale is None:
+        if x.dtype == torch.float32 and (self.input_scale is None or x.shape[0] <= self.SMALL_BATCH):
             return widened_linear(x, self.weight_int8, self.bias, self.scales_fp32)
         if x.shape[0] <= self.SMALL_BATCH:
             out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales).float()
@@ -270,7 +274,7 @@ def convert_linears(
     if quantization == "int8":
         count += _replace(model, Int8Linear.from_linear)
     weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
-    compute_dtype = compute_dtype or weight.dtype
+    compute_dtype = compute_dtype or getattr(model, "compute_dtype", None) or weight.dtype
     if backend == "native":
         _require_native(compute_dtype)
         for module in model.modules():

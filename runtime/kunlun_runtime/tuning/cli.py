@@ -41,13 +41,18 @@ def render_document(document: dict[str, Any]) -> str:
     m = document["measurements"]
     model, platform = m["model"], m["platform"]
     header = (
-        f"# kunlun-runtime tune: model {model['name']} ({model['dtype']}) on {platform['name']}, "
+        f"# kunlun-runtime tune: model {model['name']} ({_precision(model)}) on {platform['name']}, "
         f"{platform['num_cards']} card(s) of {size(platform['memory_bytes_per_card'])}; "
         f"measured in {m['elapsed_seconds']:.1f} s of a {m['budget_seconds']:g} s budget.\n"
         "# Use: kunlun-runtime serve --config THIS_FILE (the `engine` section; `why` and `measurements` "
         "are the record).\n"
     )
     return header + yaml.safe_dump(document, sort_keys=False, allow_unicode=True, width=100)
+
+
+def _precision(model: dict[str, Any]) -> str:
+    weights = model.get("weight_dtype")
+    return f"{model['dtype']} over {weights} weights" if weights else model["dtype"]
 
 
 def _tune_args(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,9 @@ class ModelFacts:
     head_dim: int
     weight_bytes: int  # parameters and buffers in the engine's dtype
     max_model_len: int  # the context length the recommendation provides for
+    # Where the weights are narrower than the activations (FP32 over BF16 weights on CPUs without
+    # native BF16, what --dtype auto runs there); None when they are the same.
+    weight_dtype: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,9 +282,11 @@ class Profiler:
 
     def _model_facts(self, engine: LLMEngine) -> ModelFacts:
         mc = engine.model_config
+        narrower_weights = engine.weight_dtype != engine.dtype
         return ModelFacts(
             name=self.model_dir.name,
             dtype=str(engine.dtype).removeprefix("torch."),
+            weight_dtype=str(engine.weight_dtype).removeprefix("torch.") if narrower_weights else None,
             num_layers=mc.num_layers,
             num_heads=mc.num_heads,
             num_kv_heads=mc.num_kv_heads,

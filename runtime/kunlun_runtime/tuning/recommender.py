@@ -221,7 +221,9 @@ def recommend(m: Measurements, targets: Targets | None = None) -> Recommendation
     activation = prefill_point.peak_memory_bytes or 0
     tp, kv, tp_reason, kv_reason = choose_memory(m, num_seqs, block_size, block_bytes, activation, targets)
     options = {
-        "dtype": m.model.dtype,
+        # Weights narrower than the activations are what only `auto` gives: an explicit dtype
+        # would keep the weights in it, with twice the bytes that were measured.
+        "dtype": "auto" if m.model.weight_dtype else m.model.dtype,
         "max_model_len": m.model.max_model_len,
         "block_size": block_size,
         "max_num_seqs": num_seqs,

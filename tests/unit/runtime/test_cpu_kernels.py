@@ -394,3 +394,29 @@ def test_engines_on_our_kernels_pick_greedy_tokens_with_our_argmax_and_the_same_
     assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == ours
     fp32 = LLM(str(model_dir), dtype="float32", kv_cache_memory="16MiB")
     assert fp32.engine.sampler.argmax is not cpu_kernels.argmax_rows  # no native kernels in FP32
+
+
+def test_build_to_writes_every_tier_without_loading_and_the_runtime_loads_them_from_there(tmp_path):
+    # The image's build step: every tier's library, whatever the build host runs (nothing is
+    # loaded there); a process pointed at the folder then loads the tiers its CPU runs from it.
+    import os
+    import subprocess
+    import sys
+
+    if cpu_kernels.unavailable_reason(torch.float32) and "tier" in cpu_kernels.unavailable_reason(
+        torch.float32
+    ):
+        pytest.skip("not an x86-64 CPU with AVX2: nothing here could load what is built")
+    assert cpu_kernels.main(["--build-to", str(tmp_path)]) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["kunlun_avx2.so", "kunlun_avx512.so"]
+    probe = "import torch; from kunlun_runtime.layers import cpu_kernels as k; print(k.load(torch.float32), k.load())"
+    env = {
+        **os.environ,
+        cpu_kernels.PREBUILT_ENV: str(tmp_path),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "none"),
+    }
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    avx2, avx512 = done.stdout.split()
+    assert avx2 == "True" and avx512 == str(cpu_kernels.load(torch.bfloat16))
+    assert not (tmp_path / "none").exists()  # loaded from the folder, nothing compiled
