@@ -244,10 +244,17 @@ def run_golden_command(args: argparse.Namespace) -> int:
         from kunlun_runtime.golden_tp import capture_tensor_parallel
         from kunlun_runtime.models.model_config import load_model_config
 
-        ours = capture_tensor_parallel(model_dir, token_ids, args.tensor_parallel_size, dtype)
+        ours = capture_tensor_parallel(model_dir, token_ids, args.tensor_parallel_size, dtype, weight_dtype)
         num_layers = load_model_config(model_dir).num_layers
         report = report_against_reference(
-            ours, model_dir, token_ids, dtype, num_layers, args.tolerance, args.tensor_parallel_size
+            ours,
+            model_dir,
+            token_ids,
+            dtype,
+            num_layers,
+            args.tolerance,
+            args.tensor_parallel_size,
+            weight_dtype=None if weight_dtype == dtype else weight_dtype,
         )
     else:
         from kunlun_runtime.layers.linear import choose_linear_backend, convert_linears

@@ -51,11 +51,16 @@ def test_a_tier_the_cpu_lacks_is_refused_with_the_missing_flags() -> None:
     assert "KUNLUN_CPU_ISA=amx" in result.stderr and "lacks" in result.stderr
 
 
-def test_the_plain_floor_passes_golden_in_fp32_over_bf16_weights(tiny_model_dir: Path) -> None:
-    result = run_cli("none", "golden", "--model", str(tiny_model_dir), "--dtype", "auto", "--json")
+@pytest.mark.parametrize("tensor_parallel_size", ["1", "2"])
+def test_the_plain_floor_passes_golden_in_fp32_over_bf16_weights(
+    tiny_model_dir: Path, tensor_parallel_size
+) -> None:
+    result = run_cli("none", "golden", "--model", str(tiny_model_dir), "--dtype", "auto", "--json",
+                     "--tensor-parallel-size", tensor_parallel_size)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert (report["dtype"], report["weight_dtype"], report["passed"]) == ("float32", "bfloat16", True)
+    assert report["tensor_parallel_size"] == int(tensor_parallel_size)
     assert max(layer["max_rel_err"] for layer in report["layers"]) <= 1e-4
 
 
