@@ -428,6 +428,11 @@ def format_table(results: dict) -> str:
         f"BF16 decode roofline {results['roofline_tok_s_bf16']:.1f} tok/s; ours reaches"
         f" {single['roofline_fraction']:.0%} of it"
     )
+    if "vs_llama_cpp_bf16" in single:
+        lines.append(
+            f"BF16 weights, single decode: llama.cpp {single['llama_cpp_bf16_tok_s']:.1f} tok/s; ours"
+            f" {single['vs_llama_cpp_bf16']:.2f}x of it (interleaved)"
+        )
     batch = results["scenarios"]["batch8_128_128"]
     lines.append(
         f"batch decode roofline {batch['roofline_tok_s']:.1f} tok/s (weights once per step, each sequence's"
