@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> dict:
     from kunlun_runtime.engine import resolve_model_dir
 
     model_dir = str(resolve_model_dir(args.model))
-    common = {"dtype": "bfloat16", "kv_cache_memory": "512MiB", "max_model_len": args.text_tokens + 64}
+    # auto: what serve runs on this CPU's tier (BF16, or FP32 over BF16 weights below AVX-512 BF16),
+    # the INT8 variants in the same compute dtype.
+    common = {"dtype": "auto", "kv_cache_memory": "512MiB", "max_model_len": args.text_tokens + 64}
     reference = LLM(model_dir, **common)
     text_ids = reference.engine.tokenizer.encode(fixed_text())[: args.text_tokens]
     prompts = [reference.engine.tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
@@ -79,10 +81,11 @@ def run(args: argparse.Namespace) -> dict:
         "text_tokens": len(text_ids),
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
+        "compute_dtype": str(reference.engine.dtype).removeprefix("torch."),
         "bf16_perplexity": perplexity(reference, text_ids),
         "variants": {},
     }
-    variants = {"int8 (on the fly, W8A16)": LLM(model_dir, quantization="int8", **common)}
+    variants = {"int8 (on the fly)": LLM(model_dir, quantization="int8", **common)}
     if args.checkpoint:
         variants["int8 checkpoint"] = LLM(str(args.checkpoint), **common)
     for name, llm in variants.items():
@@ -112,7 +115,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     results = run(args)
-    print(f"BF16 perplexity {results['bf16_perplexity']:.2f} on {results['text_tokens']} tokens")
+    print(
+        f"BF16-weight perplexity {results['bf16_perplexity']:.2f} on {results['text_tokens']} tokens"
+        f" (computing in {results['compute_dtype']})"
+    )
     for name, row in results["variants"].items():
         print(
             f"{name}: perplexity {row['perplexity']:.2f} ({row['perplexity_vs_bf16']:+.1%}), greedy agreement "

@@ -63,12 +63,13 @@ def test_native_decode_steps_match_fp32_reference(tiny_model_dirs, tier, name, c
     assert native.layers[-1].max_rel_err <= 2 * plain.layers[-1].max_rel_err + 1e-3
 
 
-def test_native_int8_stays_within_the_int8_bound(tiny_model_dirs, tier):
+@pytest.mark.parametrize("chunk", [4, None])  # decode-sized steps; one 40-token prefill
+def test_native_int8_stays_within_the_int8_bound(tiny_model_dirs, tier, chunk):
     model_dir = tiny_model_dirs["qwen2-bias"]
     model = _load(model_dir, tier)
     convert_linears(model, backend="native", quantization="int8", compute_dtype=tier.compute_dtype)
     assert model.layers[0].self_attn.qkv_proj.native
-    report = run_golden(model, model_dir, TOKENS, tolerance=tier.int8_tolerance, chunk_size=4)
+    report = run_golden(model, model_dir, TOKENS, tolerance=tier.int8_tolerance, chunk_size=chunk)
     assert report.passed, [(layer.name, layer.max_rel_err) for layer in report.layers]
 
 

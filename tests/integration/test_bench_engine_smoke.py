@@ -124,7 +124,7 @@ def test_bench_int8_quality_quick_run(tmp_path, capsys):
     assert load("bench_int8_quality").main([*args, "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["text_tokens"] == 48 and results["bf16_perplexity"] > 1
-    row = results["variants"]["int8 (on the fly, W8A16)"]
+    row = results["variants"]["int8 (on the fly)"]
     assert 0 <= row["positional_agreement"] <= 1 and 0 <= row["teacher_forced_agreement"] <= 1
     assert row["perplexity"] > 1
     assert "teacher-forced" in capsys.readouterr().out
@@ -220,3 +220,17 @@ def test_bench_prefill_attention_quick_run_agrees_with_fp64_as_closely_as_sdpa(t
     row = results["timing"]["40"]
     assert row["amx_speedup"] == row["sdpa_s"] / row["amx_s"]
     assert "amx speed-up" in capsys.readouterr().out
+
+
+def test_bench_int8_prefill_quick_run(tmp_path, capsys):
+    import torch
+
+    from kunlun_runtime.layers import cpu_kernels
+
+    if not cpu_kernels.load(torch.float32):
+        pytest.skip(str(cpu_kernels.unavailable_reason(torch.float32)))
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    assert load("bench_int8_prefill").main(["--quick", "--model", str(model_dir), "--reps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "one layer's linears, 16 rows: INT8 kernel" in printed
+    assert "TTFT 24 tokens: HF FP32" in printed

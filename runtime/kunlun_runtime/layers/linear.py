@@ -198,7 +198,8 @@ class WideningLinear(nn.Module):
 class Int8Linear(nn.Module):
     """INT8 weights (per output channel). Without an activation scale (the default), small
     batches (decode) go through our kernels when ``native`` is on: the AVX-512 tier's W8A16 for
-    BF16 activations, the AVX2 tier's W8A8 with dynamic activation scales for FP32 ones; else
+    BF16 activations, the AVX2 tier's W8A8 with dynamic activation scales for FP32 ones (for
+    prefill as well); else
     ``_weight_int8pack_mm`` with BF16 activations. Larger batches multiply the weight
     dequantized to the activations' dtype. With a calibrated static ``input_scale`` (W8A8, where
     calibration showed it accurate), larger batches run on the INT8 matrix units via ``_int_mm``."""
@@ -228,6 +229,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and _uses_small_batch_kernel(x, cpu_kernels.INT8_MAX_ROWS):
+            return cpu_kernels.linear_int8(x.contiguous(), self.weight_int8, self.scales_fp32, self.bias)
+        if self.native and x.dtype == torch.float32 and x.dim() == 2 and self.input_scale is None:
+            # Prefill too: the AVX2 tier's integer dot products outran oneDNN's SGEMM over the
+            # widened weight at every prompt size tried (docs/performance.md).
             return cpu_kernels.linear_int8(x.contiguous(), self.weight_int8, self.scales_fp32, self.bias)
         if x.dtype == torch.float32 and (self.input_scale is None or x.shape[0] <= self.SMALL_BATCH):
             return widened_linear(x, self.weight_int8, self.bias, self.scales_fp32)
