@@ -91,6 +91,7 @@ TIERS = {
 SOURCES = tuple(dict.fromkeys(source for tier in TIERS.values() for source in tier.sources))
 HEADERS = (
     CSRC / "kernels.h",
+    CSRC / "paged_cache.h",
     CSRC / "avx512" / "bf16_vec.h",
     CSRC / "avx512" / "amx_linear.h",
     CSRC / "avx2" / "vec_avx2.h",

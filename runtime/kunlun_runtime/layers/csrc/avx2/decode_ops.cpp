@@ -38,6 +38,7 @@
 
 #include "vec_avx2.h"
 #include "../kernels.h"
+#include "../paged_cache.h"
 
 #include <algorithm>
 #include <cmath>
@@ -53,6 +54,8 @@ using kunlun_cpu::avx2::hsum;
 using kunlun_cpu::avx2::load_ps;
 using kunlun_cpu::avx2::store_ps;
 using kunlun_cpu::avx2::tail_mask;
+using PagedCache = kunlun_cpu::paged::PagedCache<float>;
+using kunlun_cpu::paged::gather_slots;
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32 (the AVX2 kernels compute in FP32), got ",
@@ -163,54 +166,6 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t D
     const __m256 a = rounded(_mm256_mul_ps(load_ps(x + i, count), load_ps(cos + i, count)));
     const __m256 b = rounded(_mm256_mul_ps(load_ps(scratch + i, count), load_ps(sin + i, count)));
     store_ps(out + i, _mm256_add_ps(a, b), count);
-  }
-}
-
-struct PagedCache {
-  float* data;
-  int64_t block_stride, slot_stride, head_stride;
-  float* at(int64_t block, int64_t slot, int64_t head) const {
-    return data + block * block_stride + slot * slot_stride + head * head_stride;
-  }
-};
-
-// q [T, H, D], k and v [T, KVH, D] (rows of D contiguous, so q, k, v may be views of a fused qkv
-// row), cos and sin [T, D], K/V caches [NB, BS, KVH, D]: all FP32, shapes consistent, H a
-// multiple of KVH, D even.
-void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks) {
-  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"},
-                                {&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
-    check_f32(*t, name);
-  }
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, D]");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(D > 0 && D % 2 == 0, "head_dim must be even, got ", D);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
-  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == KVH && k.size(2) == D && v.size(2) == D,
-              "k and v must be [tokens, KVH, D] like q");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v rows must be contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
-              "cos and sin must be contiguous [tokens, D]");
-  TORCH_CHECK(k_blocks.sizes() == v_blocks.sizes() && k_blocks.dim() == 4 && k_blocks.size(2) == KVH &&
-                  k_blocks.size(3) == D,
-              "k_blocks and v_blocks must be [NB, BS, KVH, D]");
-}
-
-PagedCache paged(const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 4 && blocks.stride(3) == 1, "k/v blocks must be [NB, BS, KVH, D], D contiguous");
-  return {blocks.mutable_data_ptr<float>(), blocks.stride(0), blocks.stride(1), blocks.stride(2)};
-}
-
-// Slot pointers (KV head 0) for positions [start, end) of a sequence, walked block by block.
-void gather_slots(const PagedCache& cache, const int64_t* table, int64_t block_size, int64_t start, int64_t end,
-                  const float** slots) {
-  for (int64_t position = start; position < end;) {
-    const int64_t block = position / block_size, slot = position % block_size;
-    const int64_t count = std::min(block_size - slot, end - position);
-    const float* row = cache.at(table[block], slot, 0);
-    for (int64_t i = 0; i < count; ++i) slots[position - start + i] = row + i * cache.slot_stride;
-    position += count;
   }
 }
 
@@ -498,25 +453,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window) {
-  check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
+  paged::check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks, check_f32, /*min_head_dim=*/1);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   TORCH_CHECK(B >= 1, "decode_attention needs at least one sequence");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.dim() == 2 &&
-                  block_tables.size(0) == B && context_lens.numel() == B,
-              "block_tables must be int64 [B, MB] and context_lens int64 [B]");
-  const PagedCache keys = paged(k_blocks), values = paged(v_blocks);
-  const int64_t block_size = k_blocks.size(1), num_blocks = k_blocks.size(0), max_blocks = block_tables.size(1);
+  paged::check_block_tables(block_tables, context_lens, B, k_blocks);
+  const PagedCache keys = paged::cache<float>(k_blocks), values = paged::cache<float>(v_blocks);
+  const int64_t block_size = k_blocks.size(1), max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lengths = context_lens.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {  // every block read or written is checked before anything is written
-    TORCH_CHECK(lengths[b] >= 1 && lengths[b] <= max_blocks * block_size, "context length ", lengths[b],
-                " of sequence ", b, " does not fit its block table");
-    for (int64_t i = 0; i < (lengths[b] + block_size - 1) / block_size; ++i) {
-      const int64_t block = tables[b * max_blocks + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
-    }
-  }
   const float* cp = cos.const_data_ptr<float>();
   const float* sp = sin.const_data_ptr<float>();
 
@@ -594,20 +538,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
                                                    const at::Tensor& cos, const at::Tensor& sin,
                                                    const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                                                    const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets) {
-  check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
+  paged::check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks, check_f32, /*min_head_dim=*/1);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(slot_block_ids.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
-                  slot_block_ids.is_contiguous() && slot_offsets.is_contiguous() && slot_block_ids.numel() == T &&
-                  slot_offsets.numel() == T,
-              "slot_block_ids and slot_offsets must be int64 [T]");
-  const PagedCache keys = paged(k_blocks), values = paged(v_blocks);
-  const int64_t num_blocks = k_blocks.size(0), block_size = k_blocks.size(1);
+  paged::check_slots(slot_block_ids, slot_offsets, T, k_blocks);
+  const PagedCache keys = paged::cache<float>(k_blocks), values = paged::cache<float>(v_blocks);
   const int64_t* blocks = slot_block_ids.const_data_ptr<int64_t>();
   const int64_t* offsets = slot_offsets.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {  // every slot is checked before anything is written
-    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks, "block id ", blocks[t], " out of range");
-    TORCH_CHECK(offsets[t] >= 0 && offsets[t] < block_size, "slot offset ", offsets[t], " out of range");
-  }
   at::Tensor q_out = at::empty({T, H, D}, q.options());
   at::Tensor k_out = at::empty({T, KVH, D}, k.options());
   const float* cp = cos.const_data_ptr<float>();

@@ -30,6 +30,7 @@
 
 #include "bf16_vec.h"
 #include "../kernels.h"
+#include "../paged_cache.h"
 
 #include <algorithm>
 #include <cmath>
@@ -45,6 +46,8 @@ using kunlun_cpu::vec::load_bf16x16;
 using kunlun_cpu::vec::store_bf16x16;
 using kunlun_cpu::vec::exp_nonpositive;
 using kunlun_cpu::vec::tail_mask;
+using PagedCache = kunlun_cpu::paged::PagedCache<bf16>;
+using kunlun_cpu::paged::gather_slots;
 
 inline float round_bf16(float value) { return static_cast<float>(bf16(value)); }
 
@@ -150,53 +153,6 @@ inline void rotate(const bf16* x, const bf16* cos, const bf16* sin, int64_t D, f
     const float a = round_bf16(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
     const float b = round_bf16(rotated * static_cast<float>(sin[i]));
     out[i] = round_bf16(a + b);
-  }
-}
-
-struct PagedCache {
-  bf16* data;
-  int64_t block_stride, slot_stride, head_stride;
-  bf16* at(int64_t block, int64_t slot, int64_t head) const {
-    return data + block * block_stride + slot * slot_stride + head * head_stride;
-  }
-};
-
-// q [T, H, D], k and v [T, KVH, D] (rows of D contiguous), cos and sin [T, D], K/V caches
-// [NB, BS, KVH, D]: all BF16, shapes consistent, H a multiple of KVH, D even.
-void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks) {
-  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"},
-                                {&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
-    check_bf16(*t, name);
-  }
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, D]");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(D % 2 == 0, "head_dim must be even, got ", D);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
-  TORCH_CHECK(k.size(0) == T && v.size(0) == T && v.size(1) == KVH && k.size(2) == D && v.size(2) == D,
-              "k and v must be [tokens, KVH, D] like q");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v rows must be contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
-              "cos and sin must be contiguous [tokens, D]");
-  TORCH_CHECK(k_blocks.sizes() == v_blocks.sizes() && k_blocks.dim() == 4 && k_blocks.size(2) == KVH &&
-                  k_blocks.size(3) == D,
-              "k_blocks and v_blocks must be [NB, BS, KVH, D]");
-}
-
-PagedCache paged(const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 4 && blocks.stride(3) == 1, "k/v blocks must be [NB, BS, KVH, D], D contiguous");
-  return {blocks.mutable_data_ptr<bf16>(), blocks.stride(0), blocks.stride(1), blocks.stride(2)};
-}
-
-// Slot pointers (KV head 0) for positions [start, end) of a sequence, walked block by block.
-void gather_slots(const PagedCache& cache, const int64_t* table, int64_t block_size, int64_t start, int64_t end,
-                  const bf16** slots) {
-  for (int64_t position = start; position < end;) {
-    const int64_t block = position / block_size, slot = position % block_size;
-    const int64_t count = std::min(block_size - slot, end - position);
-    const bf16* row = cache.at(table[block], slot, 0);
-    for (int64_t i = 0; i < count; ++i) slots[position - start + i] = row + i * cache.slot_stride;
-    position += count;
   }
 }
 
@@ -371,27 +327,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window) {
-  check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
+  paged::check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks, check_bf16, /*min_head_dim=*/0);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   TORCH_CHECK(B >= 1, "decode_attention needs at least one sequence");
   TORCH_CHECK(D <= 256 && H / KVH <= 256, "head_dim and query heads per KV head must be at most 256, got ", D,
               " and ", H / KVH);
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.dim() == 2 &&
-                  block_tables.size(0) == B && context_lens.numel() == B,
-              "block_tables must be int64 [B, MB] and context_lens int64 [B]");
-  const PagedCache keys = paged(k_blocks), values = paged(v_blocks);
-  const int64_t block_size = k_blocks.size(1), num_blocks = k_blocks.size(0), max_blocks = block_tables.size(1);
+  paged::check_block_tables(block_tables, context_lens, B, k_blocks);
+  const PagedCache keys = paged::cache<bf16>(k_blocks), values = paged::cache<bf16>(v_blocks);
+  const int64_t block_size = k_blocks.size(1), max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lengths = context_lens.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lengths[b] >= 1 && lengths[b] <= max_blocks * block_size, "context length ", lengths[b],
-                " of sequence ", b, " does not fit its block table");
-    for (int64_t i = 0; i < (lengths[b] + block_size - 1) / block_size; ++i) {
-      const int64_t block = tables[b * max_blocks + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
-    }
-  }
   const bf16* cp = cos.const_data_ptr<bf16>();
   const bf16* sp = sin.const_data_ptr<bf16>();
 
@@ -472,20 +417,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
                                                    const at::Tensor& cos, const at::Tensor& sin,
                                                    const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                                                    const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets) {
-  check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
+  paged::check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks, check_bf16, /*min_head_dim=*/0);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(slot_block_ids.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
-                  slot_block_ids.is_contiguous() && slot_offsets.is_contiguous() && slot_block_ids.numel() == T &&
-                  slot_offsets.numel() == T,
-              "slot_block_ids and slot_offsets must be int64 [T]");
-  const PagedCache keys = paged(k_blocks), values = paged(v_blocks);
-  const int64_t num_blocks = k_blocks.size(0), block_size = k_blocks.size(1);
+  paged::check_slots(slot_block_ids, slot_offsets, T, k_blocks);
+  const PagedCache keys = paged::cache<bf16>(k_blocks), values = paged::cache<bf16>(v_blocks);
   const int64_t* blocks = slot_block_ids.const_data_ptr<int64_t>();
   const int64_t* offsets = slot_offsets.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {  // every slot is checked before anything is written
-    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks, "block id ", blocks[t], " out of range");
-    TORCH_CHECK(offsets[t] >= 0 && offsets[t] < block_size, "slot offset ", offsets[t], " out of range");
-  }
   at::Tensor q_out = at::empty({T, H, D}, q.options());
   at::Tensor k_out = at::empty({T, KVH, D}, k.options());
   const bf16* cp = cos.const_data_ptr<bf16>();
