@@ -210,7 +210,10 @@ def _ops(activations: torch.Tensor):
     return _ops_for_tier(IsaTier.AVX512 if activations.dtype == torch.bfloat16 else IsaTier.AVX2)
 
 
+@functools.cache
 def _argmax_tier() -> IsaTier:
+    # Decided once per process (the tier in force does not change): greedy sampling calls this
+    # every step.
     return IsaTier.AVX512 if load(torch.bfloat16) else IsaTier.AVX2
 
 
