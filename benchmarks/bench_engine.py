@@ -224,7 +224,9 @@ def decode_rate(run: Callable, prompts, new_tokens: int) -> tuple[float, float]:
 
 
 def run_scenarios(args: argparse.Namespace) -> dict:
-    model_dir = args.model or str(__import__("kunlun_runtime.engine").engine.resolve_model_dir(None))
+    from kunlun_runtime.engine.llm_engine import resolve_model_dir
+
+    model_dir = args.model or str(resolve_model_dir(None))
     llama = llama_bench_from_env()  # checked first: a missing GGUF should not cost a whole run
     torch.set_num_threads(args.threads)
     sizes = {"prompt": 256, "new": 128, "batch": 8, "batch_prompt": 128, "long": 2048, "history": 2000}

@@ -25,7 +25,7 @@ WAYS = ("split", "padded")
 def step_inputs(engine, decodes: int, decode_context: int, chunk: int, chunk_start: int):
     """StepInputs for ``decodes`` sequences at ``decode_context`` tokens plus one ``chunk``-token
     prefill chunk after ``chunk_start`` cached tokens; block tables over distinct pool blocks."""
-    from kunlun_runtime.model_runner import StepInputs
+    from kunlun_runtime.models.forward import StepInputs
 
     block = engine.kv_cache.spec.block_size
     inputs, next_block = StepInputs(), 0
@@ -42,7 +42,7 @@ def step_inputs(engine, decodes: int, decode_context: int, chunk: int, chunk_sta
 
 def time_step(engine, inputs, way: str, repeats: int) -> float:
     """Median milliseconds of one forward over ``inputs`` (the model and lm_head of one row)."""
-    from kunlun_runtime.model_runner import run_forward
+    from kunlun_runtime.models.forward import run_forward
 
     split = attention._split_mixed
     if way == "padded":

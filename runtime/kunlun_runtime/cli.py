@@ -230,7 +230,7 @@ def _golden_args(parser: argparse.ArgumentParser) -> None:
 def run_golden_command(args: argparse.Namespace) -> int:
     import torch
 
-    from kunlun_runtime.engine import resolve_dtype, resolve_model_dir, resolve_weight_dtype
+    from kunlun_runtime.engine.llm_engine import resolve_dtype, resolve_model_dir, resolve_weight_dtype
     from kunlun_runtime.golden import format_report, report_against_reference, run_golden
     from kunlun_runtime.models.loader import load_model
     from kunlun_runtime.platforms import CpuPlatform
@@ -304,7 +304,7 @@ def _quantize_args(parser: argparse.ArgumentParser) -> None:
 def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
-    from kunlun_runtime.engine import resolve_model_dir
+    from kunlun_runtime.engine.llm_engine import resolve_model_dir
     from kunlun_runtime.models.loader import load_model
     from kunlun_runtime.quantize import calibrate, read_calibration_chunks, write_quantized
     from kunlun_runtime.tokenizer import Tokenizer

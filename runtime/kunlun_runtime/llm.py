@@ -12,8 +12,8 @@ from dataclasses import fields, replace
 from typing import Any
 
 from kunlun_runtime.config import EngineConfig, parse_memory
-from kunlun_runtime.engine import LLMEngine
-from kunlun_runtime.outputs import RequestOutput
+from kunlun_runtime.engine.llm_engine import LLMEngine
+from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.sampling_params import SamplingParams
 
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}

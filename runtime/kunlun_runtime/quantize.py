@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers.linear import quantize_per_channel_int8
-from kunlun_runtime.model_runner import StepInputs, run_forward
 from kunlun_runtime.models.decoder import DecoderModel
+from kunlun_runtime.models.forward import StepInputs, run_forward
 from kunlun_runtime.tokenizer import Tokenizer
 
 QUANT_METHOD = "kunlun-int8"

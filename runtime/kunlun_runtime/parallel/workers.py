@@ -22,8 +22,8 @@ import torch.distributed as dist
 from kunlun_runtime.errors import EngineDeadError
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers.linear import convert_linears
-from kunlun_runtime.model_runner import StepInputs, run_forward
 from kunlun_runtime.models.decoder import DecoderModel
+from kunlun_runtime.models.forward import StepInputs, run_forward
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.parallel.group import collective_preflight, free_port, init_group
 

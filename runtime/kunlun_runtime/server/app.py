@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.platforms.cpu_features import cpu_capabilities
 from kunlun_runtime.server.chat import create_chat_completion

@@ -21,9 +21,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.engine.llm_engine import LLMEngine
+from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.errors import EngineDeadError, KunlunRuntimeError
-from kunlun_runtime.outputs import RequestOutput
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.errors import QueueFullError
 from kunlun_runtime.server.stats import StatsRecorder

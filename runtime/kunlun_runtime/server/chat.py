@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from starlette.responses import Response
 
+from kunlun_runtime.engine.outputs import RequestOutput
+from kunlun_runtime.engine.request import TokenLogprob
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.outputs import RequestOutput
-from kunlun_runtime.request import TokenLogprob
 from kunlun_runtime.server.async_engine import RequestStream
 from kunlun_runtime.server.protocol import ChatCompletionRequest
 from kunlun_runtime.server.responses import (

@@ -84,7 +84,7 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
 
 @command("serve", "serve the OpenAI-compatible HTTP API (and /health, /metrics)", _serve_args)
 def run_serve(args: argparse.Namespace) -> int:
-    from kunlun_runtime.engine import LLMEngine
+    from kunlun_runtime.engine.llm_engine import LLMEngine
     from kunlun_runtime.platforms.cpu_features import cpu_capabilities
     from kunlun_runtime.server.app import create_app
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.metrics import CacheConfigInfo, EngineMetrics, build_metrics
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.async_engine import AsyncEngine

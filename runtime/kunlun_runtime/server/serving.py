@@ -19,9 +19,9 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.engine.llm_engine import LLMEngine
+from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.outputs import RequestOutput
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.async_engine import AsyncEngine, EngineRequest, RequestStream
 from kunlun_runtime.server.errors import APIError

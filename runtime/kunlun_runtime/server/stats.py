@@ -7,9 +7,9 @@ engine's running totals since the previous call, so a warm-up run before ``reset
 
 from __future__ import annotations
 
-from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.engine.llm_engine import LLMEngine
+from kunlun_runtime.engine.outputs import RequestOutput, RequestTimes
 from kunlun_runtime.metrics import EngineMetrics, FinishedRequestStats, StepStats
-from kunlun_runtime.outputs import RequestOutput, RequestTimes
 
 
 def _totals(engine: LLMEngine) -> tuple[int, int, int, int, int]:

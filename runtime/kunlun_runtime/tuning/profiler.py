@@ -28,7 +28,7 @@ import psutil
 import torch
 
 from kunlun_runtime.config import EngineConfig
-from kunlun_runtime.engine import LLMEngine, resolve_dtype, resolve_model_dir
+from kunlun_runtime.engine.llm_engine import LLMEngine, resolve_dtype, resolve_model_dir
 from kunlun_runtime.kv.block_layout import build_block_layout
 from kunlun_runtime.kv.cache import KVCacheSpec
 from kunlun_runtime.models.model_config import load_model_config

@@ -20,7 +20,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kunlun_runtime.config import EngineConfig
-from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.server.app import create_app
 
 API_KEY = "test-key"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.engine.llm_engine import LLMEngine
 from tests.integration.server.live import health_status, serve_in_thread, wait_until
 
 POISON_MAX_TOKENS = 13

@@ -10,7 +10,7 @@ import httpx
 import uvicorn
 
 from kunlun_runtime.config import EngineConfig
-from kunlun_runtime.engine import LLMEngine
+from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.errors import ModelLoadError
 from kunlun_runtime.server.app import create_app
 from kunlun_runtime.server.lifecycle import Lifecycle

@@ -380,7 +380,7 @@ def test_argmax_rows_rejects_what_it_cannot_read():
 @needs_kernels
 def test_engines_on_our_kernels_pick_greedy_tokens_with_our_argmax_and_the_same_tokens(tmp_path):
     from kunlun_runtime import LLM, SamplingParams
-    from kunlun_runtime.sampling import Sampler
+    from kunlun_runtime.engine.sampler import Sampler
     from tests.support.tiny_models import TINY_SPECS, make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])

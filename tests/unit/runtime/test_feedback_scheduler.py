@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from kunlun_runtime.cli import add_engine_args, engine_config_from_args
 from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.engine.request import Request, RequestStatus
+from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
+from kunlun_runtime.engine.step_cost import StepFeatures
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.kv_manager import KVManager
-from kunlun_runtime.request import Request, RequestStatus
 from kunlun_runtime.sampling_params import SamplingParams
-from kunlun_runtime.scheduler import Scheduler, SchedulerLimits
-from kunlun_runtime.step_cost import StepFeatures
 from tests.support.scheduling import run_step, summary
 
 # Synthetic device: 10 ms per step, 0.1 ms per prefill token, 1 ms per decode, attention free.
@@ -228,15 +228,26 @@ def test_a_prefill_left_out_for_time_keeps_its_blocks_against_a_lower_ranked_dec
     assert scheduler.kv.block_ids("P") != [] and [r.request_id for r in scheduler.running] == ["A", "P"]
 
 
-def test_observe_step_feeds_the_cost_model_with_the_step_composition():
+def test_update_from_output_feeds_the_cost_model_with_the_step_composition():
     scheduler = make_scheduler(trained=False)
     start_decoding(scheduler, "d1")
-    scheduler.add(make_request("doc", 30))
+    doc = make_request("doc", 30)
+    scheduler.add(doc)
     out = scheduler.schedule()
     assert out.features == StepFeatures(30, 1, 5 + 30 * 30)
-    scheduler.observe_step(out, 0.25)
+    scheduler.update_from_output(out, 0.25)
     assert scheduler.cost.num_observations == 1
     assert scheduler.cost.predict(out.features) == pytest.approx(0.25, rel=1e-6)
+    assert doc.num_computed_tokens == 30  # the scheduler advanced what it scheduled
+
+
+def test_an_untimed_step_advances_requests_but_teaches_the_cost_model_nothing():
+    scheduler = make_scheduler(trained=False)
+    doc = make_request("doc", 30)
+    scheduler.add(doc)
+    scheduler.update_from_output(scheduler.schedule(), elapsed_seconds=None)
+    assert doc.num_computed_tokens == 30
+    assert scheduler.cost.num_observations == 0
 
 
 workload = st.lists(

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from kunlun_runtime.engine.request import Request
+from kunlun_runtime.engine.sampler import Sampler, apply_penalties, truncate_distribution
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.request import Request
-from kunlun_runtime.sampling import Sampler, apply_penalties, truncate_distribution
 from kunlun_runtime.sampling_params import SamplingParams
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kunlun_runtime.step_cost import StepCostModel, StepFeatures, batch_features, chunk_features
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, batch_features, chunk_features
 
 # intercept, per prefill token, per decode, per attended token, once for a step with any prefill
 TRUE = (0.002, 1e-5, 3e-4, 1e-8, 0.004)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kunlun_runtime.request import TokenLogprob
+from kunlun_runtime.engine.request import TokenLogprob
 
 
 @dataclass(slots=True)

@@ -8,26 +8,15 @@ the same forward in lockstep; the all-reduces inside the model keep them togethe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.kv.cache import KVCache
-from kunlun_runtime.layers.attention import build_attention_metadata
 from kunlun_runtime.models.decoder import DecoderModel
-from kunlun_runtime.scheduler import SchedulerOutput
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """Everything a rank needs to run one step (plain lists: cheap to send to workers)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    context_lens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+from kunlun_runtime.models.forward import StepInputs, run_forward
 
 
 @dataclass(slots=True)
@@ -43,27 +32,6 @@ class StepBroadcaster(Protocol):
     """Sends a step's inputs to the other tensor-parallel ranks (see parallel/workers.py)."""
 
     def broadcast(self, inputs: StepInputs) -> None: ...
-
-
-@torch.inference_mode()
-def run_forward(
-    model: DecoderModel, kv_cache: KVCache, inputs: StepInputs, device: torch.device
-) -> torch.Tensor:
-    """One forward pass over a step's flat batch; returns final hidden states [T, hidden]."""
-    meta = build_attention_metadata(
-        inputs.query_lens,
-        inputs.context_lens,
-        inputs.block_tables,
-        kv_cache.spec.block_size,
-        device,
-        sliding_window=model.config.sliding_window,
-    )
-    return model(
-        torch.tensor(inputs.token_ids, dtype=torch.long, device=device),
-        torch.tensor(inputs.positions, dtype=torch.long, device=device),
-        kv_cache,
-        meta,
-    )
 
 
 class ModelRunner:

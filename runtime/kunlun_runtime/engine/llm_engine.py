@@ -17,22 +17,23 @@ import torch
 
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.detokenizer import IncrementalDetokenizer
+from kunlun_runtime.engine.model_runner import ModelRunner, StepLogits
+from kunlun_runtime.engine.outputs import CompletionOutput, RequestOutput, RequestTimes
+from kunlun_runtime.engine.request import Request, RequestStatus, TokenLogprob
+from kunlun_runtime.engine.sampler import Sampler, make_logprob
+from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
+from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.linear import choose_linear_backend
-from kunlun_runtime.model_runner import ModelRunner, StepLogits
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.sharding import shard_model_config
-from kunlun_runtime.outputs import CompletionOutput, RequestOutput, RequestTimes
 from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
 from kunlun_runtime.platforms import Platform, detect
-from kunlun_runtime.request import Request, RequestStatus, TokenLogprob
-from kunlun_runtime.sampling import Sampler, make_logprob
 from kunlun_runtime.sampling_params import SamplingParams
-from kunlun_runtime.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from kunlun_runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -289,12 +290,9 @@ class LLMEngine:
     def _finish_step(
         self, sched: SchedulerOutput, logits: StepLogits, began: float
     ) -> list[tuple[_Tracked, int, TokenLogprob | None]]:
-        """After the forward: feed the step time back, advance and cache the computed tokens,
-        record prompt logprobs, and sample; returns (request, token id, logprob) per new token."""
-        self.scheduler.observe_step(sched, time.monotonic() - began)
-        for item in sched.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_computed_blocks(item.request)
+        """After the forward: let the scheduler account for the step, record prompt logprobs, and
+        sample; returns (request, token id, logprob) per new token."""
+        self.scheduler.update_from_output(sched, time.monotonic() - began)
         for request_id, (first_pos, rows) in logits.prompt_logits.items():
             self._record_prompt_logprobs(self._tracked[request_id].request, first_pos, rows)
         tracked = [self._tracked[rid] for rid in logits.sample_request_ids]

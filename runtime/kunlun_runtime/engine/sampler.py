@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kunlun_runtime.request import Request, TokenLogprob
+from kunlun_runtime.engine.request import Request, TokenLogprob
 from kunlun_runtime.sampling_params import SamplingParams
 
 
