@@ -7,13 +7,23 @@ position per step, so a step costs one index_select, not a trigonometric evaluat
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # a value object only: layers do not depend on model loading
-    from kunlun_runtime.models.model_config import RopeConfig
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """The rotary scaling of a checkpoint (parsed from its config by ``models.model_config``)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -8,22 +8,19 @@ fused at load time (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kunlun_runtime.kv.cache import KVCache
 from kunlun_runtime.layers import cpu_kernels
-from kunlun_runtime.layers.attention import AttentionMetadata, MixedSplit, paged_attention
+from kunlun_runtime.layers.attention import AttentionMetadata
+from kunlun_runtime.layers.attention_backend import AttentionShape, PagedAttention
 from kunlun_runtime.layers.linear import Int8Linear, NativeLinear
 from kunlun_runtime.layers.norm import RMSNorm
-from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from kunlun_runtime.layers.rotary import RotaryEmbedding
 from kunlun_runtime.models.model_config import ModelConfig
-
-if TYPE_CHECKING:  # the cache is handed in; models do not depend on kv
-    from kunlun_runtime.kv.cache import KVCache
 
 
 def _weight(rows: int, cols: int) -> nn.Parameter:
@@ -31,6 +28,9 @@ def _weight(rows: int, cols: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
+    """Q/K/V projection, optional Q/K norms, paged attention (its kernel chosen in ``layers``), and
+    the output projection (all-reduced across tensor-parallel ranks)."""
+
     def __init__(self, config: ModelConfig, layer_index: int, tp_world: int = 1) -> None:
         super().__init__()
         self.tp_world = tp_world
@@ -41,9 +41,7 @@ class Attention(nn.Module):
             config.head_dim,
         )
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = config.head_dim**-0.5
-        self.fused_attention = True  # switched off only for the benchmark's ablation
-        self.native = False  # decode steps through our fused CPU kernel (rotary + KV write + attention)
+        self.attn = PagedAttention(AttentionShape(self.num_heads, self.num_kv_heads, self.head_dim))
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
@@ -69,100 +67,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_blocks, v_blocks = kv_cache.k_blocks[self.layer_index], kv_cache.v_blocks[self.layer_index]
-        kv_written = self.native and self.fused_attention and q.dtype == k_blocks.dtype
-        if kv_written and meta.max_query_len == 1:
-            cos, sin = cos_sin
-            out = cpu_kernels.decode_attention(
-                q,
-                k,
-                v,
-                cos.view(-1, self.head_dim),
-                sin.view(-1, self.head_dim),
-                k_blocks,
-                v_blocks,
-                meta.block_tables,
-                meta.context_lens,
-                self.scale,
-                meta.sliding_window,
-            )
-            return self._project_out(out)
-        if kv_written and meta.split is not None:
-            return self._project_out(self._native_mixed(q, k, v, cos_sin, k_blocks, v_blocks, meta.split))
-        if kv_written:  # rotary and the K/V write in one kernel call
-            cos, sin = cos_sin
-            q, k = cpu_kernels.rotary_kv_write(
-                q,
-                k,
-                v,
-                cos.view(-1, self.head_dim),
-                sin.view(-1, self.head_dim),
-                k_blocks,
-                v_blocks,
-                meta.slot_block_ids,
-                meta.slot_offsets,
-            )
-        else:
-            q, k = apply_rotary(q, k, cos_sin)
-        out = paged_attention(
-            q,
-            k,
-            v,
-            k_blocks,
-            v_blocks,
-            meta,
-            self.scale,
-            fused=self.fused_attention,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-            kv_written=kv_written,
-        )
-        return self._project_out(out)
-
-    def _native_mixed(self, q, k, v, cos_sin, k_blocks, v_blocks, split: MixedSplit) -> torch.Tensor:
-        """Decodes and prefill chunks in one batch: the decodes through the decode kernel (the same
-        call, and the same bits, as a decode-only step), the chunks through rotary_kv_write and
-        paged attention among themselves."""
-        cos, sin = (table.view(-1, self.head_dim) for table in cos_sin)
-        out = q.new_empty((q.shape[0], self.num_heads * self.head_dim))
-        rows = split.decode_rows
-        decoded = cpu_kernels.decode_attention(
-            *(t.index_select(0, rows) for t in (q, k, v, cos, sin)),
-            k_blocks,
-            v_blocks,
-            split.decode.block_tables,
-            split.decode.context_lens,
-            self.scale,
-            split.decode.sliding_window,
-        )
-        out.index_copy_(0, rows, decoded)
-        rows = split.prefill_rows
-        q_p, k_p, v_p, cos_p, sin_p = (t.index_select(0, rows) for t in (q, k, v, cos, sin))
-        q_p, k_p = cpu_kernels.rotary_kv_write(
-            q_p,
-            k_p,
-            v_p,
-            cos_p,
-            sin_p,
-            k_blocks,
-            v_blocks,
-            split.prefill.slot_block_ids,
-            split.prefill.slot_offsets,
-        )
-        prefilled = paged_attention(
-            q_p,
-            k_p,
-            v_p,
-            k_blocks,
-            v_blocks,
-            split.prefill,
-            self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-            kv_written=True,
-        )
-        out.index_copy_(0, rows, prefilled)
-        return out
-
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
-        out = self.o_proj(out)
+        out = self.o_proj(self.attn.forward(q, k, v, cos_sin, k_blocks, v_blocks, meta))
         if self.tp_world > 1:  # row-parallel: sum the ranks' partial outputs
             dist.all_reduce(out)
         return out
@@ -241,8 +146,10 @@ class DecoderModel(nn.Module):
         if not cpu_kernels.load(self.activation_dtype):
             return False
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, (RMSNorm, MLP)):
                 module.native = True
+            elif isinstance(module, Attention):
+                module.attn.native = True
         self.decode_weights = self._collect_decode_weights()
         self.native_kernels = True
         return True
@@ -274,7 +181,7 @@ class DecoderModel(nn.Module):
                 linear(mlp.gate_up_proj),
                 linear(mlp.down_proj),
             ]
-            if any(part is None for part in parts) or not attn.fused_attention:
+            if any(part is None for part in parts) or not attn.attn.fused:
                 return None
             qkv, o_proj, gate_up, down = parts
             weights += [

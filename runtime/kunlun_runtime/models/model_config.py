@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun_runtime.errors import ModelLoadError
+from kunlun_runtime.layers.rotary import RopeConfig
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,16 +22,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
-
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,7 +72,7 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
         model, backend=spec.linear_backend, quantization=spec.quantization, compute_dtype=spec.dtype
     )
     for layer in model.layers:
-        layer.self_attn.fused_attention = spec.fused_attention
+        layer.self_attn.attn.fused = spec.fused_attention
     if spec.native_kernels:
         model.enable_native_kernels()
     cache_spec = KVCacheSpec.for_model(model.config, spec.block_size, spec.dtype)

@@ -7,8 +7,7 @@ import torch
 
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
-from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
-from kunlun_runtime.models.model_config import RopeConfig
+from kunlun_runtime.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 BLOCK = 16
 # A decode at 17, a 5-token chunk after 30 cached tokens, a decode at 40, a fresh 23-token prompt.
@@ -80,8 +79,7 @@ def test_batches_of_one_kind_are_not_split():
 @pytest.mark.parametrize("window", [None, 9])
 def test_native_mixed_step_matches_the_reference_and_its_decodes_match_a_decode_only_step(window, dtype):
     from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
-    from kunlun_runtime.models.decoder import Attention
-    from kunlun_runtime.models.model_config import ModelConfig
+    from kunlun_runtime.layers.attention_backend import AttentionShape, PagedAttention
 
     if not cpu_kernels.load(dtype):
         pytest.skip(str(cpu_kernels.unavailable_reason(dtype)))
@@ -96,15 +94,11 @@ def test_native_mixed_step_matches_the_reference_and_its_decodes_match_a_decode_
     qr, kr = apply_rotary(q, k, cos_sin)
     expected = _reference(k_src, v_src, qr, kr, v, window)
 
-    config = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=HEADS * HEAD_DIM, intermediate_size=64,
-        num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
-        rope=RopeConfig(theta=10000.0), max_position_embeddings=64, tie_word_embeddings=True,
-        attention_bias=False, qk_norm=False, sliding_window=window, bos_token_id=None, eos_token_ids=(0,),
-    )  # fmt: skip
-    attention = Attention(config, layer_index=0)
+    attention = PagedAttention(AttentionShape(HEADS, KV_HEADS, HEAD_DIM))
+    attention.native = True  # the mixed batch goes through the native mixed path
     meta = build_attention_metadata(QUERY_LENS, CONTEXT_LENS, TABLES, BLOCK, torch.device("cpu"), window)
-    out = attention._native_mixed(q, k, v, cos_sin, cache.k_blocks[0], cache.v_blocks[0], meta.split)
+    assert meta.split is not None and meta.max_query_len > 1
+    out = attention.forward(q, k, v, cos_sin, cache.k_blocks[0], cache.v_blocks[0], meta)
     # BF16: one output rounding plus the BF16 probabilities; FP32: accumulation-order noise.
     bound = (
         (2**-7 * expected.abs() + 2e-2 * expected.abs().max())
