@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from kunlun_device.errors import XpuError, XpuToolMissingError
 from kunlun_device.xpu import DEFAULT_KML_VERSION_FILE, XpuDevice, XpuSource
 from kunlun_device.xpu.health import HealthPolicy, Severity, evaluate
-from kunlun_runtime.cli import command
+from kunlun_runtime.cli_args import Command
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.platforms.kunlun import (
     DEV_ROOT_ENV,
@@ -197,8 +197,6 @@ def _preflight_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@command("preflight", "check the node's Kunlun driver/firmware/KML versions and cards; exit 1 on mismatch",
-         _preflight_args)
 def run_preflight_command(args: argparse.Namespace) -> int:
     source = XpuSource(args.xpu_smi, args.dev_root, args.kml_version_file or None)
     expected = {"driver": args.expect_driver, "firmware": args.expect_firmware, "kml": args.expect_kml}
@@ -223,3 +221,11 @@ def run_preflight_command(args: argparse.Namespace) -> int:
     if not args.json:
         print(summary(report))
     return 0
+
+
+PREFLIGHT = Command(
+    "preflight",
+    "check the node's Kunlun driver/firmware/KML versions and cards; exit 1 on mismatch",
+    _preflight_args,
+    run_preflight_command,
+)

@@ -18,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from kunlun_runtime.cli import add_engine_args, command, engine_config_from_args
+from kunlun_runtime.cli_args import Command, add_engine_args, engine_config_from_args
 from kunlun_runtime.server.lifecycle import Lifecycle
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,6 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--uvicorn-log-level", default="info")
 
 
-@command("serve", "serve the OpenAI-compatible HTTP API (and /health, /metrics)", _serve_args)
 def run_serve(args: argparse.Namespace) -> int:
     from kunlun_runtime.engine.llm_engine import LLMEngine
     from kunlun_runtime.platforms.cpu_features import cpu_capabilities
@@ -109,3 +108,11 @@ def run_serve(args: argparse.Namespace) -> int:
     server.run()
     logging.getLogger(__name__).info("server stopped (exit %d)", server.exit_code)
     return server.exit_code
+
+
+SERVE = Command(
+    "serve",
+    "serve the OpenAI-compatible HTTP API (and /health, /metrics)",
+    _serve_args,
+    run_serve,
+)

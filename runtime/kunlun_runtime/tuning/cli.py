@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from kunlun_runtime.cli import command
+from kunlun_runtime.cli_args import Command
 from kunlun_runtime.tuning.measurements import Measurements
 from kunlun_runtime.tuning.recommender import Recommendation, Targets, recommend, size
 
@@ -71,7 +71,6 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0)
 
 
-@command("tune", "measure the engine on this hardware and recommend a configuration (YAML)", _tune_args)
 def run_tune(args: argparse.Namespace) -> int:
     from kunlun_runtime.config import EngineConfig
     from kunlun_runtime.tuning.profiler import ProfileOptions, Profiler
@@ -113,3 +112,11 @@ def _config_error(field: str, message: str) -> Exception:
     from kunlun_runtime.errors import ConfigError
 
     return ConfigError(f"{field}: {message}", field=field)
+
+
+TUNE = Command(
+    "tune",
+    "measure the engine on this hardware and recommend a configuration (YAML)",
+    _tune_args,
+    run_tune,
+)

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
-from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
-from kunlun_runtime.layers.rotary import RopeConfig
+from kunlun_runtime.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.load(torch.float32), reason=str(cpu_kernels.unavailable_reason(torch.float32))

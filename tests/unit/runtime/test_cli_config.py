@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from kunlun_runtime.cli import build_parser, engine_config_from_args
+from kunlun_runtime.cli import build_parser
+from kunlun_runtime.cli_args import engine_config_from_args
 from kunlun_runtime.errors import ConfigError
 
 

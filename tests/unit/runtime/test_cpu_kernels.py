@@ -190,8 +190,7 @@ def test_silu_mul_matches_the_eager_roundings(rows, inner):
 
 def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40), tables=None, num_blocks=12):
     from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
-    from kunlun_runtime.layers.rotary import RotaryEmbedding, apply_rotary
-    from kunlun_runtime.layers.rotary import RopeConfig
+    from kunlun_runtime.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 
     num_heads, kv_heads = heads
     cache = KVCache(
@@ -281,8 +280,7 @@ def test_decode_attention_rejects_a_block_table_outside_the_pool():
 @pytest.mark.parametrize("head_dim", [64, 48])  # vector and scalar rotary
 def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_dim):
     from kunlun_runtime.layers.attention import build_attention_metadata
-    from kunlun_runtime.layers.rotary import RotaryEmbedding
-    from kunlun_runtime.layers.rotary import RopeConfig
+    from kunlun_runtime.layers.rotary import RopeConfig, RotaryEmbedding
 
     lengths = (5, 23)  # prefill chunks: 5 new tokens after 4 cached ones, and a fresh prompt of 23
     cache, tables, *_, apply_rotary = _decode_case(heads=(6, 2), head_dim=head_dim)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kunlun_runtime.cli import add_engine_args, engine_config_from_args
+from kunlun_runtime.cli_args import add_engine_args, engine_config_from_args
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine.request import Request, RequestStatus
 from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits

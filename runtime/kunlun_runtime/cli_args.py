@@ -1,0 +1,113 @@
+"""The flags every engine-running subcommand shares, and the ``Command`` record subcommands export.
+
+Engine flags carry vLLM's names (``--max-model-len``, ``--block-size``, ...) and map one to one
+onto ``EngineConfig`` fields. Subcommand modules import this module; only ``cli`` imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kunlun_runtime.config import EngineConfig, parse_memory
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One ``kunlun-runtime`` subcommand: ``configure`` adds its flags, ``run`` runs it (exit code)."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "auto") -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="HF-format model directory (default: embedded SmolLM2)")
+    group.add_argument("--served-model-name", default=None)
+    group.add_argument("--dtype", default=default_dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "kunlun"])
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, bytes or e.g. 2GiB")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--max-preemptions", type=int, default=3)
+    group.add_argument("--scheduling-policy", default="fixed", choices=["fixed", "feedback"])
+    group.add_argument(
+        "--target-step-seconds", type=float, default=None, help="feedback: step cap while decoding"
+    )
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("--quantization", default=None, choices=["int8"])
+    add_kernel_args(group)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="engine options YAML (e.g. the output of `kunlun-runtime tune`); flags given explicitly win",
+    )
+
+
+def add_kernel_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "native", "prepacked", "plain"],
+        help="auto: our AVX-512 BF16 / AMX decode kernels where the CPU has them, else oneDNN-prepacked",
+    )
+    parser.add_argument(
+        "--native-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="BF16 on AVX-512 BF16 CPUs: our RMSNorm, decode-attention and one-call layer-stack kernels",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the parsed flags; options from ``--config`` fill every flag left at its
+    default. Raises ConfigError naming the option (or the file and key)."""
+    config = _config_from_flags(args)
+    if getattr(args, "config", None) is None:
+        return config
+    from dataclasses import replace
+
+    from kunlun_runtime.config_file import load_engine_options
+
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_engine_args(defaults)
+    default_config = _config_from_flags(defaults.parse_args([]))
+    file_options = load_engine_options(args.config)
+    overrides = {
+        key: value
+        for key, value in file_options.items()
+        if getattr(config, key) == getattr(default_config, key)  # not set on the command line
+    }
+    return replace(config, **overrides).validate()
+
+
+def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_preemptions=args.max_preemptions,
+        scheduling_policy=args.scheduling_policy,
+        target_step_seconds=args.target_step_seconds,
+        tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        linear_backend=args.linear_backend,
+        native_kernels=args.native_kernels,
+        seed=args.seed,
+    ).validate()

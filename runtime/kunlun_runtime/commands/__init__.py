@@ -1,0 +1,1 @@
+"""The subcommands of ``kunlun-runtime`` that live nowhere else (``cli`` lists them all)."""
