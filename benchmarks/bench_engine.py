@@ -108,7 +108,7 @@ class PrefillKernels:
     (oneDNN's BF16 GEMM through ``F.linear``; SDPA's causal flash kernel, through the engine's own
     ``fresh_prompt_attention``): the time no engine that
     calls them can go below. A distinct weight per layer, so they stream from memory as in a real
-    prefill. Timed between the engines' repetitions, since this machine's speed drifts by 2x."""
+    prefill. Timed between the engines' repetitions, since a shared machine's speed drifts over a run."""
 
     def __init__(self, config, warm_up: list[int]) -> None:
         self.config = config
@@ -160,8 +160,8 @@ def llama_bf16_gguf_from_env() -> str | None:
 
 def llama_bench_decode_rate(binary: str, gguf: str, threads: int, context: int, new_tokens: int) -> float:
     """llama.cpp's decode tok/s for ``new_tokens`` generated after ``context`` tokens: one
-    repetition each with flash attention off and on, the faster counting (on this CPU flash
-    attention measured slower at a 256-token context)."""
+    repetition each with flash attention off and on, the faster counting (which one wins depends
+    on the CPU and the context length)."""
     command = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new_tokens)]
     command += ["-d", str(context), "-fa", "0,1", "-r", "1", "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -1,7 +1,7 @@
 """KV block placement: aligned-only versus aligned + skewed, on long-context decode attention.
 
-The seed's second lesson: with block sizes that are a multiple of the cache's set period, every
-block starts in the same cache set and long-context decode thrashes. This benchmark builds two KV
+With block sizes that are a multiple of the cache's set period, every block starts in the same
+cache set and long-context decode thrashes (``kv/block_layout.py``). This benchmark builds two KV
 caches of SmolLM2's shape (30 layers, 3 KV heads × 64, BF16) — one skewed, one aligned only — fills
 ``--context`` tokens per sequence with the blocks of all sequences interleaved (as a busy server
 allocates them), and times decode steps of the paged attention of every layer, interleaving the two

@@ -1,5 +1,5 @@
-"""Overlap benchmark (issue item 7, seed §3.2): does doing a step's host work while the next
-step's forward runs pay off on this platform? Side by side, in one process, on the same engine.
+"""Overlap benchmark: does doing a step's host work while the next step's forward runs pay off on
+this platform? Side by side, in one process, on the same engine.
 
 - ``sequential``: ``LLMEngine.step()`` as the engine runs it: schedule → forward → sample → per
   request detokenize, stop checks and output.

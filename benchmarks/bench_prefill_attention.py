@@ -1,10 +1,11 @@
 """An AMX prefill-attention kernel (an experiment, not used by the runtime) against SDPA's flash kernel.
 
-Prefill attention is ~40 % of a 2,048-token TTFT here, and SDPA's causal flash kernel, which HF
-and our engine both call, runs it at ~0.35 TFLOPS. ``benchmarks/prefill_attention_amx.cpp`` is a
-flash-attention kernel on the AMX tile units with the queries in the vector lanes. This builds it
-(with the runtime's ``amx_linear.cpp`` for the tile helpers), checks it against an FP64 reference
-next to SDPA, and times both interleaved on the model's heads, one call per layer.
+Prefill attention is a large share of a long prompt's TTFT, and SDPA's causal flash kernel, which
+HF and our engine both call, runs it far below the tile units' peak.
+``benchmarks/prefill_attention_amx.cpp`` is a flash-attention kernel on the AMX tile units with the
+queries in the vector lanes. This builds it (with the runtime's ``amx_linear.cpp`` for the tile
+helpers), checks it against an FP64 reference next to SDPA, and times both interleaved on the
+model's heads, one call per layer.
 
     .venv/bin/python benchmarks/bench_prefill_attention.py              # SmolLM2's heads, 256 and 2,048 tokens
     .venv/bin/python benchmarks/bench_prefill_attention.py --quick      # smoke run (the test suite)

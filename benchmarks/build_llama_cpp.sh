@@ -5,7 +5,7 @@
 # next to it (requantized from the Q4_1 GGUF our default model is imported from, so both engines
 # run the same weights). Nothing it makes is committed, shipped or used by the runtime.
 #
-#   benchmarks/build_llama_cpp.sh /tmp/llama.cpp        # about 10 minutes on 2 cores
+#   benchmarks/build_llama_cpp.sh /tmp/llama.cpp        # a long build on a machine with few cores
 #   LLAMA_CPP_ISA=avx2 benchmarks/build_llama_cpp.sh /tmp/llama.cpp-avx2
 #
 # By default ggml is built for this CPU (GGML_NATIVE). LLAMA_CPP_ISA=avx2 builds its AVX2 + FMA +

@@ -13,17 +13,17 @@
 // softmax in FP32 with the probabilities rounded to BF16 (as SDPA's flash kernel rounds them),
 // and (P·V)ᵀ = Vᵀ·Pᵀ on the tile units again. K and Vᵀ are repacked per KV head once per call.
 //
-// Measured (see the benchmark), SmolLM2's 9 heads, 3 KV heads, D = 64, 30 layers interleaved
-// with SDPA, three runs: 1.29-1.35x SDPA at 256 tokens, 0.97-1.15x at 2,048. Where the time goes at
-// 2,048 (parts switched off in turn, one run, all on 514 ms, before V's packing was vectorised):
-// the score products with their stores and the packing ~190-215 ms, where the products' count at
-// the tile unit's rate (16 cycles per TDPBF16PS) would take ~15 ms; the softmax ~180 ms, of it
-// the exponentials ~80; P·V ~80 ms. perf on the score phase puts its samples after the tile
-// stores. Tried and not kept: computing S with the queries as the A operand and the softmax row by
-// row (0.52x, then 0.87x with four accumulators in flight, at 2,048; perf: waiting on the round
-// trips between tile and vector units through memory); a task of all three query heads of a KV
-// head, each phase run for every head before the next so that each round trip has other work in
-// between (0.93x); straight-line code with fixed tile numbers at D = 64 (0.87-0.94x).
+// It beats SDPA on short prompts but not clearly on long ones (the benchmark times both; results
+// in docs/platforms.md and the README's Performance section), so the runtime keeps SDPA. Where
+// the time goes on a long prompt (parts switched off in turn): the score products with their tile
+// stores and the packing take many times what the products' count at the tile unit's rate would
+// (a profile puts the samples after the tile stores: each score block makes a round trip between
+// the tile and vector units through memory), then the softmax (much of it the exponentials),
+// then P·V. Tried and not kept, each slower than this version on long prompts: computing S with
+// the queries as the A operand and the softmax row by row (even with four accumulators in flight
+// it waits on those round trips); a task of all the query heads of a KV head, each phase run for
+// every head before the next so that each round trip has other work in between; straight-line
+// code with fixed tile numbers at D = 64.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -59,11 +59,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     enable_prefix_caching: bool = True
-    max_preemptions: int = 3  # the seed's third lesson: a request preempted this often is protected
+    max_preemptions: int = 3  # preempted this often, a request is protected (bounds recompute; no starvation)
     priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
     scheduling_policy: str = "fixed"  # fixed | feedback (step-time model caps prefill; docs/scheduling.md)
     target_step_seconds: float | None = None  # feedback: cap while decodes run; None = derived
-    kv_block_skew: bool = True  # the seed's second lesson: skew block starts across cache sets
+    kv_block_skew: bool = True  # skew block starts across cache sets (why: kv/block_layout.py)
     # auto: our native decode kernels for BF16 on AVX-512 BF16 CPUs, else oneDNN-prepacked weights
     linear_backend: str = "auto"
     fused_attention: bool = True  # one fused SDPA call per layer (False: unfused, for ablations)

@@ -1,6 +1,7 @@
 """A fake Kubernetes API over real HTTP on 127.0.0.1: kmock plus the fidelity operators need.
 
-Use it where a real kube-apiserver cannot run (see /work/shared/TESTING.md)::
+Use it where no real kube-apiserver can run (a machine without one or the means to fetch one; the
+real-cluster e2e suite runs where ``KUBECONFIG`` points at a cluster)::
 
     from tests.support.kubeapi import running_fake_api
 

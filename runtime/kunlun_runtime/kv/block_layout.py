@@ -1,10 +1,10 @@
 """Where each KV block lives in memory: aligned to the cache line and skewed across cache sets.
 
-The seed's second lesson: aligning every block to the cache line is not enough. When the block
-size is a multiple of the cache's set period (lines × sets), every block starts in the same cache
-set, and a long-context decode that walks all blocks keeps evicting itself. Skewing gives each
-block a stride of an odd number of cache lines, so consecutive block starts cycle through every
-set. This module is pure arithmetic over byte offsets; ``kv/cache.py`` applies it to tensors.
+Aligning every block to the cache line is not enough. When the block size is a multiple of the
+cache's set period (lines × sets), every block starts in the same cache set, and a long-context
+decode that walks all blocks keeps evicting itself. Skewing gives each block a stride of an odd
+number of cache lines, so consecutive block starts cycle through every set. This module is pure
+arithmetic over byte offsets; ``kv/cache.py`` applies it to tensors.
 """
 
 from __future__ import annotations

@@ -97,8 +97,9 @@ HEADERS = (
     CSRC / "avx2" / "vec_avx2.h",
 )
 PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
-# The largest batches our linears take instead of oneDNN: BF16 runs 3-16 rows in one AMX pass
-# (measured faster than oneDNN up to 16 rows); the INT8 kernels are compute-bound above 8.
+# The largest batches our linears take instead of oneDNN: BF16 runs 3-16 rows in one AMX pass,
+# streaming the weight once for all of them, and beats oneDNN over that whole range; the INT8
+# kernels are compute-bound above 8.
 MAX_ROWS = 16
 INT8_MAX_ROWS = 8
 
@@ -229,7 +230,8 @@ def linear_int8(
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` for contiguous FP32 [S, V] logits, one vector pass per row
-    in the best tier loaded (torch's reduction took 133 µs for one 49,152-entry row here)."""
+    in the best tier loaded (torch's generic reduction is slow enough over a whole vocabulary to
+    show in every greedy decode step)."""
     return _ops_for_tier(_argmax_tier()).argmax_rows(logits)
 
 

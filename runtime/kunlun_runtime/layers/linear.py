@@ -5,14 +5,15 @@
   AVX-NE-CONVERT); elsewhere ``prepacked`` is refused.
 - ``NativeLinear``: the plain BF16 weight; batches of up to 16 rows (decode) go through our kernels
   (``cpu_kernels``: the AVX-512 tier for BF16 activations, the AVX2 tier for FP32 ones; they stream
-  the weight near DRAM speed, where oneDNN's GEMM reaches about a third of it at one row), larger
-  ones (prefill) through ``F.linear``, or ``widened_linear`` when the activations are FP32.
+  the weight near DRAM speed, which oneDNN's GEMM, built for large batches, falls well short of at
+  one row), larger ones (prefill) through ``F.linear``, or ``widened_linear`` when the activations
+  are FP32.
 - ``WideningLinear``: BF16 weight, FP32 activations, no kernels of ours (the plain floor of CPUs
   without native BF16): the weight is widened chunk by chunk into a small per-thread FP32
   workspace for oneDNN's SGEMM, so no FP32 copy of the model stays resident.
 - ``Int8Linear``: weight-only INT8 with one scale per output channel. Small batches through our
-  kernels where loaded; else ``torch._weight_int8pack_mm`` (BF16 activations, measured the fastest
-  library decode matmul on AVX-512/AMX CPUs) or the weight dequantized into the workspace (FP32).
+  kernels where loaded; else ``torch._weight_int8pack_mm`` (BF16 activations, the fastest library
+  decode matmul on AVX-512/AMX CPUs) or the weight dequantized into the workspace (FP32).
 
 Module names are kept (``qkv_proj`` stays ``qkv_proj``), so golden runs hook the same layers.
 """
@@ -266,14 +267,14 @@ def convert_linears(
 
     ``quantization="int8"`` → Int8Linear (per output channel) for every linear, ``lm_head``
     included: once the layers are INT8 the vocabulary projection is a fifth of a decode step's
-    bytes on SmolLM2, and quantizing it measured +0.2 points of perplexity and no loss of greedy
-    agreement (``benchmarks/bench_int8_quality.py``). A tied ``lm_head`` gets its own INT8 copy;
-    the embedding stays BF16. Then ``backend="native"`` → NativeLinear for every remaining BF16
-    linear, ``lm_head`` included, and our kernels for the INT8 ones; ``"prepacked"`` →
-    PackedLinear for the remaining BF16 linears on CPU but ``lm_head``. Where the activations
-    (``compute_dtype``, default: the weights' dtype) are FP32 and the weights BF16, every linear
-    not made native becomes a WideningLinear: ``"plain"`` then means plain PyTorch over widened
-    weights.
+    bytes on SmolLM2, and quantizing it costs next to nothing in perplexity or greedy agreement
+    (``benchmarks/bench_int8_quality.py`` measures it; see docs/performance.md). A tied
+    ``lm_head`` gets its own INT8 copy; the embedding stays BF16. Then ``backend="native"`` →
+    NativeLinear for every remaining BF16 linear, ``lm_head`` included, and our kernels for the
+    INT8 ones; ``"prepacked"`` → PackedLinear for the remaining BF16 linears on CPU but
+    ``lm_head``. Where the activations (``compute_dtype``, default: the weights' dtype) are FP32
+    and the weights BF16, every linear not made native becomes a WideningLinear: ``"plain"`` then
+    means plain PyTorch over widened weights.
     """
     count = 0
     if quantization == "int8":
@@ -290,7 +291,7 @@ def convert_linears(
     on_mkldnn = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
     if backend == "prepacked" and weight.dtype == compute_dtype == torch.bfloat16 and on_mkldnn:
         _require_prepacked(compute_dtype)
-        # lm_head (49152 × 576 on SmolLM2) measured slower prepacked than plain BF16 at batch 1.
+        # lm_head (wide: 49152 × 576 on SmolLM2) runs slower prepacked than plain BF16 at batch 1.
         count += _replace(model, PackedLinear, skip=frozenset({"lm_head"}))
     if weight.dtype == torch.bfloat16 and compute_dtype == torch.float32:
         count += _replace(model, WideningLinear)

@@ -35,8 +35,8 @@ class CpuPlatform(Platform):
         return (torch.float32, torch.bfloat16)
 
     def default_dtype(self) -> torch.dtype:
-        # Emulated BF16 arithmetic is several times slower than FP32 (HF's BF16 prefill of 2,048
-        # tokens took ~10x its FP32 time on an AVX2-only EPYC), so compute in FP32 there.
+        # Emulated BF16 arithmetic is several times slower than FP32 (every operation converts in
+        # software; see docs/performance.md), so compute in FP32 there.
         return torch.bfloat16 if cpu_capabilities().computes_bf16 else torch.float32
 
     def default_weight_dtype(self) -> torch.dtype:

@@ -50,10 +50,10 @@ def warm_up(engine: LLMEngine) -> None:
 def _settle_heap() -> None:
     """Collect the garbage of loading, then exempt everything still alive (the model, the engine,
     the imported libraries: ~3 * 10^5 objects) from later cyclic collections. Otherwise the
-    first full collection falls on the first requests and holds the GIL for ~0.1 s while the
-    engine thread waits (measured on SmolLM2: the first request's TTFT 0.27-0.34 s before,
-    0.12-0.16 s after; later requests ~0.04 s). Only for a process that serves and nothing else:
-    a frozen object that later becomes cyclic garbage is never freed."""
+    first full collection falls on the first requests: it walks every one of those objects while
+    holding the GIL, the engine thread waits, and the first requests' TTFT pays for it. Only for a
+    process that serves and nothing else: a frozen object that later becomes cyclic garbage is
+    never freed."""
     gc.collect()
     gc.freeze()
 

@@ -5,8 +5,8 @@
 //     index; -0.0 and +0.0 tie), the index of the row's first NaN where it has one, and 0 for a
 //     row that is all -inf.
 //
-// torch's CPU argmax reduces at ~1.5 GB/s (133 µs for one row of SmolLM2's 49,152-entry
-// vocabulary). Here the first pass finds the maximum with VMAXPS alone, four independent
+// torch's CPU argmax is a generic reduction, far below the memory bandwidth (docs/platforms.md
+// has the comparison). Here the first pass finds the maximum with VMAXPS alone, four independent
 // accumulators and a NaN check, two instructions per 8 logits and no index bookkeeping; the second
 // finds the first index holding it, one compare per 8 logits, and stops there. The row (192 KiB
 // for SmolLM2) is still in L2 for the second pass, which on average reads half of it.

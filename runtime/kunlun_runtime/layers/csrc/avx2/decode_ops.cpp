@@ -173,11 +173,11 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t D
 
 // Keys scored per pass: a chunk's K and V rows of one KV head stay in L1 while every query head of
 // that KV head reads them (32 keys × D = 64 FP32 is 8 KiB of K and 8 of V, a quarter of a 32 KiB
-// L1 each; 16- and 64-key chunks measured the same).
+// L1 each; half or twice the chunk does as well, so the size is not critical).
 constexpr int64_t kKeyChunk = 32;
 constexpr int64_t kMinSplitKeys = 64;  // a sequence's keys are split across threads down to this
 // A P·V pass keeps kHeadTile × kStripe accumulators, kStripe value vectors and a weight in
-// registers: 13 of AVX2's 16 (4 × 3 spilled; 3 × 3, 4 × 2 and 2 × 3 measured within 5 % of each other).
+// registers: 13 of AVX2's 16 (4 × 3 spills; 3 × 3, 4 × 2 and 2 × 3 run about the same).
 constexpr int kStripe = 3;             // 8-lane vectors of D a P·V pass keeps per query head
 constexpr int kHeadTile = 3;           // query heads a P·V pass accumulates at once
 constexpr int64_t kPrefetchChunks = 1;  // how far ahead K and V rows are prefetched
@@ -291,10 +291,10 @@ struct AttentionShape {
 // loaded once for up to kHeadTile query heads that share its KV head, and the next chunk's K and V
 // rows are prefetched into L2 while this one computes (blocks sit in random order, which the
 // hardware prefetcher cannot follow), a row per key as the first query head of each KV head scores
-// it, spread out rather than all at once (the AVX-512 kernel measured that faster). Over 30 layers'
-// caches (SmolLM2 shapes, 2,048 keys) this measured ~5 % faster than no prefetch, and prefetching
-// two chunks ahead no faster: long contexts run at ~24 GB/s on the 2-core EPYC VM this was tuned
-// on, about what its DRAM delivers to a gather, so the kernel is memory-bound there.
+// it, spread out rather than all at once (issued all at once they stall on the line fill buffers,
+// as the AVX-512 kernel found). Prefetching helps long contexts a little; prefetching two chunks
+// ahead helps no more: at long contexts the kernel reads the cache about as fast as DRAM serves a
+// gather of scattered blocks, so it is memory-bound there.
 template <bool TAIL>
 void attend_split(const float* q, const AttentionShape& s, const int64_t* table, int64_t start, int64_t end,
                   float* maxima, float* sums, float* acc) {

@@ -17,8 +17,8 @@
 // a 32-bit lane of BF16 holds an even column in its low half and the odd one in its high half, so
 // a shift by 16 yields the even columns as FP32 and a mask the odd ones; x is rearranged once per
 // call to match (each group of 16 columns as its 8 even, then its 8 odd columns). Widening in
-// column order (vpmovzxwd + shift per 8 weights) measured up to 15 % slower at one row on
-// cache-resident weights, 2-4 % from two rows on.
+// column order (vpmovzxwd + shift per 8 weights) takes twice the ops and was slower at every
+// batch size, most of all at one row on cache-resident weights.
 //
 // linear_int8 is W8A8 with dynamic activation scales, the scheme of llama.cpp's Q8_0 dot product
 // on AVX2: each row of x is quantized once per call to INT8 in blocks of 32 (scale = max|x| /
@@ -30,10 +30,10 @@
 // the price: about 0.5 % (RMS) of the output for Gaussian activations, 1 % with scattered
 // outliers 20x the rest; the per-channel INT8 rounding of Gaussian weights alone costs 0.8 %.
 // Widening the INT8 weights to FP32 instead (W8A16: cvtepi8_epi32 + cvtepi32_ps + FMA on FP32 x,
-// no activation rounding) measured 1.2-1.7x slower at one row, where W8A8 spends 5 ops per 32
-// weights and W8A16 3 per 8, and up to 1.2x slower at eight rows, where it is FMA-bound (equal on
-// the smallest layer); so W8A8 it is. (INT16 activations with madd on sign-extended weights,
-// which skips the sign trick, measured slower than either.)
+// no activation rounding) was slower: clearly at one row, where W8A8 spends 5 ops per 32 weights
+// and W8A16 3 per 8, and still at eight rows, where W8A16 is FMA-bound; so W8A8 it is. (INT16
+// activations with madd on sign-extended weights, which skips the sign trick, was slower than
+// either.)
 //
 // Both kernels split the output channels across the intra-op threads (at::parallel_for) in
 // blocks of a few channels; a block runs tiles of up to four rows of x back to back, the later
@@ -60,8 +60,8 @@
 
 #define KUNLUN_INLINE inline __attribute__((always_inline))
 // bf16_tile stays out of line: inlined into the parallel loop's lambda, GCC allocated registers
-// worse for its 3- and 4-row tiles, which then ran 20 % slower (the INT8 tiles run a few percent
-// faster inlined).
+// worse for its 3- and 4-row tiles, which then ran markedly slower (the INT8 tiles, on the other
+// hand, gain a little from being inlined).
 #define KUNLUN_NOINLINE __attribute__((noinline))
 
 namespace {
@@ -74,19 +74,19 @@ using kunlun_cpu::avx2::bf16;
 // is then still in L1, so the weight streams in from memory once per call at any M.
 constexpr int kTileRows = 4;
 
-// Software prefetch distance along each thread's weight stream, in bytes. Without it, with the
-// hardware prefetcher alone, weights streamed from DRAM took up to twice as long; 2-4 KiB ahead
-// measured slower than 16 KiB at one row, 8-64 KiB about the same. The lines go to L1
-// (_MM_HINT_T0): on the AMD machine that measured faster than L2 (_MM_HINT_T1) at one row and
-// the same from two rows on (the AVX-512 tier found the opposite on a Xeon).
+// Software prefetch distance along each thread's weight stream, in bytes. The hardware prefetcher
+// alone does not keep a weight stream from DRAM at full speed; a few KiB ahead is too short to
+// hide the latency at one row, anywhere in the tens of KiB does about as well. The lines go to L1
+// (_MM_HINT_T0): on the AMD cores this tier was tuned on, that beat L2 (_MM_HINT_T1) at one row and
+// tied from two rows on (the AVX-512 tier, tuned on a Xeon, found the opposite: it depends on the core).
 constexpr int64_t kPrefetchBytes = 16384;
 
 // Output channels per block for a tile of `rows` rows: enough independent accumulator chains to
 // hide the FMA latency, few enough that accumulators and widened weights fit the 16 registers
-// (measured: one row 6 channels, not 4 or 8; two rows 4; three and four rows 3).
+// (each count chosen by timing its neighbours: fewer channels expose the latency, more spill).
 constexpr int bf16_channels(int rows) { return rows == 1 ? 6 : rows == 2 ? 4 : 3; }
-// The INT8 kernel also keeps each row's q, |q| and block scale in registers (measured: 4 channels
-// at one and two rows, 6 no faster at one; 3 at three rows; 2 at four, 3 no faster).
+// The INT8 kernel also keeps each row's q, |q| and block scale in registers, so it takes no more
+// channels than BF16, fewer at one and four rows (chosen the same way; more were no faster).
 constexpr int int8_channels(int rows) { return rows <= 2 ? 4 : rows == 3 ? 3 : 2; }
 
 // The main loops prefetch R lines per R lines consumed; when K is not a multiple of their step,

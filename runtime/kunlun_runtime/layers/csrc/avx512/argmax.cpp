@@ -4,8 +4,8 @@
 //     as torch.argmax(logits, dim=-1): the first index of each row's maximum, or of the row's
 //     first NaN where it has one.
 //
-// torch's CPU argmax reduces at ~1.5 GB/s here: 133 µs for one row of SmolLM2's 49,152-entry
-// vocabulary and 531 µs for eight, several percent of a decode step.
+// torch's CPU argmax is a generic reduction, far below the memory bandwidth: over a whole
+// vocabulary it is a visible share of a decode step (docs/platforms.md has the comparison).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

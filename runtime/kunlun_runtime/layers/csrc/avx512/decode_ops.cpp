@@ -167,9 +167,9 @@ constexpr int64_t kMinSplitKeys = 64;   // a sequence's keys are split across th
 // value row is loaded once for the query heads that share its KV head; while a chunk computes, the
 // next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which the hardware
 // prefetcher cannot follow), a few rows per key as the first query head of each KV head scores it.
-// Issuing the whole next chunk's prefetches up front stalled on the line fill buffers (perf put
-// ~40 % of this kernel's samples on those instructions); spread out, into L2, measured 1.01-1.08x
-// faster over 30 layers at 1-8 sequences and 256-2,048 keys. CHUNKS = ceil(D / 16).
+// Issuing the whole next chunk's prefetches up front stalled on the line fill buffers (a profile
+// put a large share of this kernel's samples on those instructions); spread out, into L2, they
+// were a small gain at every batch and context size tried. CHUNKS = ceil(D / 16).
 template <int CHUNKS>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,

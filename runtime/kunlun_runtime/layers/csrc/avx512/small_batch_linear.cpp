@@ -2,7 +2,7 @@
 //
 // At decode a linear layer multiplies 1..8 activation rows by a weight matrix read from DRAM once
 // per step, so it is bound by how fast the weight streams in. oneDNN's BF16 GEMM, built for large
-// M, reaches about a third of the memory bandwidth at M = 1 on this class of CPU. These kernels
+// M, falls well short of the memory bandwidth at M = 1. These kernels
 // stream each weight row once for all (up to 8) activation rows, accumulate in FP32 and round
 // once; a larger M runs in passes of 8 rows, and 3..16 rows of whole tiles go to the AMX kernel
 // (amx_linear.cpp) where the CPU grants AMX:
@@ -39,10 +39,10 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kMinAmxRows = 3;  // from this many rows on, the AMX kernel (amx_linear.cpp)
-// Software prefetch distance along the weight stream, in bytes (16 KiB measured best on a 2-core
-// Xeon with AMX; the hardware prefetcher alone left each core at about 7 GB/s). The lines go to L2
-// (_MM_HINT_T1): into L1 measured 8 % slower for the INT8 kernel at one row and 2-3 % for BF16,
-// over the model's 30 layers of linears, interleaved.
+// Software prefetch distance along the weight stream, in bytes: the hardware prefetcher alone leaves
+// each core well below its share of the memory bandwidth; this distance did best on the Xeon (AMX)
+// this tier was tuned on. The lines go to L2 (_MM_HINT_T1): into L1 was slower there, most for INT8
+// at one row (the AVX2 tier, tuned on AMD cores, found the opposite: it depends on the core).
 constexpr int64_t kPrefetchBytes = 16384;
 
 inline __m512bh load_bf16x32(const c10::BFloat16* p) {
