@@ -10,8 +10,17 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
-from kunlun_runtime.config import EngineConfig, parse_memory
+from kunlun_runtime.config import (
+    DeviceName,
+    DTypeName,
+    EngineConfig,
+    LinearBackendName,
+    QuantizationName,
+    SchedulingPolicyOption,
+    parse_memory,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None, help="HF-format model directory (default: embedded SmolLM2)")
     group.add_argument("--served-model-name", default=None)
-    group.add_argument("--dtype", default=default_dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "kunlun"])
+    group.add_argument("--dtype", default=default_dtype, choices=get_args(DTypeName))
+    group.add_argument("--device", default="auto", choices=get_args(DeviceName))
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-num-seqs", type=int, default=64)
@@ -37,12 +46,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, bytes or e.g. 2GiB")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--max-preemptions", type=int, default=3)
-    group.add_argument("--scheduling-policy", default="fixed", choices=["fixed", "feedback"])
+    group.add_argument("--scheduling-policy", default="fixed", choices=get_args(SchedulingPolicyOption))
     group.add_argument(
         "--target-step-seconds", type=float, default=None, help="feedback: step cap while decoding"
     )
     group.add_argument("--tensor-parallel-size", type=int, default=1)
-    group.add_argument("--quantization", default=None, choices=["int8"])
+    group.add_argument("--quantization", default=None, choices=get_args(QuantizationName))
     add_kernel_args(group)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
@@ -57,14 +66,14 @@ def add_kernel_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
     parser.add_argument(
         "--linear-backend",
         default="auto",
-        choices=["auto", "native", "prepacked", "plain"],
-        help="auto: our AVX-512 BF16 / AMX decode kernels where the CPU has them, else oneDNN-prepacked",
+        choices=get_args(LinearBackendName),
+        help="auto: our kernels where this CPU's tier has them, else oneDNN-prepacked where its BF16 runs, else plain",
     )
     parser.add_argument(
         "--native-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="BF16 on AVX-512 BF16 CPUs: our RMSNorm, decode-attention and one-call layer-stack kernels",
+        help="our RMSNorm, decode-attention and one-call layer-stack kernels where the CPU tier has them",
     )
 
 

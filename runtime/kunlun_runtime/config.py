@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from kunlun_runtime.errors import ConfigError
 
-DTYPES = frozenset({"auto", "float32", "bfloat16", "float16"})
-QUANTIZATIONS = frozenset({"int8"})
-LINEAR_BACKENDS = frozenset({"auto", "plain", "prepacked", "native"})
-DEVICES = frozenset({"auto", "cpu", "cuda", "kunlun"})
-SCHEDULING_POLICIES = frozenset({"fixed", "feedback"})
+# The string options, as types for the code and as sets for validating what users pass in.
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+DeviceName = Literal["auto", "cpu", "cuda", "kunlun"]
+LinearBackendName = Literal["auto", "plain", "prepacked", "native"]
+QuantizationName = Literal["int8"]
+SchedulingPolicyOption = Literal["fixed", "feedback"]  # engine.scheduling_policy.SchedulingPolicyName
+
+DTYPES: frozenset[str] = frozenset(get_args(DTypeName))
+DEVICES: frozenset[str] = frozenset(get_args(DeviceName))
+LINEAR_BACKENDS: frozenset[str] = frozenset(get_args(LinearBackendName))
+QUANTIZATIONS: frozenset[str] = frozenset(get_args(QuantizationName))
+SCHEDULING_POLICIES: frozenset[str] = frozenset(get_args(SchedulingPolicyOption))
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -51,8 +59,8 @@ class EngineConfig:
 
     model: str | None = None  # HF-format directory; None = the embedded default model
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto = bfloat16 where the platform supports it
-    device: str = "auto"
+    dtype: DTypeName = "auto"  # auto = bfloat16 where the platform supports it
+    device: DeviceName = "auto"
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     block_size: int = 16
     max_num_seqs: int = 64
@@ -61,15 +69,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_preemptions: int = 3  # preempted this often, a request is protected (bounds recompute; no starvation)
     priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
-    scheduling_policy: str = "fixed"  # fixed | feedback (step-time model caps prefill; docs/scheduling.md)
+    scheduling_policy: SchedulingPolicyOption = "fixed"  # feedback: time-capped prefill (docs/scheduling.md)
     target_step_seconds: float | None = None  # feedback: cap while decodes run; None = derived
     kv_block_skew: bool = True  # skew block starts across cache sets (why: kv/block_layout.py)
-    # auto: our native decode kernels for BF16 on AVX-512 BF16 CPUs, else oneDNN-prepacked weights
-    linear_backend: str = "auto"
+    # auto: our kernels where this CPU's tier has them, else oneDNN-prepacked where its BF16 runs, else plain
+    linear_backend: LinearBackendName = "auto"
     fused_attention: bool = True  # one fused SDPA call per layer (False: unfused, for ablations)
-    native_kernels: bool = True  # BF16 on AVX-512 BF16 CPUs: our RMSNorm and fused decode attention
+    native_kernels: bool = True  # our RMSNorm, SiLU and fused decode attention where the tier has them
     tensor_parallel_size: int = 1
-    quantization: str | None = None
+    quantization: QuantizationName | None = None
     seed: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -132,7 +134,14 @@ class LLMEngine:
         config, world = self.config, self.config.tensor_parallel_size
         local_config = shard_model_config(model_config, world) if world > 1 else model_config
         spec = KVCacheSpec.for_model(local_config, config.block_size, self.dtype)
-        probe = KVCache(spec, 1, torch.device("meta"), **self._layout_args())
+        probe = KVCache(
+            spec,
+            1,
+            torch.device("meta"),
+            cache_line_bytes=self.platform.cache_line_bytes,
+            cache_num_sets=self.platform.cache_num_sets,
+            skew=self.config.kv_block_skew,
+        )
         return RankSpec(
             model_dir=str(self.model_dir),
             dtype=self.dtype,
@@ -153,7 +162,7 @@ class LLMEngine:
             port=TensorParallelGroup.new_port() if world > 1 else 0,
         )
 
-    def _utilization_reader(self):
+    def _utilization_reader(self) -> Callable[[], float | None] | None:
         """Device utilisation for the feedback policy, read at most once a second (xpu-smi is a
         subprocess). None on CPU: psutil reports the whole machine, not this engine's device."""
         if self.platform.device_type == "cpu":
@@ -174,14 +183,7 @@ class LLMEngine:
             self.tp_group.close()
             self.tp_group = None
 
-    def _layout_args(self) -> dict:
-        return {
-            "cache_line_bytes": self.platform.cache_line_bytes,
-            "cache_num_sets": self.platform.cache_num_sets,
-            "skew": self.config.kv_block_skew,
-        }
-
-    def _resolve_max_model_len(self, model_config) -> int:
+    def _resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings
         window = model_config.sliding_window
         wanted = self.config.max_model_len
@@ -202,7 +204,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | dict,
+        prompt: str | list[int] | dict[str, Any],
         params: SamplingParams,
         *,
         priority: int = 0,
@@ -243,7 +245,7 @@ class LLMEngine:
         self.scheduler.add(request)
         return request
 
-    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
@@ -302,13 +304,15 @@ class LLMEngine:
         return [(t, token_id, logprob) for t, (token_id, logprob) in zip(tracked, sampled, strict=True)]
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, rows: torch.Tensor) -> None:
+        num_top = request.params.prompt_logprobs
+        assert num_top is not None  # the runner returns prompt logits only to requests that want them
         logprobs = torch.log_softmax(rows, dim=-1)
         if first_pos == 0:
             request.prompt_logprobs.append(None)
         for offset in range(rows.shape[0]):
             next_token = request.prompt_token_ids[first_pos + offset + 1]
             request.prompt_logprobs.append(
-                make_logprob(logprobs[offset], next_token, request.params.prompt_logprobs)
+                make_logprob(logprobs[offset], next_token, num_top)
             )
 
     def _append_token(
@@ -364,7 +368,7 @@ class LLMEngine:
         return None
 
     def _finish(
-        self, tracked: _Tracked, status: RequestStatus, new_token_ids: list[int] = ()
+        self, tracked: _Tracked, status: RequestStatus, new_token_ids: Sequence[int] = ()
     ) -> RequestOutput:
         request = tracked.request
         self.scheduler.finish(request, status)

@@ -122,6 +122,7 @@ class Sampler:
                 token_id = int(torch.multinomial(probs.cpu(), 1, generator=self._generator(request)))
             logprob = None
             if params.logprobs is not None:
+                assert raw_logprobs is not None  # computed above for any row that wants logprobs
                 logprob = make_logprob(raw_logprobs[row], token_id, params.logprobs)
             results.append((token_id, logprob))
         return results

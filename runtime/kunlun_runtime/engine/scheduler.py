@@ -90,10 +90,10 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def _running_key(self, request: Request) -> tuple:
+    def _running_key(self, request: Request) -> tuple[bool, int, int, str]:
         return (not request.protected, request.priority, request.arrival_step, request.request_id)
 
-    def _waiting_key(self, request: Request) -> tuple:
+    def _waiting_key(self, request: Request) -> tuple[bool, int, int, str]:
         aged = request.priority - request.waited_steps // self.limits.priority_aging_steps
         return (not request.protected, aged, request.arrival_step, request.request_id)
 

@@ -217,7 +217,7 @@ class FeedbackPolicy:
         if self.target_step_seconds is not None:
             return self.target_step_seconds
         predicted = self.cost.predict(decodes)
-        if predicted is None:
+        if predicted is None or self.cost.coefficients is None:
             return None
         c_mixed = self.cost.coefficients[4]
         return max(

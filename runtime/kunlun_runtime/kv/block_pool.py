@@ -92,6 +92,7 @@ class BlockPool:
         self._cached[block_hash] = block
 
     def _uncache(self, block: Block) -> None:
+        assert block.block_hash is not None
         self.num_evictions += 1
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]

@@ -8,11 +8,23 @@ payload. Nothing else allocates KV memory; its size comes from the memory budget
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.kv.block_layout import BlockLayout, build_block_layout
+
+
+class _LayerShape(Protocol):
+    """What the cache needs of a model config (a ``ModelConfig``, or one rank's shard of it)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +36,7 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def for_model(cls, config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    def for_model(cls, config: _LayerShape, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """The cache of a model config (anything with num_layers, num_kv_heads and head_dim: a
         ``ModelConfig``, or one rank's shard of it)."""
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
