@@ -56,6 +56,7 @@ def review(raw_spec: Mapping[str, Any] | None, matrix: Matrix, default_image: st
 def _memory_finding(spec: InferenceSpec, matrix: Matrix) -> SpecError | None:
     cards = matrix.card_memory_bytes
     product = spec.resources.xpu_product
+    card_memory: int | None
     if product is None:
         card_memory = max(cards.values(), default=0)
     else:

@@ -12,7 +12,8 @@ import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from decimal import Decimal
+from typing import Any, Final, Literal
 
 from kubernetes.utils import parse_quantity
 
@@ -20,7 +21,12 @@ from kunlun_operator import names
 from kunlun_operator.errors import ApiError, OwnershipError
 from kunlun_operator.kube import KubeClient
 
-CREATED, UPDATED, RESTORED, DELETED, UNCHANGED = "created", "updated", "restored", "deleted", "unchanged"
+Action = Literal["created", "updated", "restored", "deleted", "unchanged"]
+CREATED: Final = "created"
+UPDATED: Final = "updated"
+RESTORED: Final = "restored"
+DELETED: Final = "deleted"
+UNCHANGED: Final = "unchanged"
 _QUANTITY_KEYS = frozenset({"requests", "limits"})
 
 
@@ -28,10 +34,10 @@ _QUANTITY_KEYS = frozenset({"requests", "limits"})
 class Change:
     kind: str
     name: str
-    action: str  # created | updated | restored | deleted | unchanged
+    action: Action
 
 
-def is_subset(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
+def is_subset(desired: object, actual: object, *, quantities: bool = False) -> bool:
     """Whether ``actual`` holds everything in ``desired`` (extra keys, e.g. server defaults, allowed).
 
     Lists must have the same length and match element by element; under ``resources.requests`` and
@@ -50,9 +56,11 @@ def is_subset(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
         )
     if quantities and isinstance(desired, str) and isinstance(actual, str) and desired != actual:
         try:
-            return parse_quantity(desired) == parse_quantity(actual)
+            wanted: Decimal = parse_quantity(desired)
+            live: Decimal = parse_quantity(actual)
         except ValueError:
             return False
+        return wanted == live
     return desired == actual
 
 
@@ -147,13 +155,15 @@ def keep_live_fields(
     desired: Mapping[str, Any], actual: Mapping[str, Any], paths: tuple[tuple[str, ...], ...]
 ) -> Mapping[str, Any]:
     """``desired`` with the live value at each of ``paths`` (e.g. the HPA's ``spec.replicas``)."""
-    result = copy.deepcopy(dict(desired)) if paths else desired
+    if not paths:
+        return desired
+    result = copy.deepcopy(dict(desired))
     for path in paths:
         live: Any = actual
         for key in path:
             live = live.get(key) if isinstance(live, Mapping) else None
         if live is not None:
-            target = result
+            target: dict[str, Any] = result
             for key in path[:-1]:
                 target = target.setdefault(key, {})
             target[path[-1]] = live

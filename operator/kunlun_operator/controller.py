@@ -179,11 +179,11 @@ class Controller:
             raise ApiError(409, "NameConflict", str(error), call="apply") from None
         for kind in plan.delete:
             name = names.owned_name(ref.name, kind)
-            change = delete_object(
+            deleted = delete_object(
                 self.client, kind, ref.namespace, name, owner_name=ref.name, owner_uid=ref.uid
             )
-            if change is not None:
-                changes.append(self._report(body, change))
+            if deleted is not None:
+                changes.append(self._report(body, deleted))
         if plan.status != previous:
             self.client.patch(
                 names.KIS,

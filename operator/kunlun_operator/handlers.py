@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,9 @@ WATCHED_OWNED_KINDS = (names.CONFIGMAP, names.SERVICE, names.DEPLOYMENT, names.P
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
 log = logging.getLogger(__name__)
 STOP_POLL_SECONDS = 0.25  # how often a sleeping loop checks kopf's stop flag
+#: kopf types ``namespace`` as optional (for cluster-scoped kinds); every kind with a namespaced
+#: handler here (the service and what it owns) is namespaced, so kopf always passes one.
+NAMESPACED = "a namespaced object without a namespace"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +43,7 @@ class LoopConfig:
     webhook: kopf.WebhookServer | None = None
 
     def retry_delay(self, attempt: int) -> float:
-        return min(self.retry_max_seconds, self.retry_delay_seconds * 2 ** (attempt - 1))
+        return min(self.retry_max_seconds, self.retry_delay_seconds * 2.0 ** (attempt - 1))
 
 
 class Wakers:
@@ -63,8 +66,14 @@ class Wakers:
         self._events.pop((namespace, name), None)
 
 
-def node_facts(index: Mapping[Any, Any]) -> tuple[NodeFacts, ...]:
+def node_facts(index: Mapping[str, Iterable[NodeFacts]]) -> tuple[NodeFacts, ...]:
     return tuple(fact for store in index.values() for fact in store)
+
+
+def group_version(kind: names.Kind) -> tuple[str, str]:
+    """``("apps", "v1")`` for ``apps/v1``; the core group is ``""``."""
+    group, _, version = kind.api_version.rpartition("/")
+    return group, version
 
 
 def _node_fingerprint(labels: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -73,7 +82,7 @@ def _node_fingerprint(labels: Mapping[str, str], spec: Mapping[str, Any]) -> tup
     return tuple(sorted(labels.items())), bool(spec.get("unschedulable"))
 
 
-async def _sleep_until_woken(wake: asyncio.Event, stopped: Any, seconds: float) -> None:
+async def _sleep_until_woken(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while not stopped and not wake.is_set():
@@ -85,7 +94,9 @@ async def _sleep_until_woken(wake: asyncio.Event, stopped: Any, seconds: float) 
 
 
 def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(dict(body), type=type_, reason=reason, message=message[:1024])
+    # kopf.event takes any mapping with apiVersion, kind and metadata (it walks plain dicts), but
+    # its annotation names only its own Body view.
+    kopf.event(dict(body), type=type_, reason=reason, message=message[:1024])  # type: ignore[arg-type]
 
 
 def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorRegistry:
@@ -109,7 +120,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         settings.execution.max_workers = 8
         settings.admission.server = config.webhook
         for kind in WATCHED_OWNED_KINDS:  # watch only our own objects, filtered by the API server
-            group, _, version = kind.api_version.rpartition("/")
+            group, version = group_version(kind)
             settings.watching.label_selectors[group, version, kind.plural] = (
                 f"{names.LABEL_MANAGED_BY}={names.MANAGER}"
             )
@@ -129,14 +140,20 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         *KIS, registry=registry, id="service_loop", cancellation_backoff=1.0, cancellation_timeout=10
     )
     async def service_loop(
-        namespace: str, name: str, stopped: Any, kunlun_nodes: kopf.Index, **_: Any
+        namespace: str | None,
+        name: str,
+        stopped: kopf.DaemonStopped,
+        **kwargs: Any,
     ) -> None:
+        assert namespace is not None, NAMESPACED
+        # kopf passes every index by its id; DaemonFn has no parameter to name this one by.
+        nodes_index: kopf.Index[str, NodeFacts] = kwargs["kunlun_nodes"]
         wake = wakers.get(namespace, name)
         attempt = 0
         while not stopped:
             wake.clear()
             try:
-                await asyncio.to_thread(controller.reconcile_key, namespace, name, node_facts(kunlun_nodes))
+                await asyncio.to_thread(controller.reconcile_key, namespace, name, node_facts(nodes_index))
                 attempt, delay = 0, config.resync_seconds
             except ApiError as error:
                 attempt += 1
@@ -160,8 +177,9 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
 
     @kopf.on.event(*KIS, registry=registry, id="service_event")
     async def on_service_event(
-        type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any
+        type: str | None, body: kopf.Body, namespace: str | None, name: str, **_: Any
     ) -> None:
+        assert namespace is not None, NAMESPACED
         meta = body.get("metadata", {})
         generation = (meta.get("generation"), bool(meta.get("deletionTimestamp")))
         if type is not None and generations.get((namespace, name)) != generation:
@@ -171,14 +189,15 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
             generations.pop((namespace, name), None)
 
     for kind in WATCHED_OWNED_KINDS:
-        group, _, version = kind.api_version.rpartition("/")
+        group, version = group_version(kind)
 
         @kopf.on.event(
             group, version, kind.plural, labels=MANAGED, registry=registry, id=f"owned-{kind.plural}"
         )
         async def on_owned_event(
-            type: str | None, namespace: str, labels: Mapping[str, str], **_: Any
+            type: str | None, namespace: str | None, labels: Mapping[str, str], **_: Any
         ) -> None:
+            assert namespace is not None, NAMESPACED
             if type is not None and names.LABEL_INSTANCE in labels:
                 wakers.wake(namespace, labels[names.LABEL_INSTANCE])
 

@@ -64,7 +64,12 @@ class KubeClient:
         body: Any = None,
         query: Mapping[str, str] | None = None,
         content_type: str = "application/json",
-    ) -> Any:
+    ) -> dict[str, Any] | None:
+        """The JSON object the API answered (None for an empty answer).
+
+        Raises:
+            ApiError: the call failed (HTTP status ≥ 400, or no answer at all).
+        """
         logger.debug("%s %s", method, path)
         call = f"{method} {path}"
         try:
@@ -91,7 +96,8 @@ class KubeClient:
             raise ApiError(0, "ConnectionError", str(e), call=call) from None
         if response.status >= 400:
             raise _api_error(response.status, response.reason or "", data, call)
-        return json.loads(data) if data else None
+        doc: dict[str, Any] | None = json.loads(data) if data else None  # the API answers objects
+        return doc
 
     def get(self, kind: names.Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
@@ -103,11 +109,13 @@ class KubeClient:
 
     def list(
         self, kind: names.Kind, namespace: str | None, *, label_selector: str | None = None
-    ) -> list[dict]:
+    ) -> list[dict[str, Any]]:
         query = {"labelSelector": label_selector} if label_selector else None
-        return (self._call("GET", self.path(kind, namespace), query=query) or {}).get("items") or []
+        doc = self._call("GET", self.path(kind, namespace), query=query) or {}
+        items: list[dict[str, Any]] = doc.get("items") or []
+        return items
 
-    def create(self, kind: names.Kind, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    def create(self, kind: names.Kind, namespace: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
         return self._call("POST", self.path(kind, namespace), body=dict(body))
 
     def patch(
@@ -118,7 +126,7 @@ class KubeClient:
         patch: Mapping[str, Any],
         *,
         subresource: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         return self._call(
             "PATCH", self.path(kind, namespace, name, subresource), body=dict(patch), content_type=MERGE_PATCH
         )

@@ -53,7 +53,7 @@ class OperatorMetrics:
 
     def set_phases(self, phases: dict[tuple[str, str], str]) -> None:
         """Publish how many services are in each phase (``phases``: key → phase)."""
-        counts = dict.fromkeys(PHASES, 0)
+        counts: dict[str, int] = dict.fromkeys(PHASES, 0)
         for phase in phases.values():
             counts[phase] = counts.get(phase, 0) + 1
         for phase, count in counts.items():

@@ -41,7 +41,7 @@ MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
 #: The container image used when ``spec.runtime.image`` is not set (``--default-runtime-image``).
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
 
-#: The runtime's HTTP port (OpenAI API, /health, /metrics): DESIGN.md §6.
+#: The runtime's HTTP port (OpenAI API, /health, /metrics); the Deployment passes it as ``--port``.
 RUNTIME_PORT = 8000
 RUNTIME_PORT_NAME = "http"
 HEALTH_PATH = "/health"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from kunlun_operator import names
 from kunlun_operator.spec import InferenceSpec, VersionsSpec
@@ -47,7 +48,7 @@ class NodeFacts:
 @dataclass(frozen=True, slots=True)
 class NodeReport:
     compatible_node_names: tuple[str, ...]
-    reason: str  # CompatibleNodesFound | NoKunlunNodes | NoCompatibleNodes
+    reason: Literal["CompatibleNodesFound", "NoKunlunNodes", "NoCompatibleNodes"]
     message: str
 
 

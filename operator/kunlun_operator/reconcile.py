@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kunlun_operator import names
 from kunlun_operator.builders.configmap import build_configmap, config_hash
@@ -25,13 +25,17 @@ from kunlun_operator.nodes import NodeFacts, assess_nodes, version_mismatches
 from kunlun_operator.spec import InferenceSpec, ServiceRef, parse_spec
 from kunlun_operator.status import (
     FAILED,
+    PROGRESSING,
     READY,
     Condition,
     DeploymentFacts,
+    bool_status,
     condition_status,
     decide_phase,
     merge_conditions,
 )
+
+EventType = Literal["Normal", "Warning"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,7 @@ class ClusterFacts:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    type: str  # Normal | Warning
+    type: EventType
     reason: str
     message: str
 
@@ -101,13 +105,15 @@ def reconcile(
         locked=spec.versions.policy != "Off",
     )
     conditions = [
-        Condition("Ready", str(phase == READY), reason, message),
-        Condition("Progressing", str(phase == "Progressing"), reason, message),
+        Condition("Ready", bool_status(phase == READY), reason, message),
+        Condition("Progressing", bool_status(phase == PROGRESSING), reason, message),
         _versions_condition(spec, facts, problems),
-        Condition("DevicesAvailable", str(bool(report.compatible_node_names)), report.reason, report.message),
+        Condition(
+            "DevicesAvailable", bool_status(bool(report.compatible_node_names)), report.reason, report.message
+        ),
         _model_condition(spec, facts, ready),
     ]
-    status = {
+    status: dict[str, Any] = {
         "phase": phase,
         "replicas": facts.deployment.replicas if facts.deployment else 0,
         "readyReplicas": ready,
@@ -148,7 +154,7 @@ def desired_objects(
         ),
         build_pdb(ref, spec),
     ]
-    absent = []
+    absent: list[names.Kind] = []
     if spec.autoscaling.enabled:
         objects.append(build_hpa(ref, spec))
     else:
@@ -221,7 +227,7 @@ def _model_condition(spec: InferenceSpec, facts: ClusterFacts, ready: int) -> Co
 
 def _failed_plan(ref: ServiceRef, previous: Mapping[str, Any], error: SpecError, now: str) -> Plan:
     message = str(error)
-    failure = {"reason": error.reason, "message": message, "time": now}
+    failure: dict[str, Any] = {"reason": error.reason, "message": message, "time": now}
     same = (previous.get("lastFailure") or {}).get("message") == message
     if same:
         failure["time"] = previous["lastFailure"].get("time", now)
@@ -237,7 +243,7 @@ def _failed_plan(ref: ServiceRef, previous: Mapping[str, Any], error: SpecError,
         Condition("DevicesAvailable", "Unknown", error.reason, "not evaluated: the spec is invalid"),
         Condition("ModelAvailable", "Unknown", error.reason, "not evaluated: the spec is invalid"),
     ]
-    status = {
+    status: dict[str, Any] = {
         "phase": FAILED,
         "observedGeneration": ref.generation,
         "selector": names.selector_string(ref.name),
@@ -253,7 +259,8 @@ def _failed_plan(ref: ServiceRef, previous: Mapping[str, Any], error: SpecError,
     return Plan(apply=(), delete=(), status=status, events=events)
 
 
-_TRANSITIONS = {
+#: (condition type, status) entered -> the event it posts: type and reason (None: the condition's).
+_TRANSITIONS: Mapping[tuple[str, str], tuple[EventType, str | None]] = {
     ("Ready", "True"): ("Normal", "Ready"),
     ("DevicesAvailable", "False"): ("Warning", None),
     ("VersionsCompatible", "False"): ("Warning", None),
@@ -264,7 +271,7 @@ _TRANSITIONS = {
 def _transition_events(previous: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[Event, ...]:
     """One event per condition that just entered a state a user would look for."""
     before = previous.get("conditions") or []
-    events = []
+    events: list[Event] = []
     for cond in status["conditions"]:
         rule = _TRANSITIONS.get((cond["type"], cond["status"]))
         if rule is None or condition_status(before, cond["type"]) == cond["status"]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, NoReturn, get_args
 
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec_fields import (
     read_bool,
+    read_choice,
     read_int,
     read_int_or_str,
     read_list,
@@ -23,15 +24,28 @@ from kunlun_operator.spec_fields import (
     read_string_map,
 )
 
-POLICIES = ("Strict", "Warn", "Off")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = ("int8",)  # what `kunlun-runtime serve --quantization` accepts
+SourceKind = Literal["pvc", "hostPath", "image"]
+Policy = Literal["Strict", "Warn", "Off"]
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+Quantization = Literal["int8"]  # what `kunlun-runtime serve --quantization` accepts
+Metric = Literal["requestsWaiting", "requestsRunning", "kvCacheUsage"]
+ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+
+SOURCE_KINDS: tuple[SourceKind, ...] = get_args(SourceKind)
+POLICIES: tuple[Policy, ...] = get_args(Policy)
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
+QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-METRICS = ("requestsWaiting", "requestsRunning", "kvCacheUsage")
-SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
-PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+METRICS: tuple[Metric, ...] = get_args(Metric)
+SERVICE_TYPES: tuple[ServiceType, ...] = get_args(ServiceType)
+PULL_POLICIES: tuple[PullPolicy, ...] = get_args(PullPolicy)
 #: The autoscaling target used when ``spec.autoscaling.target`` is not set, per metric.
-DEFAULT_TARGETS = {"requestsWaiting": 4.0, "requestsRunning": 16.0, "kvCacheUsage": 0.8}
+DEFAULT_TARGETS: Mapping[Metric, float] = {
+    "requestsWaiting": 4.0,
+    "requestsRunning": 16.0,
+    "kvCacheUsage": 0.8,
+}
 _PARAMETERS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([MB])$")
 _VERSION = re.compile(r"^[0-9A-Za-z]([0-9A-Za-z._-]{0,61}[0-9A-Za-z])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -40,11 +54,11 @@ _INTERVAL = re.compile(r"^[0-9]+(ms|s|m|h)$")
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    kind: str  # "pvc" | "hostPath" | "image"
+    kind: SourceKind
     claim_name: str | None = None  # pvc
     path: str = ""  # pvc: sub-path inside the claim; hostPath: the host directory
     reference: str | None = None  # image
-    pull_policy: str = "IfNotPresent"  # image
+    pull_policy: PullPolicy = "IfNotPresent"  # image
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +79,8 @@ class ModelSpec:
 @dataclass(frozen=True, slots=True)
 class RuntimeSpec:
     image: str | None = None  # None: the operator's --default-runtime-image
-    dtype: str = "auto"
-    quantization: str | None = None
+    dtype: Dtype = "auto"
+    quantization: Quantization | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -81,10 +95,20 @@ class RuntimeSpec:
 
 @dataclass(frozen=True, slots=True)
 class VersionsSpec:
-    driver: str | None
+    driver: str | None  # None only under policy Off
     firmware: str | None
     kml: str | None
-    policy: str = "Strict"
+    policy: Policy = "Strict"
+
+    def locked_versions(self) -> tuple[str, str, str]:
+        """``(driver, firmware, kml)`` that the pods are locked to (Strict) or checked against (Warn).
+
+        Raises:
+            SpecError: one of them is unset, which ``parse_spec`` allows only under policy Off.
+        """
+        if self.driver is None or self.firmware is None or self.kml is None:
+            raise SpecError("spec.versions", "driver, firmware and kml are required unless policy is Off")
+        return self.driver, self.firmware, self.kml
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +124,7 @@ class AutoscalingSpec:
     enabled: bool = False
     min_replicas: int = 1
     max_replicas: int | None = None
-    metric: str = "requestsWaiting"
+    metric: Metric = "requestsWaiting"
     target: float | None = None
 
     @property
@@ -118,7 +142,7 @@ class SchedulingSpec:
 
 @dataclass(frozen=True, slots=True)
 class ServiceSpec:
-    type: str = "ClusterIP"
+    type: ServiceType = "ClusterIP"
     port: int = 8000
     annotations: Mapping[str, str] | None = None
 
@@ -228,7 +252,7 @@ def parse_parameters(text: str, field: str) -> int:
 def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
     p = "spec.model"
     source = read_obj(model, "source", p, required=True)
-    kinds = [k for k in ("pvc", "hostPath", "image") if source.get(k) is not None]
+    kinds = [k for k in SOURCE_KINDS if source.get(k) is not None]
     if len(kinds) != 1:
         raise SpecError(
             f"{p}.source", f"exactly one of pvc, hostPath, image must be set; got {kinds or 'none'}"
@@ -240,7 +264,7 @@ def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
         parsed = ModelSource(
             kind,
             claim_name=read_str(body, "claimName", sp, required=True),
-            path=read_str(body, "path", sp, default="") or "",
+            path=read_str(body, "path", sp, default=""),
         )
         if parsed.path.startswith("/") or ".." in parsed.path.split("/"):
             raise SpecError(f"{sp}.path", f"must be relative inside the claim, got {parsed.path!r}")
@@ -250,7 +274,7 @@ def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
         parsed = ModelSource(
             kind,
             reference=read_str(body, "reference", sp, required=True),
-            pull_policy=read_str(body, "pullPolicy", sp, choices=PULL_POLICIES, default="IfNotPresent"),
+            pull_policy=read_choice(body, "pullPolicy", sp, PULL_POLICIES, default="IfNotPresent"),
         )
     parameters = read_str(model, "parameters", p)
     arch = read_obj(model, "architecture", p)
@@ -269,7 +293,7 @@ def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
     )
 
 
-def _missing(field: str) -> int:
+def _missing(field: str) -> NoReturn:
     raise SpecError(field, "is required")
 
 
@@ -293,8 +317,8 @@ def _parse_runtime(rt: Mapping[str, Any]) -> RuntimeSpec:
         raise SpecError(f"{p}.kvCacheMemory", f"must be a quantity like '20Gi', got {kv!r}")
     return RuntimeSpec(
         image=read_str(rt, "image", p),
-        dtype=read_str(rt, "dtype", p, choices=DTYPES, default="auto"),
-        quantization=read_str(rt, "quantization", p, choices=QUANTIZATIONS),
+        dtype=read_choice(rt, "dtype", p, DTYPES, default="auto"),
+        quantization=read_choice(rt, "quantization", p, QUANTIZATIONS),
         max_model_len=read_int(rt, "maxModelLen", p, minimum=1),
         max_num_seqs=read_int(rt, "maxNumSeqs", p, minimum=1),
         max_num_batched_tokens=read_int(rt, "maxNumBatchedTokens", p, minimum=1),
@@ -310,7 +334,7 @@ def _parse_runtime(rt: Mapping[str, Any]) -> RuntimeSpec:
 
 def _parse_versions(v: Mapping[str, Any]) -> VersionsSpec:
     p = "spec.versions"
-    policy = read_str(v, "policy", p, choices=POLICIES, default="Strict")
+    policy = read_choice(v, "policy", p, POLICIES, default="Strict")
     required = policy != "Off"
     return VersionsSpec(
         driver=read_str(v, "driver", p, required=required, pattern=_VERSION),
@@ -322,7 +346,7 @@ def _parse_versions(v: Mapping[str, Any]) -> VersionsSpec:
 
 def _parse_resources(r: Mapping[str, Any]) -> ResourcesSpec:
     p = "spec.resources"
-    quantities = {}
+    quantities: dict[str, str | None] = {}
     for key in ("cpu", "memory"):
         value = r.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | str)):
@@ -342,7 +366,7 @@ def _parse_autoscaling(a: Mapping[str, Any]) -> AutoscalingSpec:
         enabled=read_bool(a, "enabled", p, False),
         min_replicas=read_int(a, "minReplicas", p, minimum=1, default=1),
         max_replicas=read_int(a, "maxReplicas", p, minimum=1),
-        metric=read_str(a, "metric", p, choices=METRICS, default="requestsWaiting"),
+        metric=read_choice(a, "metric", p, METRICS, default="requestsWaiting"),
         target=_number(a, "target", p),
     )
     if parsed.enabled and parsed.max_replicas is None:
@@ -383,7 +407,7 @@ def _parse_scheduling(s: Mapping[str, Any]) -> SchedulingSpec:
 def _parse_service(s: Mapping[str, Any]) -> ServiceSpec:
     p = "spec.service"
     return ServiceSpec(
-        type=read_str(s, "type", p, choices=SERVICE_TYPES, default="ClusterIP"),
+        type=read_choice(s, "type", p, SERVICE_TYPES, default="ClusterIP"),
         port=read_int(s, "port", p, minimum=1, maximum=65535, default=8000),
         annotations=read_string_map(s, "annotations", p) or None,
     )

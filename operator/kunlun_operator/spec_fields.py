@@ -1,15 +1,20 @@
 """Typed readers of custom-resource fields; every error they raise names the field's path.
 
 Owns: the small checks every field needs (type, bounds, enum, pattern). Used by ``spec`` only.
+A reader given a ``default`` returns it for an absent or null field (the API server prunes nulls
+before it applies the CRD's defaults), so its result is never None.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 from kunlun_operator.errors import SpecError
+
+#: A string type with a fixed set of values (a ``Literal``), as read by ``read_choice``.
+Choice = TypeVar("Choice", bound=str)
 
 
 def read_obj(data: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> Mapping[str, Any]:
@@ -23,17 +28,51 @@ def read_obj(data: Mapping[str, Any], key: str, path: str, *, required: bool = F
     return value
 
 
+@overload
+def read_str(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    required: Literal[True],
+    pattern: re.Pattern[str] | None = None,
+) -> str: ...
+@overload
 def read_str(
     data: Mapping[str, Any],
     key: str,
     path: str,
     *,
     required: bool = False,
-    choices: tuple[str, ...] | None = None,
+    pattern: re.Pattern[str] | None = None,
+    default: str,
+) -> str: ...
+@overload
+def read_str(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    required: bool = False,
+    pattern: re.Pattern[str] | None = None,
+    default: None = None,
+) -> str | None: ...
+def read_str(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    required: bool = False,
     pattern: re.Pattern[str] | None = None,
     default: str | None = None,
 ) -> str | None:
-    value = data.get(key, default)
+    """The string at ``key``; None when absent and neither ``required`` nor ``default`` is given.
+
+    Raises:
+        SpecError: absent but ``required``; not a string (or empty but ``required``); no match
+            for ``pattern``.
+    """
+    value = _value(data, key, default)
     field = f"{path}.{key}"
     if value is None:
         if required:
@@ -41,13 +80,59 @@ def read_str(
         return None
     if not isinstance(value, str) or (required and not value):
         raise SpecError(field, f"must be a non-empty string, got {value!r}")
-    if choices is not None and value not in choices:
-        raise SpecError(field, f"must be one of {', '.join(choices)}; got {value!r}")
     if pattern is not None and not pattern.match(value):
         raise SpecError(field, f"{value!r} does not match {pattern.pattern}")
     return value
 
 
+@overload
+def read_choice(
+    data: Mapping[str, Any], key: str, path: str, choices: tuple[Choice, ...], default: Choice
+) -> Choice: ...
+@overload
+def read_choice(
+    data: Mapping[str, Any], key: str, path: str, choices: tuple[Choice, ...], default: None = None
+) -> Choice | None: ...
+def read_choice(
+    data: Mapping[str, Any], key: str, path: str, choices: tuple[Choice, ...], default: Choice | None = None
+) -> Choice | None:
+    """The value at ``key``, one of ``choices``; ``default`` (None unless given) when absent.
+
+    Raises:
+        SpecError: not a non-empty string, or not one of ``choices``.
+    """
+    value = _value(data, key, default)
+    field = f"{path}.{key}"
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SpecError(field, f"must be a non-empty string, got {value!r}")
+    for choice in choices:
+        if value == choice:
+            return choice
+    raise SpecError(field, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+@overload
+def read_int(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    default: int,
+) -> int: ...
+@overload
+def read_int(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    default: None = None,
+) -> int | None: ...
 def read_int(
     data: Mapping[str, Any],
     key: str,
@@ -57,7 +142,12 @@ def read_int(
     maximum: int | None = None,
     default: int | None = None,
 ) -> int | None:
-    value = data.get(key, default)
+    """The integer at ``key``; ``default`` (None unless given) when absent.
+
+    Raises:
+        SpecError: not an integer (booleans are not), or outside ``[minimum, maximum]``.
+    """
+    value = _value(data, key, default)
     field = f"{path}.{key}"
     if value is None:
         return None
@@ -70,11 +160,20 @@ def read_int(
     return value
 
 
+@overload
+def read_bool(data: Mapping[str, Any], key: str, path: str, default: bool) -> bool: ...
+@overload
+def read_bool(data: Mapping[str, Any], key: str, path: str, default: None) -> bool | None: ...
 def read_bool(data: Mapping[str, Any], key: str, path: str, default: bool | None) -> bool | None:
-    value = data.get(key, default)
-    if value is not None and not isinstance(value, bool):
-        raise SpecError(f"{path}.{key}", f"must be true or false, got {value!r}")
-    return value
+    """The boolean at ``key``; ``default`` when absent.
+
+    Raises:
+        SpecError: not ``true`` or ``false``.
+    """
+    value = _value(data, key, default)
+    if value is None or isinstance(value, bool):
+        return value
+    raise SpecError(f"{path}.{key}", f"must be true or false, got {value!r}")
 
 
 def read_int_or_str(data: Mapping[str, Any], key: str, path: str, default: int | str) -> int | str:
@@ -103,3 +202,9 @@ def read_list(data: Mapping[str, Any], key: str, path: str) -> list[Any]:
     if not isinstance(value, list):
         raise SpecError(f"{path}.{key}", f"must be a list, got {type(value).__name__}")
     return value
+
+
+def _value(data: Mapping[str, Any], key: str, default: object) -> object:
+    """``data[key]``, or ``default`` when the key is absent or null."""
+    value = data.get(key)
+    return default if value is None else value

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal, get_args
 
-PENDING, PROGRESSING, READY, DEGRADED, FAILED = "Pending", "Progressing", "Ready", "Degraded", "Failed"
-PHASES = (PENDING, PROGRESSING, READY, DEGRADED, FAILED)
+Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+PENDING: Final = "Pending"
+PROGRESSING: Final = "Progressing"
+READY: Final = "Ready"
+DEGRADED: Final = "Degraded"
+FAILED: Final = "Failed"
+PHASES: tuple[Phase, ...] = get_args(Phase)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +39,9 @@ class DeploymentFacts:
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> DeploymentFacts:
         status = obj.get("status") or {}
-        cond = next((c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {})
+        cond: Mapping[str, Any] = next(
+            (c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {}
+        )
         return cls(
             spec_replicas=(obj.get("spec") or {}).get("replicas"),
             replicas=status.get("replicas") or 0,
@@ -49,14 +58,19 @@ class DeploymentFacts:
 @dataclass(frozen=True, slots=True)
 class Condition:
     type: str
-    status: str  # "True" | "False" | "Unknown"
+    status: ConditionStatus
     reason: str
     message: str
 
 
+def bool_status(flag: bool) -> ConditionStatus:
+    """``"True"`` or ``"False"``: a condition that is known either way."""
+    return "True" if flag else "False"
+
+
 def decide_phase(
     deployment: DeploymentFacts | None, desired: int, *, num_compatible_nodes: int, locked: bool
-) -> tuple[str, str, str]:
+) -> tuple[Phase, str, str]:
     """``(phase, reason, message)`` from the Deployment's report and the desired replica count."""
     if deployment is None:
         return PENDING, "DeploymentNotCreated", "the runtime Deployment does not exist yet"

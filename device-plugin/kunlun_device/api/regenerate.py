@@ -14,7 +14,8 @@ PROTOS = ("deviceplugin_v1beta1.proto", "podresources_v1.proto")
 
 
 def regenerate(output_dir: Path) -> None:
-    """Write `<name>_pb2.py` and `<name>_pb2_grpc.py` for each proto into `output_dir/kunlun_device/api`.
+    """Write `<name>_pb2.py`, its type stub `<name>_pb2.pyi` and `<name>_pb2_grpc.py` for each proto
+    into `output_dir/kunlun_device/api`.
 
     Raises:
         RuntimeError: protoc reported an error.
@@ -28,6 +29,7 @@ def regenerate(output_dir: Path) -> None:
             "protoc",
             f"-I{include}",
             f"--python_out={output_dir}",
+            f"--pyi_out={output_dir}",
             f"--grpc_python_out={output_dir}",
             f"kunlun_device/api/{proto}",
         ]

@@ -73,8 +73,8 @@ def build_metrics(state: ExporterState) -> list[Metric]:
     healthy = GaugeMetricFamily(
         "kunlun_xpu_healthy", "1 when the card is Healthy, 0 when Unhealthy", labels=CARD_LABELS
     )
-    for index, value in sorted(state.snapshot.states.items()):
-        healthy.add_metric(labels[index], 1.0 if value is HealthState.HEALTHY else 0.0)
+    for index, health in sorted(state.snapshot.states.items()):
+        healthy.add_metric(labels[index], 1.0 if health is HealthState.HEALTHY else 0.0)
     families += [ecc, healthy, *_node_families(state, ids)]
     return families
 

@@ -59,7 +59,8 @@ class NodeLabeler:
         desired = self.desired()
         assert set(desired) <= set(ALL_LABELS)
         node = self.api.read_node(self.node_name)
-        current = dict(node.metadata.labels or {})
+        labels = node.metadata.labels if node.metadata is not None else None
+        current = dict(labels or {})
         patch = label_patch(current, desired)
         if patch:
             body = {"metadata": {"labels": patch}}

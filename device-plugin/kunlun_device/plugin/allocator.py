@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from itertools import combinations
 
 from kunlun_device.errors import AllocationError, UnknownDeviceError
@@ -69,10 +69,9 @@ def preferred_allocation(
     if math.comb(len(rest), count) > MAX_CANDIDATES:
         chosen = _greedy(must_cards, rest, count, free)
     else:
-        chosen = list(
-            min(
-                (tuple(must_cards) + extra for extra in combinations(rest, count)),
-                key=lambda c: _score(c, free, placement),
-            )
+        candidates: Iterator[tuple[CardPlace, ...]] = (
+            tuple(must_cards) + extra for extra in combinations(rest, count)
         )
+        best = min(candidates, key=lambda c: _score(c, free, placement))
+        chosen = list(best)
     return [card.device_id for card in sorted(chosen, key=lambda c: c.index)]

@@ -42,12 +42,16 @@ def model_path(spec: InferenceSpec, *, image_volumes: bool) -> str:
 
 
 def version_lock_terms(spec: InferenceSpec) -> list[dict[str, Any]]:
-    """Node-selector requirements on the labeler's version labels (Strict only)."""
-    v = spec.versions
+    """Node-selector requirements on the labeler's version labels (Strict only).
+
+    Raises:
+        SpecError: a version is unset (only possible under policy Off).
+    """
+    driver, firmware, kml = spec.versions.locked_versions()
     return [
-        {"key": names.LABEL_DRIVER_VERSION, "operator": "In", "values": [v.driver]},
-        {"key": names.LABEL_FIRMWARE_VERSION, "operator": "In", "values": [v.firmware]},
-        {"key": names.LABEL_KML_VERSION, "operator": "In", "values": [v.kml]},
+        {"key": names.LABEL_DRIVER_VERSION, "operator": "In", "values": [driver]},
+        {"key": names.LABEL_FIRMWARE_VERSION, "operator": "In", "values": [firmware]},
+        {"key": names.LABEL_KML_VERSION, "operator": "In", "values": [kml]},
     ]
 
 
@@ -120,7 +124,7 @@ def _runtime_container(spec: InferenceSpec, image: str, path: str) -> dict[str, 
 
 
 def _init_containers(spec: InferenceSpec, image: str, *, image_volumes: bool) -> list[dict[str, Any]]:
-    inits = []
+    inits: list[dict[str, Any]] = []
     source = spec.model.source
     if source.kind == "image" and not image_volumes:
         inits.append(
@@ -134,7 +138,7 @@ def _init_containers(spec: InferenceSpec, image: str, *, image_volumes: bool) ->
             }
         )
     if spec.versions.policy == "Strict":
-        v = spec.versions
+        driver, firmware, kml = spec.versions.locked_versions()
         xpus = str(spec.resources.xpus)
         inits.append(
             {
@@ -145,11 +149,11 @@ def _init_containers(spec: InferenceSpec, image: str, *, image_volumes: bool) ->
                 "args": [
                     "preflight",
                     "--expect-driver",
-                    v.driver,
+                    driver,
                     "--expect-firmware",
-                    v.firmware,
+                    firmware,
                     "--expect-kml",
-                    v.kml,
+                    kml,
                     "--min-cards",
                     xpus,
                 ],

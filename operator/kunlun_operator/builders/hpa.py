@@ -7,14 +7,15 @@ Deployment; the operator then leaves the Deployment's replicas alone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
-from kunlun_operator.spec import InferenceSpec, ServiceRef
+from kunlun_operator.spec import InferenceSpec, Metric, ServiceRef
 
 #: spec.autoscaling.metric -> the runtime's Prometheus metric name.
-METRIC_NAMES = {
+METRIC_NAMES: Mapping[Metric, str] = {
     "requestsWaiting": "vllm:num_requests_waiting",
     "requestsRunning": "vllm:num_requests_running",
     "kvCacheUsage": "vllm:kv_cache_usage_perc",

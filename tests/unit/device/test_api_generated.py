@@ -14,7 +14,7 @@ from kunlun_device.api import regenerate
 def test_committed_code_matches_regeneration(proto: str, tmp_path: Path) -> None:
     regenerate.regenerate(tmp_path)
     stem = proto.removesuffix(".proto")
-    for suffix in ("_pb2.py", "_pb2_grpc.py"):
+    for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
         fresh = (tmp_path / "kunlun_device" / "api" / f"{stem}{suffix}").read_text()
         committed = (regenerate.API_DIR / f"{stem}{suffix}").read_text()
         assert fresh == committed, f"{stem}{suffix} is stale: run python -m kunlun_device.api.regenerate"
