@@ -33,8 +33,11 @@ generate: install
 test: install tools
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest -q tests
 
+# Style, formatting, types and the import layers (docs/architecture.md); CI runs it before the tests.
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 clean:
