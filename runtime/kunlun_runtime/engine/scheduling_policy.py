@@ -33,8 +33,8 @@ DEFAULT_TARGET_DECODE_STEPS = 3.0
 # ...or, where a step with any prefill has a fixed price (``c_mixed``: the per-layer path instead
 # of the one-call decode stack), the pure-decode step plus this many times that price, so that a
 # capped chunk's own work is at least four times the price (prefill at >= 80 % of its uncapped
-# efficiency). Three decode steps alone measured chunks spent mostly on the price: prefill slowed
-# down enough to lose throughput and p99 TTFT under load (docs/scheduling.md).
+# efficiency). With three decode steps alone, capped chunks were spent mostly on the price: prefill
+# slowed down enough to lose throughput and p99 TTFT under load (docs/scheduling.md).
 DEFAULT_TARGET_MIXED_PRICES = 5.0
 # ...and never below this (at this bound a stream still gets about three tokens a second while
 # prompts are prefilled). The two learned terms above move with every refit of the step-time

@@ -6,8 +6,8 @@
 ``attended tokens`` is Σ (new tokens × context length after the step) over the batch: the work of
 attention, which grows with context while the other terms do not. ``c_mixed`` is the fixed price of
 leaving the pure-decode path: on CPUs with our kernels a pure decode step is one fused C++ call,
-and any prefill chunk sends the whole step through the per-layer path (measured: ~3× the time of
-the decode step it joins, whatever the chunk's size). The coefficients are an exact
+and any prefill chunk sends the whole step through the per-layer path, a cost several times the
+decode step it joins whatever the chunk's size (docs/scheduling.md). The coefficients are an exact
 least-squares fit over a sliding window of the latest observations (so the model follows drift:
 another tenant on the device, thermal throttling), with non-negative slopes (a bigger batch never
 predicts a shorter step). Pure Python: no torch, no clock; the caller supplies the seconds.
