@@ -9,6 +9,8 @@ import shlex
 
 import pytest
 
+from kunlun_operator import matrix
+from kunlun_operator.spec import parse_spec
 from tests.chart.tools import CHART, REPO, helm
 
 DOCS = [REPO / "docs" / "chart.md", CHART / "README.md", REPO / "README.md"]
@@ -49,8 +51,6 @@ def test_documented_helm_command_renders(label: str, argv: list[str]) -> None:
 
 def test_documented_inference_services_parse_and_fit_the_matrix() -> None:
     """The KunlunInferenceService shown in docs/chart.md is one the operator accepts."""
-    import importlib
-
     import yaml
 
     blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "chart.md").read_text(), re.S)
@@ -58,12 +58,7 @@ def test_documented_inference_services_parse_and_fit_the_matrix() -> None:
         d for b in blocks for d in yaml.safe_load_all(b) if d and d.get("kind") == "KunlunInferenceService"
     ]
     assert services, "docs/chart.md shows no KunlunInferenceService"
-    try:
-        spec_module = importlib.import_module("kunlun_operator.spec")
-        matrix = importlib.import_module("kunlun_operator.matrix")
-    except ModuleNotFoundError as exc:
-        pytest.skip(f"kunlun_operator not importable yet ({exc})")
     for service in services:
-        spec = spec_module.parse_spec(service["spec"])
+        spec = parse_spec(service["spec"])
         image = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
         assert matrix.check_versions(matrix.load_default_matrix(), image, spec.versions) == []

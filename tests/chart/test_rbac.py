@@ -2,8 +2,8 @@
 
 Sources of the calls, best first: the operator's machine-readable `kunlun_operator/api_calls.yaml`
 (kept complete by the operator's integration test, which records the fake API server's request
-log), else the API-call tables in docs/operator.md and docs/device-plugin.md that the components
-document as their RBAC contract. Each check skips, naming what is missing, until its source exists.
+log), and the API-call table in docs/device-plugin.md that the labeler documents as its RBAC
+contract. A missing source is a failure: the chart's rights would be unchecked.
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.chart.tools import REPO, Rendered
 
 Grant = tuple[str, str, str]  # (api group, resource, verb)
 OPERATOR_API_CALLS = REPO / "operator" / "kunlun_operator" / "api_calls.yaml"
-OPERATOR_DOC = REPO / "docs" / "operator.md"
 DEVICE_DOC = REPO / "docs" / "device-plugin.md"
 
 
@@ -58,20 +56,8 @@ def table_after(text: str, heading: str) -> list[dict[str, str]]:
 
 
 def operator_calls() -> set[Grant]:
-    if OPERATOR_API_CALLS.is_file():
-        return calls_from_api_calls_yaml(yaml.safe_load(OPERATOR_API_CALLS.read_text()))
-    if not OPERATOR_DOC.is_file():
-        pytest.skip(
-            f"neither {OPERATOR_API_CALLS} nor {OPERATOR_DOC} exists yet: no record of the operator's calls"
-        )
-    rows = table_after(OPERATOR_DOC.read_text(), "Kubernetes API calls")
-    return {
-        (g, r, v)
-        for row in rows
-        for g in _names(row["api group"])
-        for r in _names(row["resource"])
-        for v in _names(row["verbs"])
-    }
+    assert OPERATOR_API_CALLS.is_file(), f"{OPERATOR_API_CALLS} is missing: no record of the operator's calls"
+    return calls_from_api_calls_yaml(yaml.safe_load(OPERATOR_API_CALLS.read_text()))
 
 
 def calls_from_api_calls_yaml(data: object) -> set[Grant]:
@@ -89,8 +75,7 @@ def calls_from_api_calls_yaml(data: object) -> set[Grant]:
 
 
 def labeler_calls() -> set[Grant]:
-    if not DEVICE_DOC.is_file():
-        pytest.skip(f"{DEVICE_DOC} does not exist yet: no record of the labeler's calls")
+    assert DEVICE_DOC.is_file(), f"{DEVICE_DOC} is missing: no record of the labeler's calls"
     rows = table_after(DEVICE_DOC.read_text(), "Kubernetes API calls")
     # The labeler talks to the core API only (/api/v1/nodes/...): group "".
     assert all(row["call"].split("`")[1].split()[1].startswith("/api/v1/") for row in rows)

@@ -8,32 +8,32 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import importlib
 import io
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import yaml
 
+from kunlun_device import cli as device_cli
+from kunlun_operator import cli as operator_cli
+from kunlun_operator import matrix
+from kunlun_operator.spec import parse_spec
 from tests.chart.tools import CHART, NAMESPACE, RELEASE, Rendered, helm, render
 
 PREFIX = f"{RELEASE}-kunlun-inference"
 
 
-def parse_cli(module: str, args: list[str]) -> argparse.Namespace:
+def parse_cli(cli: ModuleType, args: list[str]) -> argparse.Namespace:
     """Parse `args` with the component's real parser; an unknown or bad flag fails the test."""
-    try:
-        cli = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        pytest.skip(f"{module} is not importable yet ({exc})")
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
             return cli.build_parser().parse_args(args)
         except SystemExit:
-            pytest.fail(f"{module} rejects the chart's arguments {args}: {stderr.getvalue()}")
+            pytest.fail(f"{cli.__name__} rejects the chart's arguments {args}: {stderr.getvalue()}")
 
 
 def pod_spec(rendered: Rendered, kind: str, suffix: str) -> dict:
@@ -61,7 +61,7 @@ def test_operator_arguments_default(default_render: Rendered) -> None:
         "--webhook-port=9443",
         "--webhook-cert-dir=/etc/kunlun-operator/webhook",
     ]
-    args = parse_cli("kunlun_operator.cli", operator["args"])
+    args = parse_cli(operator_cli, operator["args"])
     assert (args.command, args.all_namespaces, args.metrics_port, args.webhook_port) == (
         "run",
         True,
@@ -82,7 +82,7 @@ def test_operator_ha_runs_replicas_with_peering_spread_over_nodes(rendered_sets:
         == deployment["spec"]["selector"]["matchLabels"]
     )
     assert spec["priorityClassName"] == "system-cluster-critical"
-    args = parse_cli("kunlun_operator.cli", spec["containers"][0]["args"])
+    args = parse_cli(operator_cli, spec["containers"][0]["args"])
     assert args.namespace == ["bank-prod", "bank-staging"] and not args.all_namespaces
     assert not args.standalone
     assert not ha.all("ClusterKopfPeering")  # namespaced kopf peers per served namespace
@@ -117,7 +117,7 @@ def test_operator_pod_is_restricted_and_probed(default_render: Rendered) -> None
         "webhook": 9443,
     }
     assert "affinity" not in spec  # one replica: nothing to spread
-    args = parse_cli("kunlun_operator.cli", operator["args"])
+    args = parse_cli(operator_cli, operator["args"])
     assert default_render.one("ClusterKopfPeering")["metadata"]["name"] == args.peering
     assert not default_render.all("KopfPeering")
 
@@ -130,9 +130,7 @@ def test_webhook_disabled_removes_its_objects_and_turns_the_server_off() -> None
         f"{PREFIX}-device-plugin-metrics",
         f"{PREFIX}-operator-metrics",
     ]
-    args = parse_cli(
-        "kunlun_operator.cli", containers(rendered, "Deployment", "-operator")["operator"]["args"]
-    )
+    args = parse_cli(operator_cli, containers(rendered, "Deployment", "-operator")["operator"]["args"])
     assert (args.webhook_port, args.webhook_cert_dir) == (0, None)
 
 
@@ -222,13 +220,10 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
         assert container["env"] == [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
         ]
-        args = parse_cli("kunlun_device.cli", container["args"])
+        args = parse_cli(device_cli, container["args"])
         assert (args.command, args.dev_root, args.xpu_smi) == (name, "/host", "/usr/local/bin/xpu-smi")
-    assert (
-        parse_cli("kunlun_device.cli", by_name["plugin"]["args"]).kubelet_dir
-        == "/var/lib/kubelet/device-plugins"
-    )
-    exporter = parse_cli("kunlun_device.cli", by_name["exporter"]["args"])
+    assert parse_cli(device_cli, by_name["plugin"]["args"]).kubelet_dir == "/var/lib/kubelet/device-plugins"
+    exporter = parse_cli(device_cli, by_name["exporter"]["args"])
     assert (exporter.port, exporter.pod_resources_socket) == (
         9400,
         "/var/lib/kubelet/pod-resources/kubelet.sock",
@@ -252,7 +247,7 @@ def test_custom_node_selector_replaces_the_default_affinity(rendered_sets: dict[
         "path": "/opt/kunlun/bin/xpu-smi",
         "type": "File",
     }
-    assert parse_cli("kunlun_device.cli", by_name["labeler"]["args"]).interval == 60
+    assert parse_cli(device_cli, by_name["labeler"]["args"]).interval == 60
     assert not [
         s for s in rendered.all("Service") if s["metadata"]["name"].endswith("-device-plugin-metrics")
     ]
@@ -302,10 +297,6 @@ def pod_labels(rendered: Rendered, service: dict) -> dict:
 def test_compatibility_configmap_parses_with_the_operators_own_parser(
     rendered_sets: dict[str, Rendered],
 ) -> None:
-    try:
-        matrix = importlib.import_module("kunlun_operator.matrix")
-    except ModuleNotFoundError as exc:
-        pytest.skip(f"kunlun_operator.matrix not importable yet ({exc})")
     text = rendered_sets["ha-values"].one("ConfigMap", "-compatibility")["data"][matrix.MATRIX_KEY]
     parsed = matrix.parse_matrix(text, source="chart ConfigMap")
     assert [(e.runtime, sorted(e.driver)) for e in parsed.entries] == [
@@ -322,11 +313,6 @@ def test_notes_print_a_first_model_the_crd_and_the_matrix_accept() -> None:
     block = notes.split("kubectl apply -f -\n", 1)[1].split("     YAML\n", 1)[0]
     cr = yaml.safe_load("\n".join(line[5:] for line in block.splitlines()))
     assert cr["kind"] == "KunlunInferenceService"
-    try:
-        spec_module = importlib.import_module("kunlun_operator.spec")
-        matrix = importlib.import_module("kunlun_operator.matrix")
-    except ModuleNotFoundError as exc:
-        pytest.skip(f"kunlun_operator not importable yet ({exc})")
-    spec = spec_module.parse_spec(cr["spec"])
+    spec = parse_spec(cr["spec"])
     image = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
     assert matrix.check_versions(matrix.load_default_matrix(), image, spec.versions) == []

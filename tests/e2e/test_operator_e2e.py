@@ -9,10 +9,10 @@ and leave the cluster as they found it (namespace deleted, node labels restored)
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import subprocess
 import sys
-import time
 import types
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+
+from tests.support import waiting
 
 pytestmark = [
     pytest.mark.e2e,
@@ -40,15 +42,8 @@ SPEC = {
 }
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60) -> T:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
+# How these tests wait: the shared poller, gently (a real API server), with a minute's deadline.
+wait_for = functools.partial(waiting.wait_for, timeout_seconds=60, interval_seconds=0.5)
 
 
 class E2E:
@@ -90,11 +85,11 @@ class E2E:
         else:
             self.ext.patch_custom_resource_definition(name, {"spec": crd["spec"]})
         wait_for(
-            "the CRD established",
             lambda: any(
                 c.type == "Established" and c.status == "True"
                 for c in self.ext.read_custom_resource_definition(name).status.conditions or []
             ),
+            message="the CRD established",
         )
 
     def service(self, name: str = "qwen") -> dict[str, Any]:
@@ -156,10 +151,10 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
                 GROUP, VERSION, env.namespace, PLURAL, item["metadata"]["name"]
             )
         wait_for(
-            "services deleted",
             lambda: (
                 not env.custom.list_namespaced_custom_object(GROUP, VERSION, env.namespace, PLURAL)["items"]
             ),
+            message="services deleted",
         )
         process.terminate()
         process.wait(30)
@@ -179,9 +174,9 @@ def test_create_defaults_the_spec_and_builds_the_objects(e2e: E2E) -> None:
     created = e2e.create(copy.deepcopy(SPEC))
     assert created["spec"]["versions"]["policy"] == "Strict"  # CRD defaulting
     assert created["spec"]["resources"] == {"xpus": 1}
-    wait_for("the status", lambda: e2e.status().get("compatibleNodes", 0) >= 1)
+    wait_for(lambda: e2e.status().get("compatibleNodes", 0) >= 1, message="the status")
     deployment = wait_for(
-        "the Deployment", lambda: e2e.read(e2e.apps.read_namespaced_deployment, "qwen", e2e.namespace)
+        lambda: e2e.read(e2e.apps.read_namespaced_deployment, "qwen", e2e.namespace), message="the Deployment"
     )
     assert deployment.metadata.owner_references[0].uid == created["metadata"]["uid"]
     assert e2e.core.read_namespaced_service("qwen", e2e.namespace)
@@ -194,43 +189,43 @@ def test_spec_change_rolls_the_pod_template(e2e: E2E) -> None:
         d = e2e.read(e2e.apps.read_namespaced_deployment, "qwen", e2e.namespace)
         return d.spec.template.metadata.annotations["serving.kunlun.dev/config-hash"] if d else None
 
-    before = wait_for("the Deployment", config_hash)
+    before = wait_for(config_hash, message="the Deployment")
     e2e.custom.patch_namespaced_custom_object(
         GROUP, VERSION, e2e.namespace, PLURAL, "qwen", {"spec": {"runtime": {"maxModelLen": 2048}}}
     )
-    wait_for("a new config hash", lambda: config_hash() != before)
+    wait_for(lambda: config_hash() != before, message="a new config hash")
 
 
 def test_deleted_service_is_restored(e2e: E2E) -> None:
     service = wait_for(
-        "the Service", lambda: e2e.read(e2e.core.read_namespaced_service, "qwen", e2e.namespace)
+        lambda: e2e.read(e2e.core.read_namespaced_service, "qwen", e2e.namespace), message="the Service"
     )
     old = service.metadata.uid
     e2e.core.delete_namespaced_service("qwen", e2e.namespace)
     wait_for(
-        "the Service back",
         lambda: (
             not e2e.not_found(lambda: e2e.core.read_namespaced_service("qwen", e2e.namespace))
             and e2e.core.read_namespaced_service("qwen", e2e.namespace).metadata.uid != old
         ),
+        message="the Service back",
     )
 
 
 def test_node_label_change_is_reported(e2e: E2E) -> None:
     before = e2e.status()["compatibleNodes"]
     e2e.core.patch_node(e2e.node, {"metadata": {"labels": {DRIVER_LABEL: "0.0.0"}}})
-    wait_for("one compatible node fewer", lambda: e2e.status()["compatibleNodes"] == before - 1)
+    wait_for(lambda: e2e.status()["compatibleNodes"] == before - 1, message="one compatible node fewer")
     e2e.core.patch_node(e2e.node, {"metadata": {"labels": {DRIVER_LABEL: e2e.node_driver}}})
-    wait_for("the node back", lambda: e2e.status()["compatibleNodes"] == before)
+    wait_for(lambda: e2e.status()["compatibleNodes"] == before, message="the node back")
 
 
 def test_deleting_the_service_removes_what_it_owns(e2e: E2E) -> None:
     e2e.custom.delete_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, "qwen")
     wait_for(
-        "the Deployment gone",
         lambda: e2e.not_found(lambda: e2e.apps.read_namespaced_deployment("qwen", e2e.namespace)),
+        message="the Deployment gone",
     )
     wait_for(
-        "the ConfigMap gone",
         lambda: e2e.not_found(lambda: e2e.core.read_namespaced_config_map("qwen-config", e2e.namespace)),
+        message="the ConfigMap gone",
     )

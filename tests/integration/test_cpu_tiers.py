@@ -15,8 +15,9 @@ import openai
 import pytest
 
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
-from tests.integration.server.live import free_port, health_status, wait_until
+from tests.integration.server.live import free_port, health_status
 from tests.support.tiny_models import make_tiny_model
+from tests.support.waiting import wait_for
 
 CLI_MAIN = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
 HAS_AVX2 = cpu_capabilities().detected_tier >= IsaTier.AVX2
@@ -87,7 +88,11 @@ def test_the_plain_floor_serves_the_openai_api(tiny_model_dir: Path) -> None:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: health_status(base_url) == 200, 300.0, "the server to become ready")
+        wait_for(
+            lambda: health_status(base_url) == 200,
+            timeout_seconds=300.0,
+            message="the server to become ready",
+        )
         assert httpx.get(f"{base_url}/version").json()["cpu"]["isa_tier"] == "none"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
         reply = client.completions.create(

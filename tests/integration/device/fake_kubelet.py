@@ -8,9 +8,7 @@ from __future__ import annotations
 import queue
 import shutil
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,14 +76,3 @@ def short_tempdir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def poll_until(condition: Callable[[], bool], timeout_seconds: float = 20.0) -> bool:
-    """Poll `condition` until it holds or the deadline passes; returns its last value."""
-    deadline = time.monotonic() + timeout_seconds
-    idle = threading.Event()
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        idle.wait(0.01)
-    return True

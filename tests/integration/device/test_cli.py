@@ -13,7 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kunlun_device.cli import main
-from tests.integration.device.fake_kubelet import FakeKubelet, poll_until, short_tempdir
+from tests.integration.device.fake_kubelet import FakeKubelet, short_tempdir
+from tests.support.waiting import wait_for
 from tests.unit.device.hosts import FIXTURES
 
 P800 = FIXTURES / "p800-8"
@@ -74,7 +75,7 @@ def test_exporter_process_serves_metrics() -> None:
         return True
 
     try:
-        assert poll_until(scraped, timeout_seconds=30)
+        wait_for(scraped, timeout_seconds=30, message="the exporter to serve /metrics (or to exit)")
     finally:
         code, output = stop(process)
     assert code == 0, output

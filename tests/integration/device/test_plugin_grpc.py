@@ -13,7 +13,8 @@ from kunlun_device.api import deviceplugin_v1beta1_pb2 as pb
 from kunlun_device.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from kunlun_device.plugin import PluginServer
 from kunlun_device.xpu.health import HealthPolicy
-from tests.integration.device.fake_kubelet import FakeKubelet, poll_until, short_tempdir
+from tests.integration.device.fake_kubelet import FakeKubelet, short_tempdir
+from tests.support.waiting import wait_for
 from tests.unit.device.hosts import copy_host, make_source, use_outputs
 
 SOCKET = "kunlun-xpu.sock"
@@ -191,7 +192,7 @@ def test_registers_again_when_kubelet_restarts(node: tuple[Path, FakeKubelet, Pl
     kubelet.restart()  # removes kubelet.sock and the plugin's socket, serves a new kubelet.sock
     again = kubelet.next_registration()
     assert (again.endpoint, again.resource_name) == (SOCKET, "kunlunxin.com/xpu")
-    assert poll_until(lambda: plugin.registrations == 2)
+    wait_for(lambda: plugin.registrations == 2, timeout_seconds=20, message="the plugin to register again")
     with kubelet.plugin_channel(SOCKET) as channel:
         stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=30)
         assert [d.health for d in next(stream).devices] == ["Healthy"] * 8

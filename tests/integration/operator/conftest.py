@@ -7,24 +7,24 @@ waits for wall-clock periods: tests poll for the state they expect, with a deadl
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import kubernetes
 import pytest
 
+from tests.support import waiting
 from tests.support.kubeapi import RunningKubeAPI, running_fake_api
 
-T = TypeVar("T")
 GROUP, VERSION, PLURAL = "serving.kunlun.dev", "v1alpha1", "kunluninferenceservices"
 NAMESPACE = "ml"
 DEADLINE_SECONDS = 30
@@ -44,19 +44,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = DEADLINE_SECONDS) -> T:
-    """Poll ``probe`` until it returns something truthy; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except kubernetes.client.ApiException as e:
-            last = e
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
+# How this suite waits: the shared poller with the suite's deadline, an API error (the fake API
+# injects faults) counting as "not yet".
+wait_for = functools.partial(
+    waiting.wait_for, timeout_seconds=DEADLINE_SECONDS, ignoring=(kubernetes.client.ApiException,)
+)
 
 
 @dataclass
@@ -137,7 +129,7 @@ class Cluster:
             except OSError:
                 return False
 
-        wait_for("the operator's liveness endpoint", healthy)
+        wait_for(healthy, message="the operator's liveness endpoint")
         return operator
 
     def add_node(self, name: str, **labels: str) -> None:
@@ -197,7 +189,7 @@ class Cluster:
 
     def wait_for_events(self, reason: str, count: int = 1) -> None:
         """Events are posted in the background by kopf: wait until ``count`` of ``reason`` arrived."""
-        wait_for(f"{count} {reason} event(s)", lambda: self.event_reasons().count(reason) >= count)
+        wait_for(lambda: self.event_reasons().count(reason) >= count, message=f"{count} {reason} event(s)")
         assert self.event_reasons().count(reason) == count
 
 

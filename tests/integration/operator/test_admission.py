@@ -68,12 +68,16 @@ def _accepts(port: int) -> bool:
 
 def test_webhook_allows_denies_and_warns_naming_the_field(cluster: Cluster) -> None:
     port = cluster.start_operator().webhook_port
-    wait_for("the webhook server", lambda: _accepts(port))
+    wait_for(lambda: _accepts(port), message="the webhook server")
     allowed = review(port, copy.deepcopy(SPEC))
     assert allowed["allowed"] is True and "warnings" not in allowed
 
     unsupported = review(
-        port, {**copy.deepcopy(SPEC), "versions": {"driver": "5.0.20", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"}}
+        port,
+        {
+            **copy.deepcopy(SPEC),
+            "versions": {"driver": "5.0.20", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"},
+        },
     )
     assert unsupported["allowed"] is False
     assert unsupported["status"] == {

@@ -51,8 +51,8 @@ def test_the_operator_calls_exactly_the_documented_api(cluster: Cluster) -> None
     )
     operator = cluster.start_operator("--compatibility-configmap", "kunlun-system/matrix")
     cluster.create_service(copy.deepcopy(SPEC))
-    wait_for("the HPA", lambda: cluster.kube.objects("horizontalpodautoscalers", "autoscaling"))
-    wait_for("the objects", lambda: cluster.kube.objects("prometheusrules", "monitoring.coreos.com"))
+    wait_for(lambda: cluster.kube.objects("horizontalpodautoscalers", "autoscaling"), message="the HPA")
+    wait_for(lambda: cluster.kube.objects("prometheusrules", "monitoring.coreos.com"), message="the objects")
     cluster.patch_service(
         {
             "spec": {
@@ -64,23 +64,26 @@ def test_the_operator_calls_exactly_the_documented_api(cluster: Cluster) -> None
             }
         }
     )
-    wait_for("every object updated", lambda: cluster.event_reasons().count("Updated") == 7)
+    wait_for(lambda: cluster.event_reasons().count("Updated") == 7, message="every object updated")
     cluster.patch_service({"spec": {"autoscaling": {"enabled": False}}})
-    wait_for("the HPA deleted", lambda: not cluster.kube.objects("horizontalpodautoscalers", "autoscaling"))
+    wait_for(
+        lambda: not cluster.kube.objects("horizontalpodautoscalers", "autoscaling"), message="the HPA deleted"
+    )
     cluster.core.patch_node("xpu-1", {"metadata": {"labels": {"kunlun.dev/xpu.kml-version": "3.1.0"}}})
-    wait_for("no compatible node", lambda: cluster.status().get("compatibleNodes") == 0)
+    wait_for(lambda: cluster.status().get("compatibleNodes") == 0, message="no compatible node")
     cluster.core.delete_namespaced_config_map("qwen-config", NAMESPACE)
     wait_for(
-        "the ConfigMap restored",
         lambda: [c for c in cluster.kube.objects("configmaps") if c["metadata"]["name"] == "qwen-config"],
+        message="the ConfigMap restored",
     )
-    wait_for("the webhook server", lambda: _accepts(operator.webhook_port))
+    wait_for(lambda: _accepts(operator.webhook_port), message="the webhook server")
     assert review(operator.webhook_port, copy.deepcopy(SPEC))["allowed"] is True
     cluster.custom.delete_namespaced_custom_object(
         "serving.kunlun.dev", "v1alpha1", NAMESPACE, "kunluninferenceservices", "qwen"
     )
     wait_for(
-        "the service gone", lambda: not cluster.kube.objects("kunluninferenceservices", "serving.kunlun.dev")
+        lambda: not cluster.kube.objects("kunluninferenceservices", "serving.kunlun.dev"),
+        message="the service gone",
     )
 
     observed = {(group, resource, verb) for verb, group, resource, _ in cluster.kube.calls()}

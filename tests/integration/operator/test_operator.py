@@ -28,7 +28,7 @@ def test_create_builds_every_object_and_reports_status(cluster: Cluster) -> None
     metrics_port = free_port()
     cluster.start_operator("--metrics-port", str(metrics_port))
     created = cluster.create_service(copy.deepcopy(SPEC))
-    wait_for("the status", lambda: cluster.status().get("phase") == "Progressing")
+    wait_for(lambda: cluster.status().get("phase") == "Progressing", message="the status")
     uid = created["metadata"]["uid"]
     for plural, group in [
         *OWNED,
@@ -45,7 +45,7 @@ def test_create_builds_every_object_and_reports_status(cluster: Cluster) -> None
     assert cluster.condition("DevicesAvailable") == ("True", "CompatibleNodesFound", "1 node(s) match: xpu-1")
 
     cluster.mark_deployment_ready()
-    wait_for("phase Ready", lambda: cluster.status().get("phase") == "Ready")
+    wait_for(lambda: cluster.status().get("phase") == "Ready", message="phase Ready")
     assert cluster.status()["ready"] == "1/1"
     assert cluster.condition("ModelAvailable")[:2] == ("True", "ModelLoaded")
     cluster.wait_for_events("Created", 6)
@@ -63,7 +63,7 @@ def test_spec_change_rolls_the_pods(cluster: Cluster) -> None:
     cluster.add_node("xpu-1")
     cluster.start_operator()
     cluster.create_service(copy.deepcopy(SPEC))
-    first = wait_for("the deployment", cluster.deployment)
+    first = wait_for(cluster.deployment, message="the deployment")
     before = first["spec"]["template"]["metadata"]["annotations"]["serving.kunlun.dev/config-hash"]
     cluster.patch_service({"spec": {"runtime": {"maxModelLen": 4096}}})
 
@@ -71,12 +71,12 @@ def test_spec_change_rolls_the_pods(cluster: Cluster) -> None:
         d = cluster.deployment()
         return d if "--max-model-len" in d["spec"]["template"]["spec"]["containers"][0]["args"] else None
 
-    after = wait_for("the new pod template", rolled)
+    after = wait_for(rolled, message="the new pod template")
     assert after["spec"]["template"]["metadata"]["annotations"]["serving.kunlun.dev/config-hash"] != before
     assert after["metadata"]["generation"] == first["metadata"]["generation"] + 1
     configmap = cluster.kube.objects("configmaps")[0]
     assert "max-model-len: 4096" in configmap["data"]["config.yaml"]
-    wait_for("status of generation 2", lambda: cluster.status().get("observedGeneration") == 2)
+    wait_for(lambda: cluster.status().get("observedGeneration") == 2, message="status of generation 2")
     cluster.wait_for_events("Updated", 2)  # the ConfigMap and the Deployment
 
 
@@ -85,10 +85,10 @@ def test_node_label_changes_update_compatible_nodes_and_conditions(cluster: Clus
     cluster.add_node("xpu-2")
     cluster.start_operator()
     cluster.create_service(copy.deepcopy(SPEC))
-    wait_for("2 compatible nodes", lambda: cluster.status().get("compatibleNodes") == 2)
+    wait_for(lambda: cluster.status().get("compatibleNodes") == 2, message="2 compatible nodes")
     for node in ("xpu-1", "xpu-2"):
         cluster.core.patch_node(node, {"metadata": {"labels": {"kunlun.dev/xpu.driver-version": "5.0.20"}}})
-    wait_for("no compatible nodes", lambda: cluster.status().get("compatibleNodes") == 0)
+    wait_for(lambda: cluster.status().get("compatibleNodes") == 0, message="no compatible nodes")
     assert cluster.condition("DevicesAvailable") == (
         "False",
         "NoCompatibleNodes",
@@ -98,7 +98,7 @@ def test_node_label_changes_update_compatible_nodes_and_conditions(cluster: Clus
     assert cluster.status()["phase"] == "Pending"
     cluster.wait_for_events("NoCompatibleNodes")
     cluster.core.patch_node("xpu-2", {"metadata": {"labels": {"kunlun.dev/xpu.driver-version": "5.0.21.26"}}})
-    wait_for("one compatible node again", lambda: cluster.status().get("compatibleNodes") == 1)
+    wait_for(lambda: cluster.status().get("compatibleNodes") == 1, message="one compatible node again")
     assert cluster.condition("DevicesAvailable")[:2] == ("True", "CompatibleNodesFound")
 
 
@@ -106,12 +106,12 @@ def test_owned_objects_changed_or_deleted_by_hand_are_restored(cluster: Cluster)
     cluster.add_node("xpu-1")
     cluster.start_operator()
     cluster.create_service(copy.deepcopy(SPEC))
-    wait_for("the status", lambda: cluster.status().get("phase"))
+    wait_for(lambda: cluster.status().get("phase"), message="the status")
     old_uid = cluster.kube.objects("services")[0]["metadata"]["uid"]
     cluster.core.delete_namespaced_service("qwen", NAMESPACE)
     wait_for(
-        "the Service back",
         lambda: [s for s in cluster.kube.objects("services") if s["metadata"]["uid"] != old_uid],
+        message="the Service back",
     )
     cluster.apps.patch_namespaced_deployment(
         "qwen",
@@ -126,7 +126,7 @@ def test_owned_objects_changed_or_deleted_by_hand_are_restored(cluster: Cluster)
             and d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 90
         )
 
-    wait_for("the Deployment restored", restored)
+    wait_for(restored, message="the Deployment restored")
     cluster.wait_for_events("DriftRestored", 2)
     assert _names(cluster, "services") == ["qwen"]
 
@@ -139,7 +139,7 @@ def test_conflicts_and_server_errors_are_retried(cluster: Cluster) -> None:
     )
     cluster.start_operator()
     cluster.create_service(copy.deepcopy(SPEC))
-    wait_for("the status despite the faults", lambda: cluster.status().get("phase") == "Progressing")
+    wait_for(lambda: cluster.status().get("phase") == "Progressing", message="the status despite the faults")
     assert (service_fault.fired, status_fault.fired) == (2, 1)
     assert [_names(cluster, p, g) for p, g in OWNED] == [["qwen-config"], ["qwen"], ["qwen"], ["qwen"]]
     assert "retry 1 in" in cluster.operators[0].log()
@@ -151,18 +151,18 @@ def test_restart_in_the_middle_of_a_reconcile_converges_without_duplicates(clust
     first = cluster.start_operator()
     cluster.create_service(copy.deepcopy(SPEC))
     wait_for(
-        "a half-done reconcile",
         lambda: (
             _names(cluster, "services") == ["qwen"]
             and ("create", "apps", "deployments", NAMESPACE) in cluster.kube.calls()
         ),
+        message="a half-done reconcile",
     )
     first.kill()
     assert cluster.deployment() is None
     cluster.kube.clear_faults()
     second = cluster.start_operator()
-    wait_for("the Deployment from the new operator", cluster.deployment)
-    wait_for("the status", lambda: cluster.status().get("phase") == "Progressing")
+    wait_for(cluster.deployment, message="the Deployment from the new operator")
+    wait_for(lambda: cluster.status().get("phase") == "Progressing", message="the status")
     assert [_names(cluster, p, g) for p, g in OWNED] == [["qwen-config"], ["qwen"], ["qwen"], ["qwen"]]
     assert "Deployment created" in second.log()
     assert "ConfigMap created" not in second.log() and "Service created" not in second.log()
@@ -172,13 +172,13 @@ def test_deleting_the_service_deletes_what_it_owns(cluster: Cluster) -> None:
     cluster.add_node("xpu-1")
     cluster.start_operator()
     cluster.create_service(copy.deepcopy(SPEC))
-    wait_for("the objects", lambda: all(cluster.kube.objects(p, g) for p, g in OWNED))
+    wait_for(lambda: all(cluster.kube.objects(p, g) for p, g in OWNED), message="the objects")
     cluster.custom.delete_namespaced_custom_object(
         "serving.kunlun.dev", "v1alpha1", NAMESPACE, "kunluninferenceservices", "qwen"
     )
     wait_for(
-        "the service gone",
         lambda: cluster.kube.objects("kunluninferenceservices", "serving.kunlun.dev") == [],
+        message="the service gone",
     )
     assert [cluster.kube.objects(p, g) for p, g in OWNED] == [[], [], [], []]
     cluster.wait_for_events("Deleted", 4)
@@ -189,16 +189,18 @@ def test_autoscaling_leaves_the_replica_count_to_the_hpa(cluster: Cluster) -> No
     operator = cluster.start_operator()
     autoscaling = {"enabled": True, "minReplicas": 2, "maxReplicas": 5}
     cluster.create_service({**copy.deepcopy(SPEC), "autoscaling": autoscaling})
-    hpa = wait_for("the HPA", lambda: cluster.kube.objects("horizontalpodautoscalers", "autoscaling"))[0]
+    hpa = wait_for(
+        lambda: cluster.kube.objects("horizontalpodautoscalers", "autoscaling"), message="the HPA"
+    )[0]
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
-    assert wait_for("the Deployment", cluster.deployment)["spec"]["replicas"] == 2
+    assert wait_for(cluster.deployment, message="the Deployment")["spec"]["replicas"] == 2
     # The HPA scales the Deployment, even while a reconcile may be running.
     cluster.apps.patch_namespaced_deployment("qwen", NAMESPACE, {"spec": {"replicas": 4}})
     passes = operator.log().count("reconciled ml/qwen")
     cluster.core.patch_node("xpu-1", {"metadata": {"labels": {"kunlun.dev/xpu.count": "4"}}})  # wakes it
-    wait_for("another reconcile", lambda: operator.log().count("reconciled ml/qwen") > passes)
+    wait_for(lambda: operator.log().count("reconciled ml/qwen") > passes, message="another reconcile")
     assert cluster.deployment()["spec"]["replicas"] == 4
-    wait_for("status from the HPA's count", lambda: cluster.status().get("ready") == "0/4")
+    wait_for(lambda: cluster.status().get("ready") == "0/4", message="status from the HPA's count")
 
 
 def test_warn_policy_reports_pods_on_mismatching_nodes(cluster: Cluster) -> None:
@@ -215,7 +217,7 @@ def test_warn_policy_reports_pods_on_mismatching_nodes(cluster: Cluster) -> None
     spec = copy.deepcopy(SPEC)
     spec["versions"]["policy"] = "Warn"
     cluster.create_service(spec)
-    wait_for("the version condition", lambda: cluster.condition("VersionsCompatible"))
+    wait_for(lambda: cluster.condition("VersionsCompatible"), message="the version condition")
     assert cluster.condition("VersionsCompatible") == (
         "False",
         "PodsOnMismatchedNodes",

@@ -29,18 +29,18 @@ def test_one_replica_reconciles_and_the_standby_takes_over(cluster: Cluster) -> 
     active = cluster.start_operator(*peering, "--priority", "200", standalone=False)
     # Start the standby once the active replica runs: two replicas starting in the same instant can
     # each miss the other's peering record for a moment (seen once in CI) and both reconcile.
-    wait_for("the active replica to run", lambda: "Resuming operations" in active.log())
+    wait_for(lambda: "Resuming operations" in active.log(), message="the active replica to run")
     standby = cluster.start_operator(*peering, "--priority", "100", standalone=False)
     # With peering, kopf starts every replica paused until it has seen the peers.
     cluster.create_service(copy.deepcopy(SPEC))
-    wait_for("the status", lambda: cluster.status().get("phase"))
+    wait_for(lambda: cluster.status().get("phase"), message="the status")
     # The status can land before the replica's log line does: poll the log, then check the standby.
-    wait_for("the active replica's reconcile", lambda: "reconciled ml/qwen" in active.log())
+    wait_for(lambda: "reconciled ml/qwen" in active.log(), message="the active replica's reconcile")
     assert "reconciled ml/qwen" not in standby.log()
 
     active.kill()
     cluster.patch_service({"spec": {"runtime": {"maxModelLen": 2048}}})
-    wait_for("the standby to take over", lambda: cluster.status().get("observedGeneration") == 2)
+    wait_for(lambda: cluster.status().get("observedGeneration") == 2, message="the standby to take over")
     assert "Resuming operations after the pause" in standby.log()
     assert "reconciled ml/qwen generation 2" in standby.log()
     assert len(cluster.kube.objects("deployments", "apps")) == 1

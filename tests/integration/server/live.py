@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.server.app import create_app
+from tests.support.waiting import wait_for
 
 API_KEY = "test-key"
 READY_DEADLINE_SECONDS = 300.0  # generous: shared CI machines can be very busy
@@ -31,18 +31,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_until(predicate, deadline_seconds: float = 60.0, what: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value (returned) or the deadline passes."""
-    end = time.monotonic() + deadline_seconds
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def health_status(base_url: str) -> int | None:
@@ -99,8 +87,10 @@ def serve_in_thread(
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(
-            lambda: health_status(base_url) == 200, READY_DEADLINE_SECONDS, "the server to become ready"
+        wait_for(
+            lambda: health_status(base_url) == 200,
+            timeout_seconds=READY_DEADLINE_SECONDS,
+            message="the server to become ready",
         )
         yield LiveServer(base_url, model_dir.name, model_dir, api_key)
     finally:

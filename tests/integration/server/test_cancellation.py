@@ -9,7 +9,8 @@ import random
 import httpx
 import openai
 
-from tests.integration.server.live import LiveServer, sample, scrape, wait_until
+from tests.integration.server.live import LiveServer, sample, scrape
+from tests.support.waiting import wait_for
 
 NUM_STREAMS = 50
 LONG = {"ignore_eos": True}
@@ -32,7 +33,7 @@ def finished_count(metrics: dict, server: LiveServer) -> float:
 
 
 async def test_streams_cancelled_at_random_points_leave_no_running_request_and_no_block(live_server) -> None:
-    before = wait_until(lambda: idle(live_server), what="an idle server")
+    before = wait_for(lambda: idle(live_server), timeout_seconds=60.0, message="an idle server")
     client = openai.AsyncOpenAI(
         base_url=f"{live_server.base_url}/v1", api_key=live_server.api_key, max_retries=0
     )
@@ -56,7 +57,9 @@ async def test_streams_cancelled_at_random_points_leave_no_running_request_and_n
     await asyncio.gather(*(one(rng.randint(1, 12)) for _ in range(NUM_STREAMS)))
     await client.close()
     gc.collect()  # finalise the abandoned stream generators here, not in a later test
-    after = await asyncio.to_thread(wait_until, lambda: idle(live_server), 60.0, "the aborts to land")
+    after = await asyncio.to_thread(
+        wait_for, lambda: idle(live_server), timeout_seconds=60.0, message="the aborts to land"
+    )
     model = {"model_name": live_server.model_name}
     assert sample(after, "vllm:num_requests_running", **model) == 0
     assert sample(after, "vllm:kv_cache_usage_perc", **model) == 0
@@ -68,20 +71,22 @@ async def test_streams_cancelled_at_random_points_leave_no_running_request_and_n
 
 
 async def test_a_non_streaming_client_that_disconnects_aborts_its_request(live_server) -> None:
-    before = wait_until(lambda: idle(live_server), what="an idle server")
+    before = wait_for(lambda: idle(live_server), timeout_seconds=60.0, message="an idle server")
     body = {"model": live_server.model_name, "prompt": "once", "max_tokens": 480, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=live_server.base_url, headers=live_server.headers) as http:
         task = asyncio.ensure_future(http.post("/v1/completions", json=body, timeout=120))
         running = {"model_name": live_server.model_name}
         await asyncio.to_thread(
-            wait_until,
+            wait_for,
             lambda: sample(scrape(live_server.base_url), "vllm:num_requests_running", **running) == 1,
-            60.0,
-            "the request to run",
+            timeout_seconds=60.0,
+            message="the request to run",
         )
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    after = await asyncio.to_thread(wait_until, lambda: idle(live_server), 60.0, "the abort to land")
+    after = await asyncio.to_thread(
+        wait_for, lambda: idle(live_server), timeout_seconds=60.0, message="the abort to land"
+    )
     model = {"model_name": live_server.model_name}
     aborted = sample(after, "vllm:request_success_total", finished_reason="abort", **model) - sample(
         before, "vllm:request_success_total", finished_reason="abort", **model

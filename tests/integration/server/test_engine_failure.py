@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
-from tests.integration.server.live import health_status, serve_in_thread, wait_until
+from tests.integration.server.live import health_status, serve_in_thread
+from tests.support.waiting import wait_for
 
 POISON_MAX_TOKENS = 13
 
@@ -30,6 +31,8 @@ def test_a_failed_engine_answers_500_and_turns_unhealthy(tiny_model_dir: Path) -
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "InternalServerError"
         assert "injected fault" in response.json()["error"]["message"]
-        wait_until(lambda: health_status(server.base_url) == 503, 30.0, "/health to turn 503")
+        wait_for(
+            lambda: health_status(server.base_url) == 503, timeout_seconds=30.0, message="/health to turn 503"
+        )
         later = httpx.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
         assert later.status_code == 503

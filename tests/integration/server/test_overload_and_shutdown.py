@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.integration.server.live import free_port, health_status, serve_in_thread, wait_until
+from tests.integration.server.live import free_port, health_status, serve_in_thread
+from tests.support.waiting import wait_for
 
 BURST = 12
 # The console script's entry point, run by this interpreter (``-m kunlun_runtime.cli`` would load the
@@ -55,7 +56,11 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(tiny_model_dir: 
     )
     base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: health_status(base_url) == 200, 300.0, "the server to become ready")
+        wait_for(
+            lambda: health_status(base_url) == 200,
+            timeout_seconds=300.0,
+            message="the server to become ready",
+        )
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
         started = [threading.Event() for _ in range(3)]
         results: list[tuple[int, str | None] | BaseException] = [None] * 3  # type: ignore[list-item]
@@ -80,9 +85,17 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(tiny_model_dir: 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
         for thread in threads:
             thread.start()
-        wait_until(lambda: all(event.is_set() for event in started), 60.0, "every stream to start")
+        wait_for(
+            lambda: all(event.is_set() for event in started),
+            timeout_seconds=60.0,
+            message="every stream to start",
+        )
         process.send_signal(signal.SIGTERM)
-        wait_until(lambda: health_status(base_url) in (503, None), 30.0, "/health to turn 503")
+        wait_for(
+            lambda: health_status(base_url) in (503, None),
+            timeout_seconds=30.0,
+            message="/health to turn 503",
+        )
         refused = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
         assert refused.status_code == 503 and refused.headers["Retry-After"]
         for thread in threads:

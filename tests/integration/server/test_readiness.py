@@ -14,7 +14,8 @@ from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.errors import ModelLoadError
 from kunlun_runtime.server.app import create_app
 from kunlun_runtime.server.lifecycle import Lifecycle
-from tests.integration.server.live import free_port, health_status, wait_until
+from tests.integration.server.live import free_port, health_status
+from tests.support.waiting import wait_for
 
 
 def serve(app) -> tuple[uvicorn.Server, threading.Thread, str]:
@@ -35,13 +36,15 @@ def test_health_is_503_until_the_model_is_loaded_then_200(tiny_model_dir: Path) 
 
     server, thread, base_url = serve(create_app(slow_factory))
     try:
-        wait_until(lambda: health_status(base_url) is not None, 60.0, "the port to open")
+        wait_for(
+            lambda: health_status(base_url) is not None, timeout_seconds=60.0, message="the port to open"
+        )
         health = httpx.get(f"{base_url}/health")
         assert health.status_code == 503 and health.headers["Retry-After"]
         models = httpx.get(f"{base_url}/v1/models")
         assert models.status_code == 503 and models.json()["error"]["type"] == "ServiceUnavailableError"
         release.set()
-        wait_until(lambda: health_status(base_url) == 200, 300.0, "readiness")
+        wait_for(lambda: health_status(base_url) == 200, timeout_seconds=300.0, message="readiness")
         assert httpx.get(f"{base_url}/v1/models").status_code == 200
     finally:
         release.set()
@@ -61,8 +64,12 @@ def test_a_model_that_fails_to_load_never_becomes_ready(tmp_path: Path) -> None:
     app = create_app(broken_factory)
     server, thread, base_url = serve(app)
     try:
-        wait_until(failed.is_set, 60.0, "the load to fail")
-        wait_until(lambda: app.state.lifecycle.state.value == "failed", 60.0, "the failed state")
+        wait_for(failed.is_set, timeout_seconds=60.0, message="the load to fail")
+        wait_for(
+            lambda: app.state.lifecycle.state.value == "failed",
+            timeout_seconds=60.0,
+            message="the failed state",
+        )
         assert health_status(base_url) == 503
         assert "failed" in httpx.get(f"{base_url}/v1/models").json()["error"]["message"]
     finally:
@@ -83,7 +90,9 @@ def test_only_a_serve_only_process_freezes_the_heap_left_by_loading(tiny_model_d
         lifecycle = Lifecycle(factory, freeze_gc_after_load=freeze)
         server, thread, base_url = serve(create_app(factory, lifecycle=lifecycle))
         try:
-            wait_until(lambda url=base_url: health_status(url) == 200, 300.0, "readiness")
+            wait_for(
+                lambda url=base_url: health_status(url) == 200, timeout_seconds=300.0, message="readiness"
+            )
             assert (gc.get_freeze_count() > 0) is freeze
             assert httpx.get(f"{base_url}/v1/models").status_code == 200
         finally:
