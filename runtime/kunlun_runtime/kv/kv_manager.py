@@ -40,15 +40,11 @@ class CachedPrefix:
     """
 
     block_ids: tuple[int, ...] = ()
-    block_size: int = 0
+    num_tokens: int = 0  # the tokens those blocks hold: their number times the block size
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.block_ids) * self.block_size
 
 
 NO_CACHED_PREFIX = CachedPrefix()
@@ -83,7 +79,7 @@ class KVManager:
         hits = self._lookup(self.prefix_hashes(request))
         self.num_prefix_queries += len(request.all_token_ids)
         self.num_prefix_hits += len(hits) * self.block_size
-        return CachedPrefix(tuple(block.block_id for block in hits), self.block_size)
+        return CachedPrefix(tuple(block.block_id for block in hits), len(hits) * self.block_size)
 
     def _lookup(self, block_hashes: Sequence[int]) -> list[Block]:
         hits: list[Block] = []
