@@ -14,9 +14,9 @@ is a ``ConfigError`` naming the file and the key. Nothing here touches torch or 
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -24,17 +24,28 @@ from kunlun_runtime.config import EngineConfig, parse_memory
 from kunlun_runtime.errors import ConfigError
 
 DOCUMENTATION_SECTIONS = frozenset({"why", "measurements", "cpu"})
-# Python types each EngineConfig field accepts from YAML (bool is not an int here).
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,),
-    "int | None": (int, type(None)),
-    "str": (str,),
-    "str | None": (str, type(None)),
-    "bool": (bool,),
-    "float": (int, float),
-    "float | None": (int, float, type(None)),
+# Python types a YAML value may have for a field of each annotated type (bool is not an int here;
+# a Literal option is a string whose value ``EngineConfig.validate()`` checks).
+_SCALARS: dict[object, tuple[type, ...]] = {int: (int,), bool: (bool,), float: (int, float), str: (str,)}
+
+
+def _accepted_types(hint: object) -> tuple[type, ...] | None:
+    """What YAML may hold for a field annotated ``hint``; None for fields a file cannot set."""
+    if hint is type(None):
+        return (type(None),)
+    if get_origin(hint) is Literal:
+        return (str,)
+    if get_origin(hint) in (Union, UnionType):
+        parts = [_accepted_types(arg) for arg in get_args(hint)]
+        return None if any(p is None for p in parts) else tuple(t for p in parts if p for t in p)
+    return _SCALARS.get(hint)
+
+
+OPTION_TYPES = {
+    name: accepted
+    for name, hint in get_type_hints(EngineConfig).items()
+    if (accepted := _accepted_types(hint)) is not None
 }
-OPTION_TYPES = {f.name: _FIELD_TYPES[f.type] for f in fields(EngineConfig) if f.type in _FIELD_TYPES}
 
 
 def _error(path: Path, key: str, message: str) -> ConfigError:

@@ -66,7 +66,15 @@ def capture_tensor_parallel(
     processes = [
         context.Process(
             target=_rank_main,
-            args=(str(model_dir), (dtype, weight_dtype or dtype), list(token_ids), world, port, rank, results),
+            args=(
+                str(model_dir),
+                (dtype, weight_dtype or dtype),
+                list(token_ids),
+                world,
+                port,
+                rank,
+                results,
+            ),
         )
         for rank in range(world)
     ]

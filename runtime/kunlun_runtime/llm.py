@@ -9,12 +9,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kunlun_runtime.config import EngineConfig, parse_memory
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
@@ -52,12 +55,13 @@ class LLM:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order."""
-        if not isinstance(prompts, (list, tuple)):
-            prompts = [prompts]  # one prompt; the engine validates its type
-        params_list = self._per_prompt(sampling_params, len(prompts))
+        # Anything but a list or tuple is one prompt, of whatever type: the engine validates it
+        # (InvalidRequestError naming the field), so the elements are Any here.
+        prompt_list: Sequence[Any] = prompts if isinstance(prompts, (list, tuple)) else [prompts]
+        params_list = self._per_prompt(sampling_params, len(prompt_list))
         groups: list[list[str]] = []
         try:
-            for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 base = f"offline-{next(self._ids)}"
                 ids: list[str] = []
                 groups.append(ids)  # before adding: a later failure must abort what was added
@@ -85,7 +89,7 @@ class LLM:
         **kwargs: Any,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if _is_one_conversation(messages) else list(messages)
         prompts = [{"prompt_token_ids": self.engine.tokenizer.encode_chat(c)} for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
@@ -115,3 +119,10 @@ class LLM:
         for index, child in enumerate(children):
             outputs.append(replace(child.outputs[0], index=index))
         return replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=outputs)
+
+
+def _is_one_conversation(
+    messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+) -> TypeIs[list[dict[str, Any]]]:
+    """True for one conversation (its messages), False for a list of conversations."""
+    return bool(messages) and isinstance(messages[0], dict)

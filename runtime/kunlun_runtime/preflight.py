@@ -136,8 +136,12 @@ def run_preflight(
             problems.append(f"XPU_VISIBLE_DEVICES names card(s) {missing} that xpu-smi does not list")
         checked = tuple(by_index[i] for i in visible if i in by_index) if visible is not None else listed
         versions = source.versions(checked)
-        found = {"driver": versions.driver, "runtime": versions.runtime, "firmware": versions.firmware,
-                 "kml": versions.kml}
+        found = {
+            "driver": versions.driver,
+            "runtime": versions.runtime,
+            "firmware": versions.firmware,
+            "kml": versions.kml,
+        }
         cards, card_problems = _card_reports(source, checked)
         problems += card_problems
         if not listed:

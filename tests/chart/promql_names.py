@@ -10,10 +10,24 @@ from __future__ import annotations
 
 import re
 
-KEYWORDS = frozenset({
-    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool",
-    "offset", "inf", "nan", "atan2",
-})
+KEYWORDS = frozenset(
+    {
+        "and",
+        "or",
+        "unless",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "offset",
+        "inf",
+        "nan",
+        "atan2",
+    }
+)
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _MATCHERS = re.compile(r"\{[^{}]*\}")
 _RANGE = re.compile(r"\[[^\[\]]*\]")

@@ -16,9 +16,16 @@ from tests.chart.tools import REPO, Rendered, render, require_tool
 
 RULE_TESTS = Path(__file__).parent / "rules" / "alerts.test.yaml"
 REQUIRED_ALERTS = {  # what issue 8 asks for, by alert name
-    "KunlunRuntimeDown", "KunlunTTFTP99OverObjective", "KunlunRequestQueueGrowing", "KunlunKVCacheNearFull",
-    "KunlunPreemptionSurge", "KunlunRequestErrorRate", "KunlunXPUTemperatureHigh", "KunlunXPUUnhealthy",
-    "KunlunXPUECCErrors", "KunlunXPUDriverVersionDrift",
+    "KunlunRuntimeDown",
+    "KunlunTTFTP99OverObjective",
+    "KunlunRequestQueueGrowing",
+    "KunlunKVCacheNearFull",
+    "KunlunPreemptionSurge",
+    "KunlunRequestErrorRate",
+    "KunlunXPUTemperatureHigh",
+    "KunlunXPUUnhealthy",
+    "KunlunXPUECCErrors",
+    "KunlunXPUDriverVersionDrift",
 }
 
 
@@ -48,7 +55,8 @@ def write_rules(rendered: Rendered, directory: Path) -> Path:
 
 @pytest.mark.parametrize("values_set", ["default", "monitoring-values"])
 def test_promtool_check_rules_accepts_the_rendered_rules(
-        values_set: str, default_rules: Rendered, monitoring_render: Rendered, tmp_path: Path) -> None:
+    values_set: str, default_rules: Rendered, monitoring_render: Rendered, tmp_path: Path
+) -> None:
     rendered = default_rules if values_set == "default" else monitoring_render
     write_rules(rendered, tmp_path)
     proc = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
@@ -91,18 +99,32 @@ def test_the_required_alerts_exist_with_severity_summary_and_runbook(default_rul
 
 
 def test_objectives_from_values_reach_the_expressions() -> None:
-    rendered = render(overrides={"monitoring": {"prometheusRule": {
-        "enabled": True, "objectives": {"ttftP99Seconds": 0.75, "chipTemperatureCelsius": 77}}}})
+    rendered = render(
+        overrides={
+            "monitoring": {
+                "prometheusRule": {
+                    "enabled": True,
+                    "objectives": {"ttftP99Seconds": 0.75, "chipTemperatureCelsius": 77},
+                }
+            }
+        }
+    )
     exprs = {r["alert"]: r["expr"] for r in alerts(rendered)}
     assert exprs["KunlunTTFTP99OverObjective"].endswith("> 0.75")
     assert exprs["KunlunXPUTemperatureHigh"].endswith("> 77")
 
 
 def test_driver_drift_accepts_every_matrix_version_including_extra_entries() -> None:
-    rendered = render(overrides={
-        "monitoring": {"prometheusRule": {"enabled": True}},
-        "compatibility": {"extraEntries": [
-            {"runtime": "0.1.0", "driver": ["5.1.0"], "firmware": ["1.4.0"], "kml": ["3.3.0"]}]}})
+    rendered = render(
+        overrides={
+            "monitoring": {"prometheusRule": {"enabled": True}},
+            "compatibility": {
+                "extraEntries": [
+                    {"runtime": "0.1.0", "driver": ["5.1.0"], "firmware": ["1.4.0"], "kml": ["3.3.0"]}
+                ]
+            },
+        }
+    )
     expr = {r["alert"]: r["expr"] for r in alerts(rendered)}["KunlunXPUDriverVersionDrift"]
     assert 'driver_version!~"(5\\\\.0\\\\.21\\\\.26|5\\\\.1\\\\.0)(\\\\..+)?"' in expr
     assert 'firmware_version!~"(1\\\\.0\\\\.2\\\\.14\\\\.1\\\\.54|1\\\\.4\\\\.0)(\\\\..+)?"' in expr

@@ -16,32 +16,74 @@ BAD_VALUES = [
     ("unknown-nested-key", {"operator": {"replica": 2}}, "at '/operator'", "'replica' not allowed"),
     ("zero-replicas", {"operator": {"replicas": 0}}, "at '/operator/replicas'", "minimum"),
     ("replicas-as-string", {"operator": {"replicas": "two"}}, "at '/operator/replicas'", "want integer"),
-    ("bad-pull-policy", {"operator": {"image": {"pullPolicy": "Sometimes"}}},
-     "at '/operator/image/pullPolicy'", "value must be one of"),
-    ("webhook-failure-policy", {"operator": {"webhook": {"failurePolicy": "Maybe"}}},
-     "at '/operator/webhook/failurePolicy'", "value must be one of"),
-    ("port-out-of-range", {"devicePlugin": {"exporter": {"port": 70000}}},
-     "at '/devicePlugin/exporter/port'", "maximum"),
-    ("relative-host-path", {"devicePlugin": {"hostPaths": {"dev": "dev"}}},
-     "at '/devicePlugin/hostPaths/dev'", "does not match pattern"),
-    ("kv-ratio-over-one", {"monitoring": {"prometheusRule": {"objectives": {"kvCacheUsageRatio": 95}}}},
-     "at '/monitoring/prometheusRule/objectives/kvCacheUsageRatio'", "maximum"),
-    ("bad-scrape-interval", {"monitoring": {"serviceMonitor": {"interval": "30 seconds"}}},
-     "at '/monitoring/serviceMonitor/interval'", "does not match pattern"),
-    ("matrix-entry-missing-kml", {"compatibility": {"extraEntries": [
-        {"runtime": "0.1.0", "driver": ["5.0.22"], "firmware": ["1.3.9"]}]}},
-     "at '/compatibility/extraEntries/0'", "missing property 'kml'"),
-    ("matrix-version-not-a-version", {"compatibility": {"extraEntries": [
-        {"runtime": "0.1.0", "driver": ["latest"], "firmware": ["1.3.9"], "kml": ["3.2.1"]}]}},
-     "at '/compatibility/extraEntries/0/driver/0'", "does not match pattern"),
+    (
+        "bad-pull-policy",
+        {"operator": {"image": {"pullPolicy": "Sometimes"}}},
+        "at '/operator/image/pullPolicy'",
+        "value must be one of",
+    ),
+    (
+        "webhook-failure-policy",
+        {"operator": {"webhook": {"failurePolicy": "Maybe"}}},
+        "at '/operator/webhook/failurePolicy'",
+        "value must be one of",
+    ),
+    (
+        "port-out-of-range",
+        {"devicePlugin": {"exporter": {"port": 70000}}},
+        "at '/devicePlugin/exporter/port'",
+        "maximum",
+    ),
+    (
+        "relative-host-path",
+        {"devicePlugin": {"hostPaths": {"dev": "dev"}}},
+        "at '/devicePlugin/hostPaths/dev'",
+        "does not match pattern",
+    ),
+    (
+        "kv-ratio-over-one",
+        {"monitoring": {"prometheusRule": {"objectives": {"kvCacheUsageRatio": 95}}}},
+        "at '/monitoring/prometheusRule/objectives/kvCacheUsageRatio'",
+        "maximum",
+    ),
+    (
+        "bad-scrape-interval",
+        {"monitoring": {"serviceMonitor": {"interval": "30 seconds"}}},
+        "at '/monitoring/serviceMonitor/interval'",
+        "does not match pattern",
+    ),
+    (
+        "matrix-entry-missing-kml",
+        {
+            "compatibility": {
+                "extraEntries": [{"runtime": "0.1.0", "driver": ["5.0.22"], "firmware": ["1.3.9"]}]
+            }
+        },
+        "at '/compatibility/extraEntries/0'",
+        "missing property 'kml'",
+    ),
+    (
+        "matrix-version-not-a-version",
+        {
+            "compatibility": {
+                "extraEntries": [
+                    {"runtime": "0.1.0", "driver": ["latest"], "firmware": ["1.3.9"], "kml": ["3.2.1"]}
+                ]
+            }
+        },
+        "at '/compatibility/extraEntries/0/driver/0'",
+        "does not match pattern",
+    ),
     ("label-value-not-a-string", {"commonLabels": {"team": 7}}, "at '/commonLabels/team'", "want string"),
 ]
 
 
-@pytest.mark.parametrize(("values", "field", "complaint"), [b[1:] for b in BAD_VALUES],
-                         ids=[b[0] for b in BAD_VALUES])
+@pytest.mark.parametrize(
+    ("values", "field", "complaint"), [b[1:] for b in BAD_VALUES], ids=[b[0] for b in BAD_VALUES]
+)
 def test_schema_rejects_bad_values_naming_the_field(
-        values: dict, field: str, complaint: str, tmp_path: Path) -> None:
+    values: dict, field: str, complaint: str, tmp_path: Path
+) -> None:
     path = tmp_path / "bad-values.yaml"
     path.write_text(yaml.safe_dump(values))
     proc = helm("template", RELEASE, str(CHART), "--values", str(path), check=False)
@@ -61,9 +103,13 @@ def _walk(schema: dict, path: str = "") -> list[tuple[str, dict]]:
 def test_every_object_in_the_schema_forbids_unknown_keys_unless_it_is_free_form() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     # Free-form on purpose: Kubernetes objects passed through verbatim, and label maps.
-    open_objects = {path for path, node in _walk(schema)
-                    if node.get("type") == "object" and node.get("additionalProperties", True) is not False
-                    and "properties" in node}
+    open_objects = {
+        path
+        for path, node in _walk(schema)
+        if node.get("type") == "object"
+        and node.get("additionalProperties", True) is not False
+        and "properties" in node
+    }
     assert open_objects == set()
 
 

@@ -26,8 +26,9 @@ def test_every_value_in_values_yaml_has_a_doc_comment() -> None:
     documented = {v.path for v in parse_documented_values(text)}
     leaves = _leaf_paths(yaml.safe_load(text))
     # Each leaf is documented itself or sits inside a documented structured default.
-    undocumented = {leaf for leaf in leaves
-                    if not any(leaf == d or leaf.startswith(d + ".") for d in documented)}
+    undocumented = {
+        leaf for leaf in leaves if not any(leaf == d or leaf.startswith(d + ".") for d in documented)
+    }
     assert undocumented == set()
     assert all(v.description for v in parse_documented_values(text))
 
@@ -46,7 +47,9 @@ def test_parser_rejects_an_empty_undocumented_section() -> None:
 def test_parser_treats_nested_structure_under_a_documented_key_as_its_default() -> None:
     text = "s:\n  # -- the affinity\n  # (continued)\n  aff:\n    node:\n      x: 1\n  # -- port\n  port: 2\n"
     assert [(v.path, v.description, v.line) for v in parse_documented_values(text)] == [
-        ("s.aff", "the affinity (continued)", 4), ("s.port", "port", 8)]
+        ("s.aff", "the affinity (continued)", 4),
+        ("s.port", "port", 8),
+    ]
 
 
 def test_chart_readme_values_table_is_up_to_date() -> None:

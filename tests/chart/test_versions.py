@@ -30,8 +30,10 @@ def test_every_image_tag_is_the_project_version() -> None:
 
 def test_rendered_images_are_the_versions_file_images(default_render: Rendered) -> None:
     images = VERSIONS["images"]
-    expected = {key: f"{images['registry']}/{images[key]['repository']}:{images[key]['tag']}"
-                for key in ("runtime", "operator", "devicePlugin")}
+    expected = {
+        key: f"{images['registry']}/{images[key]['repository']}:{images[key]['tag']}"
+        for key in ("runtime", "operator", "devicePlugin")
+    }
     operator = default_render.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
     assert operator["image"] == expected["operator"]
     assert f"--default-runtime-image={expected['runtime']}" in operator["args"]
@@ -44,7 +46,8 @@ def test_chart_values_image_repositories_are_the_versions_file_ones() -> None:
     images = VERSIONS["images"]
     assert values["global"]["imageRegistry"] == images["registry"]
     assert {key: values[key]["image"]["repository"] for key in ("runtime", "operator", "devicePlugin")} == {
-        key: images[key]["repository"] for key in ("runtime", "operator", "devicePlugin")}
+        key: images[key]["repository"] for key in ("runtime", "operator", "devicePlugin")
+    }
     # An explicit tag in values.yaml would silently pin an image away from appVersion.
     assert {values[key]["image"]["tag"] for key in ("runtime", "operator", "devicePlugin")} == {""}
 
@@ -65,8 +68,10 @@ def test_dockerfile_build_arg_defaults_are_the_versions_file_values() -> None:
     expected = {
         "PYTHON_IMAGE": VERSIONS["build"]["pythonImage"],
         "VERSION": PROJECT_VERSION,
-        **{f"{name.upper().replace('-', '_')}_VERSION": version
-           for name, version in VERSIONS["build"]["debianPackages"].items()},
+        **{
+            f"{name.upper().replace('-', '_')}_VERSION": version
+            for name, version in VERSIONS["build"]["debianPackages"].items()
+        },
     }
     stack = {f"KUNLUN_{k.upper()}_VERSION": v for k, v in VERSIONS["kunlunStack"].items()}
     for component in ("runtime", "operator", "device-plugin"):

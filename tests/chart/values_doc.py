@@ -116,8 +116,11 @@ def main(argv: list[str]) -> int:
         readme.write_text(fresh)
         return 0
     if fresh != readme.read_text():
-        print("charts/kunlun-inference/README.md is stale: run "
-              "`.venv/bin/python -m tests.chart.values_doc --write`", file=sys.stderr)
+        print(
+            "charts/kunlun-inference/README.md is stale: run "
+            "`.venv/bin/python -m tests.chart.values_doc --write`",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -59,7 +59,9 @@ def run_golden_command(args: argparse.Namespace) -> int:
         from kunlun_runtime.layers.linear import choose_linear_backend, convert_linears
 
         device = torch.device("cpu")
-        model, _ = load_model(model_dir, weight_dtype, device, max(len(token_ids), 1) + 1, compute_dtype=dtype)
+        model, _ = load_model(
+            model_dir, weight_dtype, device, max(len(token_ids), 1) + 1, compute_dtype=dtype
+        )
         backend = choose_linear_backend(args.linear_backend, dtype, device, weight_dtype)
         convert_linears(model, backend=backend, quantization=None, compute_dtype=dtype)
         if args.native_kernels:

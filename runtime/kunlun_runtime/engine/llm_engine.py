@@ -153,7 +153,9 @@ class LLMEngine:
             cache_line_bytes=self.platform.cache_line_bytes,
             cache_num_sets=self.platform.cache_num_sets,
             kv_block_skew=config.kv_block_skew,
-            linear_backend=choose_linear_backend(config.linear_backend, self.dtype, self.device, self.weight_dtype),
+            linear_backend=choose_linear_backend(
+                config.linear_backend, self.dtype, self.device, self.weight_dtype
+            ),
             quantization=config.quantization,
             fused_attention=config.fused_attention,
             native_kernels=config.native_kernels,
@@ -311,9 +313,7 @@ class LLMEngine:
             request.prompt_logprobs.append(None)
         for offset in range(rows.shape[0]):
             next_token = request.prompt_token_ids[first_pos + offset + 1]
-            request.prompt_logprobs.append(
-                make_logprob(logprobs[offset], next_token, num_top)
-            )
+            request.prompt_logprobs.append(make_logprob(logprobs[offset], next_token, num_top))
 
     def _append_token(
         self, tracked: _Tracked, token_id: int, logprob: TokenLogprob | None, now: float

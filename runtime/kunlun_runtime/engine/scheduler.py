@@ -173,7 +173,9 @@ class Scheduler:
                 break
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = cached.num_tokens
-            chunk = self.policy.admission_chunk(num_cached_tokens, request.num_tokens - num_cached_tokens, budget)
+            chunk = self.policy.admission_chunk(
+                num_cached_tokens, request.num_tokens - num_cached_tokens, budget
+            )
             if blocked and not chunk.whole:
                 continue
             num_new = chunk.num_new_tokens

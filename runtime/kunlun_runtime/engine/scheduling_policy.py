@@ -27,6 +27,7 @@ class SchedulingPolicyName(enum.StrEnum):
     FIXED = "fixed"
     FEEDBACK = "feedback"
 
+
 # With no explicit target, a step that carries decodes may take this many pure-decode steps: the
 # inter-token latency a running request sees at most triples while prompts are being prefilled...
 DEFAULT_TARGET_DECODE_STEPS = 3.0

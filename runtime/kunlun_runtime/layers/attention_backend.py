@@ -69,7 +69,9 @@ class PagedAttention:
         )
         return self._sdpa(q, k, v, k_blocks, v_blocks, meta, kv_written=True)
 
-    def _sdpa(self, q, k, v, k_blocks, v_blocks, meta: AttentionMetadata, *, kv_written: bool) -> torch.Tensor:
+    def _sdpa(
+        self, q, k, v, k_blocks, v_blocks, meta: AttentionMetadata, *, kv_written: bool
+    ) -> torch.Tensor:
         return paged_attention(
             q,
             k,
@@ -109,7 +111,17 @@ class PagedAttention:
         rows = split.prefill_rows
         q_p, k_p, v_p, cos_p, sin_p = (t.index_select(0, rows) for t in (q, k, v, cos, sin))
         q_p, k_p = cpu_kernels.rotary_kv_write(
-            q_p, k_p, v_p, cos_p, sin_p, k_blocks, v_blocks, split.prefill.slot_block_ids, split.prefill.slot_offsets
+            q_p,
+            k_p,
+            v_p,
+            cos_p,
+            sin_p,
+            k_blocks,
+            v_blocks,
+            split.prefill.slot_block_ids,
+            split.prefill.slot_offsets,
         )
-        out.index_copy_(0, rows, self._sdpa(q_p, k_p, v_p, k_blocks, v_blocks, split.prefill, kv_written=True))
+        out.index_copy_(
+            0, rows, self._sdpa(q_p, k_p, v_p, k_blocks, v_blocks, split.prefill, kv_written=True)
+        )
         return out

@@ -111,7 +111,10 @@ def tier_for_dtype(dtype: torch.dtype) -> KernelTier | None:
 
 def _library_name(tier: KernelTier) -> str:
     # The name carries a digest of the sources and flags, so an edited kernel is rebuilt.
-    text = b"".join(path.read_bytes() for path in (*tier.sources, *HEADERS)) + " ".join(tier.compile_flags).encode()
+    text = (
+        b"".join(path.read_bytes() for path in (*tier.sources, *HEADERS))
+        + " ".join(tier.compile_flags).encode()
+    )
     return f"{tier.namespace}_{hashlib.sha256(text).hexdigest()[:10]}"
 
 
@@ -165,10 +168,10 @@ def _build(tier_name: IsaTier) -> str | None:
     capabilities = cpu_capabilities()
     if not capabilities.tier >= tier.tier:
         forced = capabilities.tier != capabilities.detected_tier
-        return (
-            f"the {tier.tier.value} kernels need the {tier.tier.value} ISA tier; "
-            + (f"KUNLUN_CPU_ISA={capabilities.tier.value} is in force" if forced else
-               f"this CPU ({capabilities.model_name}) is {capabilities.detected_tier.value}")
+        return f"the {tier.tier.value} kernels need the {tier.tier.value} ISA tier; " + (
+            f"KUNLUN_CPU_ISA={capabilities.tier.value} is in force"
+            if forced
+            else f"this CPU ({capabilities.model_name}) is {capabilities.detected_tier.value}"
         )
     prebuilt_dir = os.environ.get(PREBUILT_ENV)
     if prebuilt_dir:
@@ -284,9 +287,7 @@ def rotary_kv_write(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary on q and k and the K/V write into the paged cache for any number of tokens;
     returns (rotated q, rotated k) (see decode_ops.cpp)."""
-    return _ops(q).rotary_kv_write(
-        q, k, v, cos, sin, k_blocks, v_blocks, slot_block_ids, slot_offsets
-    )
+    return _ops(q).rotary_kv_write(q, k, v, cos, sin, k_blocks, v_blocks, slot_block_ids, slot_offsets)
 
 
 def decode_layers(

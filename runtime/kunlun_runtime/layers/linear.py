@@ -21,6 +21,7 @@ Module names are kept (``qkv_proj`` stays ``qkv_proj``), so golden runs hook the
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +164,8 @@ class PackedLinear(nn.Module):
 
 
 class NativeLinear(nn.Module):
+    bias_fp32: torch.Tensor | None  # buffer (register_buffer), None without a bias
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -172,7 +175,7 @@ class NativeLinear(nn.Module):
             if linear.weight.is_contiguous()
             else nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
         )
-        self.bias = linear.bias
+        self.bias: torch.Tensor | None = linear.bias  # None for bias=False (typed Parameter by torch)
         self.register_buffer("bias_fp32", None if linear.bias is None else linear.bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +188,8 @@ class NativeLinear(nn.Module):
 
 class WideningLinear(nn.Module):
     """BF16 weight, FP32 activations, plain PyTorch (see ``widened_linear``)."""
+
+    bias_fp32: torch.Tensor | None  # buffer (register_buffer), None without a bias
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -206,6 +211,12 @@ class Int8Linear(nn.Module):
     calibration showed it accurate), larger batches run on the INT8 matrix units via ``_int_mm``."""
 
     SMALL_BATCH = 4
+    # Buffers (register_buffer); nn.Module.__getattr__ would type them ``Tensor | Module``.
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+    scales_fp32: torch.Tensor
+    bias: torch.Tensor | None
+    input_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -250,7 +261,9 @@ class Int8Linear(nn.Module):
         return out.to(x.dtype)
 
 
-def _replace(model: nn.Module, make, skip: frozenset[str] = frozenset()) -> int:
+def _replace(
+    model: nn.Module, make: Callable[[nn.Linear], nn.Module], skip: frozenset[str] = frozenset()
+) -> int:
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name not in skip:
@@ -279,7 +292,9 @@ def convert_linears(
     count = 0
     if quantization == "int8":
         count += _replace(model, Int8Linear.from_linear)
-    weight = model.embed_tokens.weight if hasattr(model, "embed_tokens") else next(model.parameters())
+    # ``embed_tokens`` is an nn.Embedding where a model has one (ours, HF's inner model).
+    embed_tokens = getattr(model, "embed_tokens", None)
+    weight: torch.Tensor = next(model.parameters()) if embed_tokens is None else embed_tokens.weight
     compute_dtype = compute_dtype or getattr(model, "compute_dtype", None) or weight.dtype
     if backend == "native":
         _require_native(compute_dtype)

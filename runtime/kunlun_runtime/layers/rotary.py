@@ -25,7 +25,6 @@ class RopeConfig:
     original_max_position_embeddings: int | None = None
 
 
-
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """Inverse frequencies (FP32, ``head_dim // 2``) after the configured scaling."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
@@ -52,6 +51,9 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # buffers (register_buffer)
+    sin_cache: torch.Tensor
+
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)

@@ -46,6 +46,8 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -65,6 +67,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # set together in __init__
             q, k = self.q_norm(q), self.k_norm(k)
         k_blocks, v_blocks = kv_cache.k_blocks[self.layer_index], kv_cache.v_blocks[self.layer_index]
         out = self.o_proj(self.attn.forward(q, k, v, cos_sin, k_blocks, v_blocks, meta))
@@ -174,16 +177,16 @@ class DecoderModel(nn.Module):
         quantized = any(isinstance(module, Int8Linear) for module in self.layers.modules())
         self.decode_max_rows = cpu_kernels.INT8_MAX_ROWS if quantized else cpu_kernels.MAX_ROWS
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)  # built so in __init__
             attn, mlp = layer.self_attn, layer.mlp
-            parts = [
+            qkv, o_proj, gate_up, down = (
                 linear(attn.qkv_proj),
                 linear(attn.o_proj),
                 linear(mlp.gate_up_proj),
                 linear(mlp.down_proj),
-            ]
-            if any(part is None for part in parts) or not attn.attn.fused:
+            )
+            if qkv is None or o_proj is None or gate_up is None or down is None or not attn.attn.fused:
                 return None
-            qkv, o_proj, gate_up, down = parts
             weights += [
                 layer.input_layernorm.weight,
                 *qkv,
@@ -204,6 +207,7 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids).to(self.activation_dtype)
         cos_sin = self.rotary.lookup(positions, x.dtype)
         if self._runs_fused_decode(meta):
+            assert self.decode_weights is not None  # _runs_fused_decode checked it
             cos, sin = cos_sin
             x = cpu_kernels.decode_layers(
                 x,

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from tqdm import tqdm
+from tqdm import tqdm  # no types-tqdm in the dev extras yet
 
 from kunlun_runtime.errors import ModelLoadError
 from kunlun_runtime.models.gguf_tokenizer import build_tokenizer, build_tokenizer_config, read_gguf_vocab

@@ -100,10 +100,14 @@ def _post_processor(vocab: GgufVocab) -> processors.PostProcessor:
         ("bos", vocab.bos_token_id, vocab.add_bos_token),
         ("eos", vocab.eos_token_id, vocab.add_eos_token),
     ]
-    specials = {which: (vocab.tokens[token_id], token_id) for which, token_id, wanted in ends if wanted}
     for which, token_id, wanted in ends:
         if wanted and token_id is None:
             raise ModelLoadError(f"GGUF asks to add the {which} token but names no {which} token id")
+    specials = {
+        which: (vocab.tokens[token_id], token_id)
+        for which, token_id, wanted in ends
+        if wanted and token_id is not None  # wanted implies an id (checked above)
+    }
     if not specials:
         return processors.ByteLevel(trim_offsets=False)
     bos = [f"{specials['bos'][0]}:0"] if "bos" in specials else []

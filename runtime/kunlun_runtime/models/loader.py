@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from kunlun_runtime.errors import ConfigError, ModelLoadError
 from kunlun_runtime.layers.linear import Int8Linear
@@ -114,10 +115,12 @@ def load_model(
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         owner._parameters[attr] = torch.nn.Parameter(converted[id(source)], requires_grad=False)
-    for module_name, pieces in quantized.items():
+    for module_name, tensors in quantized.items():
         linear = model.get_submodule(module_name)
+        if not isinstance(linear, nn.Linear):
+            raise ModelLoadError(f"{model_dir}: INT8 weights for {module_name}, which is not a linear layer")
         owner_name, _, attr = module_name.rpartition(".")
-        int8 = Int8Linear(pieces["weight"], pieces["weight_scale"], linear.bias, pieces.get("input_scale"))
+        int8 = Int8Linear(tensors["weight"], tensors["weight_scale"], linear.bias, tensors.get("input_scale"))
         setattr(model.get_submodule(owner_name) if owner_name else model, attr, int8.to(device))
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     model.compute_dtype = compute_dtype

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from kunlun_runtime.errors import EngineDeadError
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers.linear import convert_linears
-from kunlun_runtime.models.decoder import DecoderModel
+from kunlun_runtime.models.decoder import DecoderLayer, DecoderModel
 from kunlun_runtime.models.forward import StepInputs, run_forward
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.parallel.group import collective_preflight, free_port, init_group
@@ -72,6 +72,7 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
         model, backend=spec.linear_backend, quantization=spec.quantization, compute_dtype=spec.dtype
     )
     for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)  # DecoderModel builds its layers so
         layer.self_attn.attn.fused = spec.fused_attention
     if spec.native_kernels:
         model.enable_native_kernels()

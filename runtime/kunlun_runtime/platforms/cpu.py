@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import psutil
+import psutil  # no types-psutil in the dev extras yet
 import torch
 
 from kunlun_runtime.platforms.base import Platform, Telemetry, Versions

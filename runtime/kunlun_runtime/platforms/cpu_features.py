@@ -164,7 +164,9 @@ def probe(
                 f"{ISA_ENV}: unknown tier {requested!r}; one of {[t.value for t in IsaTier]}", field=ISA_ENV
             ) from None
         if not detected >= tier:
-            lacking = missing_flags(tier, flags) if machine in ("x86_64", "AMD64") else [f"x86-64 ({machine})"]
+            lacking = (
+                missing_flags(tier, flags) if machine in ("x86_64", "AMD64") else [f"x86-64 ({machine})"]
+            )
             raise ConfigError(
                 f"{ISA_ENV}={requested}: this CPU ({model}) lacks {', '.join(lacking)}; "
                 f"its best tier is {detected.value}",

@@ -15,7 +15,7 @@ No ``from __future__ import annotations`` here: FastAPI resolves the route signa
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -46,7 +46,10 @@ from kunlun_runtime.server.responses import (
 from kunlun_runtime.server.serving import ServedModel, now_seconds
 from kunlun_runtime.version import __version__
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+# FastAPI's type for ``responses=`` (the keys may also be "4XX" or "default").
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)
+}
 
 
 def create_app(

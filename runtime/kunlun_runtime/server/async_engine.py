@@ -122,6 +122,7 @@ class AsyncEngine:
         return stream
 
     def _opened(self) -> None:
+        assert self._idle is not None, "start() first"  # streams come from add(), after start()
         self.num_active += 1
         self._idle.clear()
 
@@ -130,6 +131,7 @@ class AsyncEngine:
             self._submit(sorted(unfinished))
         self.num_active -= 1
         if self.num_active == 0:
+            assert self._idle is not None, "start() first"  # a stream was opened, after start()
             self._idle.set()
 
     def _admit(self, count: int) -> None:
@@ -253,6 +255,6 @@ class RequestStream:
             self._engine._closed(self.remaining)
 
 
-def _put_all(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
+def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for queue, item in deliveries:
         queue.put_nowait(item)

@@ -6,7 +6,7 @@ vLLM number them. ``usage`` counts every prompt once and every generated token.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 from starlette.responses import Response
@@ -47,7 +47,10 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 
 
 def completion_logprobs(
-    served: ServedModel, token_ids: list[int], logprobs: list[TokenLogprob | None], text_offset: int = 0
+    served: ServedModel,
+    token_ids: list[int],
+    logprobs: Sequence[TokenLogprob | None],
+    text_offset: int = 0,
 ) -> CompletionLogprobs:
     out = CompletionLogprobs()
     for token_id, item in zip(token_ids, logprobs, strict=False):
@@ -112,7 +115,8 @@ def _choice(
         )
         text = prefix + text
     if body.logprobs is not None:
-        ids, items = list(completion.token_ids), list(completion.logprobs or [])
+        ids = list(completion.token_ids)
+        items: list[TokenLogprob | None] = list(completion.logprobs or [])
         if body.echo:
             ids = output.prompt_token_ids + ids
             items = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + items

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -72,7 +73,7 @@ def sampling_params(
     *,
     max_tokens: int | None,
     logprobs: int | None,
-    **extra: object,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for ``body``; raises InvalidRequestError naming the field."""
     for token_id in body.stop_token_ids or []:
@@ -81,7 +82,9 @@ def sampling_params(
                 f"stop_token_ids: {token_id} is not a token id (vocabulary size {served.vocab_size})",
                 field="stop_token_ids",
             )
-    fields = {
+    # The sampling fields the request may leave unset (None: SamplingParams' default); their
+    # types differ (top_k is an int), so they are passed on by name as keyword arguments.
+    fields: dict[str, Any] = {
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,
@@ -101,13 +104,13 @@ def sampling_params(
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         **{name: value for name, value in fields.items() if value is not None},
-        **extra,
     )
 
 
 def children(
-    base_id: str, prompt: object, params: SamplingParams, body: SamplingFields
+    base_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, body: SamplingFields
 ) -> list[EngineRequest]:
     """n engine requests for one prompt, seeded ``seed + i``."""
     out = []

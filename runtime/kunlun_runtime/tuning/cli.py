@@ -64,10 +64,18 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
     add("--budget-s", type=float, default=60.0, help="bound on the whole run in seconds (default 60)")
     add("--out", type=Path, default=None, help="write the YAML here (default: standard output)")
     add("--memory-fraction", type=float, default=0.9, help="share of a card's memory to use (default 0.9)")
-    add("--decode-step-target-ms", type=float, default=100.0,
-        help="max_num_seqs: largest batch whose decode step stays within this (default 100)")
-    add("--max-prefill-step-ms", type=float, default=500.0,
-        help="max_num_batched_tokens: cap on one prefill step (default 500)")
+    add(
+        "--decode-step-target-ms",
+        type=float,
+        default=100.0,
+        help="max_num_seqs: largest batch whose decode step stays within this (default 100)",
+    )
+    add(
+        "--max-prefill-step-ms",
+        type=float,
+        default=500.0,
+        help="max_num_batched_tokens: cap on one prefill step (default 500)",
+    )
     add("--seed", type=int, default=0)
 
 

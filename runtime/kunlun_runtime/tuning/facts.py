@@ -14,7 +14,11 @@ from kunlun_runtime.platforms import Platform
 def count_cards(platform: Platform) -> int:
     """Cards this process may use: CPU 1, CUDA the visible devices, Kunlun the visible cards."""
     if platform.name == "kunlun":
-        return platform.num_cards()  # type: ignore[attr-defined]
+        # Imported here, as in platforms.detect: kunlun_device is needed only where a card is.
+        from kunlun_runtime.platforms.kunlun import KunlunPlatform
+
+        assert isinstance(platform, KunlunPlatform)
+        return platform.num_cards()
     if platform.name == "cuda":
         return torch.cuda.device_count()
     return 1
@@ -37,5 +41,3 @@ def model_bytes(model: torch.nn.Module) -> int:
                 seen.add(key)
                 total += size
     return total
-
-

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import psutil
+import psutil  # no types-psutil in the dev extras yet
 import torch
 
-from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.config import DeviceName, DTypeName, EngineConfig
 from kunlun_runtime.engine.llm_engine import LLMEngine, resolve_dtype, resolve_model_dir
 from kunlun_runtime.kv.block_layout import build_block_layout
 from kunlun_runtime.kv.cache import KVCacheSpec
@@ -64,8 +64,8 @@ GROWTH_MARGIN = 1.25  # predicted costs are raised by this factor
 @dataclass(frozen=True, slots=True)
 class ProfileOptions:
     model: str | None = None  # HF-format directory; None = the embedded default model
-    device: str = "auto"
-    dtype: str = "auto"
+    device: DeviceName = "auto"
+    dtype: DTypeName = "auto"
     max_model_len: int | None = None  # the context length to plan KV memory for (default: the model's)
     budget_seconds: float = 60.0
     seed: int = 0

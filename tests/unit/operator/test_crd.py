@@ -107,7 +107,11 @@ INVALID = [
         {"autoscaling": {"metric": "kvCacheUsage", "target": 1.5}},
         "spec.autoscaling.target",
     ),
-    ("missing driver under Strict", {"versions": {"firmware": "1.0.2.14.1.54", "kml": "3.2.0"}}, "spec.versions"),
+    (
+        "missing driver under Strict",
+        {"versions": {"firmware": "1.0.2.14.1.54", "kml": "3.2.0"}},
+        "spec.versions",
+    ),
     (
         "unknown policy",
         {"versions": {"driver": "1", "firmware": "1", "kml": "1", "policy": "Maybe"}},

@@ -102,7 +102,9 @@ def test_no_kunlun_nodes_at_all() -> None:
 
 
 def test_warn_policy_reports_pods_on_mismatching_nodes() -> None:
-    raw = make_raw_spec(versions={"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"})
+    raw = make_raw_spec(
+        versions={"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"}
+    )
     nodes = (make_node("good"), make_node("old", kml="3.1.0"))
     pods = (PodFacts("qwen-1", "good"), PodFacts("qwen-2", "old"), PodFacts("qwen-3", None))
     plan = reconcile(make_ref(), raw, None, make_facts(nodes=nodes, pods=pods), now=NOW)
@@ -129,7 +131,9 @@ def test_unsupported_versions_fail_under_strict_and_only_warn_under_warn() -> No
     again = reconcile(make_ref(), strict, plan.status, make_facts(), now=LATER)
     assert again.events == () and again.status["lastFailure"]["time"] == NOW
 
-    warn = make_raw_spec(versions={"driver": "9.9.9", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"})
+    warn = make_raw_spec(
+        versions={"driver": "9.9.9", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"}
+    )
     plan = reconcile(make_ref(), warn, None, make_facts(), now=NOW)
     assert len(plan.apply) == 4
     assert _conditions(plan.status)["VersionsCompatible"] == ("False", "UnsupportedVersions")

@@ -32,7 +32,11 @@ def test_bad_config_file_names_the_key(tmp_path):
 
 def test_python_dash_m_runs_every_subcommand():
     result = subprocess.run(
-        [sys.executable, "-m", "kunlun_runtime", "--help"], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-m", "kunlun_runtime", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     for name in ("serve", "generate", "golden", "quantize", "preflight"):
         assert name in result.stdout

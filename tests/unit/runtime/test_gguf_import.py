@@ -60,7 +60,9 @@ def test_config_json_describes_the_llama_and_its_token_ids(tmp_path: Path) -> No
         "use_cache": True,
     }  # fmt: skip
     assert json.loads((out / "generation_config.json").read_text()) == {
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
     }
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -172,14 +174,22 @@ def test_progress_bar_goes_to_stderr_only_when_asked(
     ("spec", "message"),
     [
         (TinyLlama(architecture="qwen2"), "GGUF architecture 'qwen2' is not supported; supported: 'llama'"),
-        (TinyLlama(tensor_types={"blk.1.ffn_up.weight": T.IQ4_NL}),
-         "GGUF tensor 'blk.1.ffn_up.weight' has type IQ4_NL, which is not supported"),
-        (TinyLlama(tokenizer_model="llama"),
-         "GGUF tokenizer model 'llama' (tokenizer.ggml.model) is not supported"),
-        (TinyLlama(pre_tokenizer="mystery"),
-         "GGUF pre-tokenizer 'mystery' (tokenizer.ggml.pre) is not supported"),
-        (TinyLlama(rope_scaling=("yarn", 4.0)),
-         "GGUF rope scaling 'yarn' is not supported; supported: 'none', 'linear'"),
+        (
+            TinyLlama(tensor_types={"blk.1.ffn_up.weight": T.IQ4_NL}),
+            "GGUF tensor 'blk.1.ffn_up.weight' has type IQ4_NL, which is not supported",
+        ),
+        (
+            TinyLlama(tokenizer_model="llama"),
+            "GGUF tokenizer model 'llama' (tokenizer.ggml.model) is not supported",
+        ),
+        (
+            TinyLlama(pre_tokenizer="mystery"),
+            "GGUF pre-tokenizer 'mystery' (tokenizer.ggml.pre) is not supported",
+        ),
+        (
+            TinyLlama(rope_scaling=("yarn", 4.0)),
+            "GGUF rope scaling 'yarn' is not supported; supported: 'none', 'linear'",
+        ),
     ],
     ids=["architecture", "tensor-type", "tokenizer-model", "pre-tokenizer", "rope-scaling"],
 )
