@@ -1,7 +1,9 @@
 """`PluginServer`: the device plugin's life on a node — serve, register, watch health and kubelet.
 
 Start-up discovers the cards once, serves `DevicePlugin` on `<kubelet-dir>/<socket-name>` and
-registers `kunlunxin.com/xpu` with kubelet. Two threads then run until `stop()`:
+registers `kunlunxin.com/xpu` with kubelet. The topology (`xpu-smi topo -m`) is optional: without it
+cards lose the XPU Link preference and, when sysfs lacks it too, their NUMA node
+(`kunlun_device.xpu.numa`), but the plugin still registers. Two threads then run until `stop()`:
 - health: every `health_interval_seconds` one `HealthMonitor.poll()`, published to `DeviceStates`
   (which wakes every open `ListAndWatch`);
 - kubelet watch: when `kubelet.sock` is recreated (kubelet restarted) or the plugin's own socket
@@ -23,13 +25,11 @@ import grpc
 
 from kunlun_device.api import deviceplugin_v1beta1_pb2 as pb
 from kunlun_device.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from kunlun_device.errors import XpuError
 from kunlun_device.labels import RESOURCE_NAME
 from kunlun_device.plugin.placement import build_placement
 from kunlun_device.plugin.servicer import DevicePluginServicer
 from kunlun_device.plugin.states import DeviceStates
 from kunlun_device.xpu.health import HealthPolicy
-from kunlun_device.xpu.model import Topology
 from kunlun_device.xpu.monitor import HealthMonitor
 from kunlun_device.xpu.source import XpuSource
 
@@ -81,12 +81,8 @@ class PluginServer:
             XpuError: discovery failed (no tool, unreadable output).
         """
         devices = self.source.list_devices()
-        topology: Topology | None = None
-        if devices:
-            try:
-                topology = self.source.topology()
-            except XpuError as exc:
-                logger.warning("no card topology, placing by NUMA node only: %s", exc)
+        # optional: without it cards are placed by NUMA node (or index) only, never refused
+        topology = self.source.probe_topology() if devices else None
         self.devices = devices
         self.placement = build_placement(devices, topology)
         self.monitor = HealthMonitor(self.source, devices, self.policy)

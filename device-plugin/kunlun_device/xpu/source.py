@@ -5,25 +5,30 @@ point them at fixture hosts. Device node paths handed to kubelet are host paths 
 whatever the root: the root only says where this process sees the host's files.
 
 Invariant: a tool failure or unreadable output raises an `XpuError` subclass; nothing here guesses.
+The one exception is the topology, which is optional: without it NUMA nodes are unknown (None) and
+a warning naming the cards is logged once per source.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
-from kunlun_device.errors import XpuParseError, XpuToolFailedError, XpuToolMissingError
+from kunlun_device.errors import XpuError, XpuParseError, XpuToolFailedError, XpuToolMissingError
 from kunlun_device.xpu.model import SmiTable, Topology, Versions, XpuDevice
+from kunlun_device.xpu.numa import resolve_numa
 from kunlun_device.xpu.smi_list import parse_smi_list, parse_smi_topo
 from kunlun_device.xpu.smi_query import parse_smi_query
 from kunlun_device.xpu.smi_table import NO_DEVICES, parse_smi_table
 
 DEFAULT_KML_VERSION_FILE = "/usr/local/xpu/kml/VERSION"
 _VERSION = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]*$")
+logger = logging.getLogger(__name__)
 
 
 class XpuSource:
@@ -48,6 +53,7 @@ class XpuSource:
         self.root = Path(root)
         self.kml_version_file = kml_version_file
         self.timeout_seconds = timeout_seconds
+        self._warnings_logged: set[str] = set()
 
     def host_path(self, path: str) -> Path:
         """Where this process sees the host path `path`."""
@@ -84,39 +90,53 @@ class XpuSource:
         return parse_smi_table(self.run())
 
     def topology(self) -> Topology:
-        """Card links and NUMA affinity from `xpu-smi topo -m`."""
+        """Card links and NUMA affinity from `xpu-smi topo -m`.
+
+        Raises:
+            XpuError: no such subcommand, failure, or a layout `parse_smi_topo` does not know.
+        """
         return parse_smi_topo(self.run("topo", "-m"))
+
+    def probe_topology(self) -> Topology | None:
+        """The topology, or None (with a warning logged once) when `xpu-smi` cannot give one."""
+        try:
+            return self.topology()
+        except XpuError as exc:
+            self._warn_once(f"no card topology, allocating without XPU Link preference: {exc}")
+            return None
 
     def list_devices(self) -> tuple[XpuDevice, ...]:
         """Discover the cards: `-L` for the list, `-q --id=N` for each card's detail.
 
         NUMA nodes come from sysfs (`sys/bus/pci/devices/<bdf>/numa_node`) or, failing that, from
-        the topology matrix; None when neither knows.
+        the topology matrix; None when neither knows (logged once, naming the cards and why). A
+        missing or unreadable topology is no error.
         """
         listed = parse_smi_list(self.run("-L")) if not self._no_devices() else ()
-        numa_from_topo: dict[int, int] | None = None
-        devices: list[XpuDevice] = []
-        for card in listed:
-            source = f"xpu-smi -q --id={card.index}"
-            detail = parse_smi_query(self.run("-q", f"--id={card.index}"), source)
-            numa = self._sysfs_numa(detail.bus_id)
-            if numa is None:
-                if numa_from_topo is None:
-                    numa_from_topo = self.topology().numa_nodes
-                numa = numa_from_topo.get(card.index)
-            devices.append(
-                XpuDevice(
-                    index=card.index,
-                    uuid=detail.uuid,
-                    product=detail.product,
-                    memory_total_bytes=detail.memory_total_bytes,
-                    bus_id=detail.bus_id,
-                    numa_node=numa,
-                    device_path=f"/dev/xpu{card.index}",
-                    firmware_version=detail.firmware_version,
-                )
+        details = {
+            card.index: parse_smi_query(self.run("-q", f"--id={card.index}"), f"xpu-smi -q --id={card.index}")
+            for card in listed
+        }
+        probe = resolve_numa({i: self._sysfs_numa(d.bus_id) for i, d in details.items()}, self.topology)
+        if probe.unknown_reason is not None:
+            cards = ", ".join(f"xpu{index}" for index in probe.unknown_ids)
+            self._warn_once(
+                f"NUMA node unknown for {cards} ({probe.unknown_reason}); they are advertised to "
+                "kubelet without NUMA topology"
             )
-        return tuple(devices)
+        return tuple(
+            XpuDevice(
+                index=index,
+                uuid=detail.uuid,
+                product=detail.product,
+                memory_total_bytes=detail.memory_total_bytes,
+                bus_id=detail.bus_id,
+                numa_node=probe.numa_nodes[index],
+                device_path=f"/dev/xpu{index}",
+                firmware_version=detail.firmware_version,
+            )
+            for index, detail in details.items()
+        )
 
     def versions(self, devices: tuple[XpuDevice, ...] | None = None) -> Versions:
         """Driver and XPU-RT (table header), firmware (cards, if all agree) and KML versions."""
@@ -158,6 +178,12 @@ class XpuSource:
     def control_node_present(self) -> bool:
         """True when `/dev/xpuctrl` exists under the root."""
         return self.host_path("/dev/xpuctrl").exists()
+
+    def _warn_once(self, message: str) -> None:
+        # the labeler rediscovers every round; a node without topology stays so, say it once
+        if message not in self._warnings_logged:
+            self._warnings_logged.add(message)
+            logger.warning("%s", message)
 
     def _no_devices(self) -> bool:
         return not parse_smi_table(self.run()).cards

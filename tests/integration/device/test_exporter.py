@@ -159,6 +159,17 @@ def test_failing_cards_findings_and_transitions(tmp_path: Path) -> None:
     assert got[("kunlun_xpu_tool_errors_total", (("node", "node-a"),))] == 1
 
 
+@pytest.mark.parametrize("host", ["p800-no-topo", "p800-topo-pairs"])
+def test_node_without_topology_exports_every_card(host: str) -> None:
+    exporter = Exporter(make_source(host), "node-a", HealthPolicy(), 3600)
+    exporter.start()
+    exporter.stop()
+    got = samples(scrape_registry(exporter))
+    assert [got[("kunlun_xpu_healthy", card(i))] for i in range(8)] == [1.0] * 8
+    assert got[("kunlun_xpu_utilization_ratio", card(5))] == 0.91
+    assert got[("kunlun_xpu_tool_errors_total", (("node", "node-a"),))] == 0.0
+
+
 def scrape_registry(exporter: Exporter) -> str:
     from prometheus_client import generate_latest
 

@@ -71,6 +71,12 @@ def test_node_without_cards_loses_version_labels(kube: RunningKubeAPI, host: str
     assert node_labels(kube) == FOREIGN | {"kunlun.dev/xpu.present": "false", "kunlun.dev/xpu.count": "0"}
 
 
+@pytest.mark.parametrize("host", ["p800-no-topo", "p800-topo-pairs"])
+def test_node_without_topology_is_labelled_like_any_p800_node(kube: RunningKubeAPI, host: str) -> None:
+    assert labeler(kube, host).apply() == P800_LABELS
+    assert node_labels(kube) == FOREIGN | P800_LABELS
+
+
 def test_api_failures_are_retried_with_backoff(kube: RunningKubeAPI) -> None:
     kube.fail("patch", "nodes", status=500, times=3)
     waits: list[float] = []

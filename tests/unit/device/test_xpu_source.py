@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,42 @@ def test_device_nodes_under_root() -> None:
     assert [source.device_node_present(i) for i in range(8)] == [True] * 6 + [False, True]
     assert source.control_node_present()
     assert not make_source("no-card").control_node_present()
+
+
+@pytest.mark.parametrize(
+    ("host", "why"),
+    [
+        ("p800-no-topo", "topo -m: exit status 1: xpu-smi: unknown command 'topo'"),
+        ("p800-topo-pairs", "xpu-smi topo -m: link cells do not match the header at line 4"),
+    ],
+)
+def test_unusable_topology_without_sysfs_numa_is_unknown_numa_warned_once(
+    host: str, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = make_source(host)
+    caplog.set_level(logging.WARNING, logger="kunlun_device.xpu.source")
+    first, again = source.list_devices(), source.list_devices()  # e.g. two labeler rounds
+    assert first == again
+    assert [(d.index, d.numa_node, d.device_path) for d in first] == [
+        (i, None, f"/dev/xpu{i}") for i in range(8)
+    ]
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith(
+        "NUMA node unknown for xpu0, xpu1, xpu2, xpu3, xpu4, xpu5, xpu6, xpu7 (sysfs has no numa_node for "
+        "them and the topology is unusable: "
+    )
+    assert why in message
+    assert message.endswith("; they are advertised to kubelet without NUMA topology")
+
+
+def test_probe_topology_is_none_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    source = make_source("p800-no-topo")
+    caplog.set_level(logging.WARNING, logger="kunlun_device.xpu.source")
+    assert (source.probe_topology(), source.probe_topology()) == (None, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "no card topology, allocating without XPU Link preference: "
+        f"{FIXTURES / 'p800-no-topo' / 'xpu-smi'} topo -m: exit status 1: xpu-smi: unknown command 'topo'"
+    ]
+    with pytest.raises(XpuToolFailedError, match="unknown command 'topo'"):
+        source.topology()  # the strict reader still raises
