@@ -1,6 +1,8 @@
-"""Admission review of a KunlunInferenceService: parse, compatibility matrix, memory feasibility.
+"""Admission review of a KunlunInferenceService: parse, admission policy, compatibility matrix, memory.
 
-Owns: what the validating webhook denies and what it only warns about. Pure: the matrix comes in.
+Owns: what the validating webhook denies and what it only warns about. Pure: the matrix and the
+cluster admin's policy come in. A service outside the policy is always denied, whatever its
+version policy.
 Under ``Strict`` an unsupported version combination or a model that cannot fit is denied; under
 ``Warn`` and ``Off`` it is a warning. Invariant: a denial always names the field.
 """
@@ -14,6 +16,7 @@ from typing import Any
 from kunlun_operator.errors import SpecError
 from kunlun_operator.feasibility import estimate_memory
 from kunlun_operator.matrix import Matrix, check_versions
+from kunlun_operator.policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.spec import InferenceSpec, parse_spec
 
 
@@ -27,11 +30,20 @@ class Review:
         return self.denial is None
 
 
-def review(raw_spec: Mapping[str, Any] | None, matrix: Matrix, default_image: str) -> Review:
+def review(
+    raw_spec: Mapping[str, Any] | None,
+    matrix: Matrix,
+    default_image: str,
+    policy: AdmissionPolicy = STRICTEST,
+) -> Review:
+    """The webhook's verdict on ``raw_spec``: a denial naming the field, or warnings."""
     try:
         spec = parse_spec(raw_spec)
     except SpecError as error:
         return Review(denial=error)
+    violation = check_policy(spec, policy)
+    if violation is not None:
+        return Review(denial=violation)
     strict = spec.versions.policy == "Strict"
     warnings: list[str] = []
     if spec.versions.policy != "Off":

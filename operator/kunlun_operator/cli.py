@@ -19,6 +19,7 @@ from kunlun_operator.controller import Controller, ControllerConfig
 from kunlun_operator.handlers import LoopConfig, build_registry, post_event
 from kunlun_operator.kube import KubeClient, load_config
 from kunlun_operator.metrics import OperatorMetrics
+from kunlun_operator.policy import STRICTEST, AdmissionPolicy, parse_policy
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the compatibility-matrix ConfigMap (default: the matrix in the package)",
     )
     run.add_argument("--default-runtime-image", default=names.DEFAULT_RUNTIME_IMAGE)
+    run.add_argument(
+        "--admission-policy",
+        default=None,
+        metavar="FILE",
+        help="the admission policy YAML (allowed images, host paths, overrides); default: allow nothing extra",
+    )
     run.add_argument("--webhook-port", type=int, default=9443, help="admission webhook port (0: no webhook)")
     run.add_argument("--webhook-host", default=None, help="host name the webhook server reports (optional)")
     run.add_argument(
@@ -100,6 +107,17 @@ def _matrix_configmap(value: str | None) -> tuple[str, str] | None:
     return namespace, name
 
 
+def _admission_policy(path: str | None) -> AdmissionPolicy:
+    """The policy in ``path``; the empty (strictest) policy without one. A broken file stops the
+    operator: running with a looser policy than the admin wrote is worse than not running."""
+    if path is None:
+        return STRICTEST
+    try:
+        return parse_policy(Path(path).read_text(), source=path)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"kunlun-operator: --admission-policy: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT, stream=sys.stdout)
     # kopf logs every successful event handler at INFO; our decisions are logged by our modules.
@@ -114,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             default_image=args.default_runtime_image,
             matrix_configmap=_matrix_configmap(args.compatibility_configmap),
             image_volumes=args.image_volumes,
+            policy=_admission_policy(args.admission_policy),
         ),
         metrics,
         post_event,

@@ -33,6 +33,7 @@ from kunlun_operator.kube import POD, PVC, KubeClient
 from kunlun_operator.matrix import MATRIX_KEY, Matrix, load_default_matrix, merge_cards, parse_matrix
 from kunlun_operator.metrics import OperatorMetrics
 from kunlun_operator.nodes import NodeFacts
+from kunlun_operator.policy import STRICTEST, AdmissionPolicy
 from kunlun_operator.reconcile import ClusterFacts, Plan, PodFacts, reconcile
 from kunlun_operator.spec import ServiceRef, parse_service_ref
 from kunlun_operator.status import DeploymentFacts
@@ -62,6 +63,7 @@ class ControllerConfig:
     default_image: str = names.DEFAULT_RUNTIME_IMAGE
     matrix_configmap: tuple[str, str] | None = None  # (namespace, name)
     image_volumes: bool = False
+    policy: AdmissionPolicy = STRICTEST  # --admission-policy
 
 
 class Controller:
@@ -131,6 +133,7 @@ class Controller:
             pods=pods,
             pvc_exists=pvc_exists,
             image_volumes=self.config.image_volumes,
+            policy=self.config.policy,
         )
 
     def reconcile(self, body: Mapping[str, Any], nodes: Iterable[NodeFacts]) -> Plan:

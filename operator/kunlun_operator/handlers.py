@@ -234,7 +234,9 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
             except ApiError as error:  # do not block admission on a flaky read: use the packaged copy
                 matrix = controller.default_matrix
                 warnings.append(f"compatibility matrix not readable ({error}); the packaged matrix was used")
-            verdict = admission.review(dict(spec), matrix, controller.config.default_image)
+            verdict = admission.review(
+                dict(spec), matrix, controller.config.default_image, controller.config.policy
+            )
             warnings.extend(verdict.warnings)
             result = "denied" if not verdict.allowed else "warned" if verdict.warnings else "allowed"
             controller.metrics.admission_reviews.labels(result=result).inc()

@@ -22,6 +22,7 @@ from kunlun_operator.builders.servicemonitor import build_servicemonitor
 from kunlun_operator.errors import SpecError
 from kunlun_operator.matrix import Matrix, check_versions
 from kunlun_operator.nodes import NodeFacts, assess_nodes, version_mismatches
+from kunlun_operator.policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.spec import InferenceSpec, ServiceRef, parse_spec
 from kunlun_operator.status import (
     FAILED,
@@ -56,6 +57,7 @@ class ClusterFacts:
     pods: tuple[PodFacts, ...] = ()
     pvc_exists: bool | None = None  # None: not a PVC source, or not looked up
     image_volumes: bool = False
+    policy: AdmissionPolicy = STRICTEST  # the cluster admin's admission policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,11 @@ def reconcile(
         spec = parse_spec(raw_spec)
     except SpecError as error:
         return _failed_plan(ref, previous, error, now)
+    violation = check_policy(spec, facts.policy)
+    if violation is not None:
+        # Admitted under an older policy: stop serving it. The runtime pods go (they may mount a
+        # host path or run an image the admin no longer allows); the rest is harmless and stays.
+        return _failed_plan(ref, previous, violation, now, delete=(names.DEPLOYMENT, names.HPA))
     image = spec.runtime.image or facts.default_image
     problems = [] if spec.versions.policy == "Off" else check_versions(facts.matrix, image, spec.versions)
     if problems and spec.versions.policy == "Strict":
@@ -225,7 +232,14 @@ def _model_condition(spec: InferenceSpec, facts: ClusterFacts, ready: int) -> Co
     return Condition("ModelAvailable", "Unknown", "NotLoadedYet", "no replica has loaded the model yet")
 
 
-def _failed_plan(ref: ServiceRef, previous: Mapping[str, Any], error: SpecError, now: str) -> Plan:
+def _failed_plan(
+    ref: ServiceRef,
+    previous: Mapping[str, Any],
+    error: SpecError,
+    now: str,
+    *,
+    delete: tuple[names.Kind, ...] = (),
+) -> Plan:
     message = str(error)
     failure: dict[str, Any] = {"reason": error.reason, "message": message, "time": now}
     same = (previous.get("lastFailure") or {}).get("message") == message
@@ -256,7 +270,7 @@ def _failed_plan(ref: ServiceRef, previous: Mapping[str, Any], error: SpecError,
         if key in previous:
             status[key] = previous[key]
     events = () if same else (Event("Warning", error.reason, message),)
-    return Plan(apply=(), delete=(), status=status, events=events)
+    return Plan(apply=(), delete=delete, status=status, events=events)
 
 
 #: (condition type, status) entered -> the event it posts: type and reason (None: the condition's).

@@ -50,6 +50,8 @@ _PARAMETERS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([MB])$")
 _VERSION = re.compile(r"^[0-9A-Za-z]([0-9A-Za-z._-]{0,61}[0-9A-Za-z])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 _INTERVAL = re.compile(r"^[0-9]+(ms|s|m|h)$")
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS-1123 subdomain
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,14 @@ class MonitoringSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class SecretKeyRef:
+    """One key of a Secret in the service's namespace (``{name, key}``)."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceSpec:
     """The whole ``spec`` of a KunlunInferenceService, defaults applied."""
 
@@ -171,6 +181,8 @@ class InferenceSpec:
     max_surge: int | str = 1
     max_unavailable: int | str = 0
     disruption_max_unavailable: int | str = 1
+    api_key_secret: SecretKeyRef | None = None  # → env VLLM_API_KEY of the runtime
+    metrics_token_secret: SecretKeyRef | None = None  # → env KUNLUN_METRICS_TOKEN; ServiceMonitor auth
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +250,8 @@ def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
         disruption_max_unavailable=read_int_or_str(
             read_obj(spec, "disruption", p), "maxUnavailable", "spec.disruption", 1
         ),
+        api_key_secret=_parse_secret_ref(spec, "apiKeySecretRef"),
+        metrics_token_secret=_parse_secret_ref(spec, "metricsTokenSecretRef"),
     )
 
 
@@ -290,6 +304,17 @@ def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
         )
         if arch
         else None,
+    )
+
+
+def _parse_secret_ref(spec: Mapping[str, Any], key: str) -> SecretKeyRef | None:
+    if spec.get(key) is None:
+        return None
+    ref = read_obj(spec, key, "spec")
+    p = f"spec.{key}"
+    return SecretKeyRef(
+        name=read_str(ref, "name", p, required=True, pattern=_SECRET_NAME),
+        key=read_str(ref, "key", p, required=True, pattern=_SECRET_KEY),
     )
 
 

@@ -49,6 +49,9 @@ class Dockerfile:
         return re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1)) or m.group(0), text)
 
 
+_PIP_VALUE_OPTIONS = {"-r", "--requirement", "--index-url", "-i", "--prefix", "-c", "--constraint"}
+
+
 def check(dockerfile: Dockerfile) -> list[str]:
     """Every problem of one Dockerfile, as readable sentences (empty when it passes)."""
     problems = []
@@ -68,8 +71,11 @@ def check(dockerfile: Dockerfile) -> list[str]:
                 if not word.startswith("-") and "=" not in word:
                     problems.append(f"apt package {word} is not pinned (name=version)")
         for chunk in re.findall(r"pip install ([^&;]*)", run):
-            for word in chunk.split():
-                if word.startswith("-") or word in {".", "/install", "https://download.pytorch.org/whl/cpu"}:
+            if "--extra-index-url" in chunk:
+                problems.append("pip install mixes indexes (--extra-index-url)")
+            words = chunk.split()
+            for i, word in enumerate(words):
+                if word.startswith("-") or word in {".", "/install"} or words[i - 1] in _PIP_VALUE_OPTIONS:
                     continue
                 if "==" not in word:
                     problems.append(f"pip package {word} is not pinned (name==version)")
@@ -210,7 +216,35 @@ def pinned_packages(dockerfile: Dockerfile) -> set[str]:
     for run in dockerfile.all("RUN"):
         for chunk in re.findall(r"pip install ([^&;]*)", run):
             pins |= {w.split("==")[0] for w in chunk.split() if "==" in w and w.split("==")[0] != "pip"}
+            words = chunk.split()
+            for i, word in enumerate(words[1:], 1):
+                if words[i - 1] in {"-r", "--requirement"}:
+                    pins |= {name for name, _ in lock_entries(REPO / word)}
     return pins
+
+
+def lock_entries(path: Path) -> list[tuple[str, str]]:
+    """``(name, requirement line)`` of each requirement in a pip lock file (continuations joined)."""
+    joined = re.sub(r"\\\n", " ", path.read_text())
+    lines = [line.split("#", 1)[0].strip() for line in joined.splitlines()]
+    return [(re.split(r"[ =@<>!~;\[]", line, maxsplit=1)[0], line) for line in lines if line]
+
+
+def test_runtime_image_installs_a_hash_pinned_lock_from_one_index() -> None:
+    dockerfile = Dockerfile.read(REPO / "runtime" / "Dockerfile")
+    installs = [c for run in dockerfile.all("RUN") for c in re.findall(r"pip install ([^&;]*)", run)]
+    locked = [c for c in installs if "-r runtime/requirements.lock" in c]
+    assert len(locked) == 1 and "--require-hashes" in locked[0].split(), installs
+    assert not any("--extra-index-url" in c for c in installs)
+    entries = lock_entries(REPO / "runtime" / "requirements.lock")
+    assert len(entries) > 40  # transitive dependencies included
+    for name, line in entries:
+        assert re.search(r"--hash=sha256:[0-9a-f]{64}", line), f"{name} has no hash"
+        assert "==" in line or " @ https://" in line, f"{name} is not pinned"
+    by_name = dict(entries)
+    assert by_name["torch"].startswith(
+        "torch @ https://download.pytorch.org/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-"
+    )
 
 
 @pytest.mark.parametrize("component", COMPONENTS)

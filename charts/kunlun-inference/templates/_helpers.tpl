@@ -129,6 +129,7 @@ seccompProfile:
 - --compatibility-configmap={{ .Release.Namespace }}/{{ include "kunlun-inference.compatibility.fullname" . }}
 {{- end }}
 - --default-runtime-image={{ include "kunlun-inference.image" (dict "ctx" . "image" .Values.runtime.image) }}
+- --admission-policy=/etc/kunlun-operator/policy/policy.yaml
 {{- if .Values.operator.webhook.enabled }}
 - --webhook-port={{ .Values.operator.webhook.port }}
 - --webhook-cert-dir=/etc/kunlun-operator/webhook
@@ -213,7 +214,11 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 
 {{/* Volume mounts of one device-plugin container (host paths: docs/device-plugin.md). */}}
 {{- define "kunlun-inference.devicePlugin.mounts" -}}
+{{- if eq .command "plugin" }}
 - {name: host-dev, mountPath: /host/dev}
+{{- else }}
+- {name: host-dev, mountPath: /host/dev, readOnly: true}
+{{- end }}
 - {name: host-sys, mountPath: /host/sys, readOnly: true}
 - {name: kunlun-home, mountPath: /host/usr/local/xpu, readOnly: true}
 {{- if .ctx.Values.devicePlugin.hostPaths.xpuSmi }}
@@ -227,16 +232,45 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 {{- end -}}
 
 {{/*
-Security context of the device-plugin containers. xpu-smi opens /dev/xpu* and /dev/xpuctrl (all
-three commands run it) and the plugin writes its socket into kubelet's root-owned directory, so
-they run privileged as root, as GPU device plugins do. The root filesystem stays read-only.
+Security context of one device-plugin container. Only the plugin is privileged, as GPU device
+plugins are: its health checks run xpu-smi, which opens /dev/xpu* and /dev/xpuctrl, and a
+container that is not privileged cannot open host device nodes (the device cgroup allows only the
+devices kubelet hands it); it also writes its socket into kubelet's root-owned device-plugins
+directory. The labeler and the exporter are not privileged by default: no capabilities, no
+privilege escalation, RuntimeDefault seccomp, /dev read-only. They still run as uid 0 because the
+device nodes and kubelet's pod-resources socket are root-owned; with every capability dropped that
+root cannot bypass file permissions. Their xpu-smi needs the device nodes too: where the node does
+not grant them otherwise, set devicePlugin.<labeler|exporter>.privileged (docs/chart.md).
 */}}
 {{- define "kunlun-inference.devicePlugin.securityContext" -}}
+{{- $c := index .ctx.Values.devicePlugin .command -}}
+{{- if or (eq .command "plugin") $c.privileged -}}
 privileged: true
 runAsUser: 0
 runAsNonRoot: false
 readOnlyRootFilesystem: true
+{{- else -}}
+privileged: false
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsUser: 0
+runAsNonRoot: false
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
 {{- end -}}
+{{- end -}}
+
+{{/* The admission policy file (the operator's --admission-policy). */}}
+{{- define "kunlun-inference.admissionPolicy" -}}
+{{- $p := .Values.admissionPolicy -}}
+runtimeImages: {{ $p.runtimeImages | toJson }}
+modelImages: {{ $p.modelImages | toJson }}
+hostPaths: {{ $p.hostPaths | toJson }}
+allowFlagOverrides: {{ $p.allowFlagOverrides }}
+{{- end -}}
+
 {{/* The labeler's ClusterRole rules. */}}
 {{- define "kunlun-inference.labeler.rules" -}}
 - apiGroups: [""]

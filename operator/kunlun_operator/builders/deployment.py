@@ -16,7 +16,7 @@ from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
 from kunlun_operator.builders.configmap import runtime_args
 from kunlun_operator.feasibility import startup_budget_seconds
-from kunlun_operator.spec import InferenceSpec, ServiceRef
+from kunlun_operator.spec import InferenceSpec, SecretKeyRef, ServiceRef
 
 RUN_AS_USER = 1000
 STARTUP_PERIOD_SECONDS = 10
@@ -24,6 +24,10 @@ DRAIN_SECONDS = 15  # preStop: let endpoints drop the pod before the runtime get
 TERMINATION_GRACE_SECONDS = 90  # drain + finishing in-flight generations
 MODEL_VOLUME = "model"
 MODEL_IMAGE_MOUNT = "/model-image"  # image volumes: the image's root; the model is under models/
+#: The runtime reads its API key and metrics token from these (``--api-key``, ``--metrics-token``
+#: default to them), so the secrets never appear in the ConfigMap, the pod's args or ``ps``.
+API_KEY_ENV = "VLLM_API_KEY"
+METRICS_TOKEN_ENV = "KUNLUN_METRICS_TOKEN"
 RESTRICTED_CONTAINER = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
@@ -91,6 +95,20 @@ def _probe(period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    """An env var read from one key of a Secret (the pod does not start while it is missing)."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def _secret_env(spec: InferenceSpec) -> list[dict[str, Any]]:
+    env = []
+    if spec.api_key_secret is not None:
+        env.append(secret_env(API_KEY_ENV, spec.api_key_secret))
+    if spec.metrics_token_secret is not None:
+        env.append(secret_env(METRICS_TOKEN_ENV, spec.metrics_token_secret))
+    return env
+
+
 def _runtime_container(spec: InferenceSpec, image: str, path: str) -> dict[str, Any]:
     mounts = [
         {
@@ -102,7 +120,7 @@ def _runtime_container(spec: InferenceSpec, image: str, path: str) -> dict[str, 
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
-    env = [{"name": "HOME", "value": "/tmp"}, *(dict(e) for e in spec.runtime.env)]
+    env = [{"name": "HOME", "value": "/tmp"}, *_secret_env(spec), *(dict(e) for e in spec.runtime.env)]
     return {
         "name": "runtime",
         "image": image,

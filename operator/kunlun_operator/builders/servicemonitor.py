@@ -1,4 +1,9 @@
-"""The ServiceMonitor (Prometheus Operator) scraping the runtime's ``/metrics``."""
+"""The ServiceMonitor (Prometheus Operator) scraping the runtime's ``/metrics``.
+
+With ``spec.metricsTokenSecretRef`` the runtime wants ``Authorization: Bearer <token>`` on
+``/metrics``: the endpoint's ``authorization`` (Prometheus Operator ≥ 0.48; ``bearerTokenSecret``
+is its deprecated predecessor) makes Prometheus read the token from the same Secret.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +15,19 @@ from kunlun_operator.spec import InferenceSpec, ServiceRef
 
 
 def build_servicemonitor(ref: ServiceRef, spec: InferenceSpec) -> dict[str, Any]:
+    endpoint: dict[str, Any] = {
+        "port": names.RUNTIME_PORT_NAME,
+        "path": names.METRICS_PATH,
+        "interval": spec.monitoring.interval,
+    }
+    token = spec.metrics_token_secret
+    if token is not None:
+        endpoint["authorization"] = {"type": "Bearer", "credentials": {"name": token.name, "key": token.key}}
     return {
         **header(names.SERVICE_MONITOR),
         "metadata": build_metadata(ref, names.SERVICE_MONITOR, labels=spec.monitoring.labels),
         "spec": {
             "selector": {"matchLabels": names.selector_labels(ref.name)},
-            "endpoints": [
-                {
-                    "port": names.RUNTIME_PORT_NAME,
-                    "path": names.METRICS_PATH,
-                    "interval": spec.monitoring.interval,
-                }
-            ],
+            "endpoints": [endpoint],
         },
     }

@@ -28,6 +28,9 @@ from tests.support.kubeapi import RunningKubeAPI, running_fake_api
 GROUP, VERSION, PLURAL = "serving.kunlun.dev", "v1alpha1", "kunluninferenceservices"
 NAMESPACE = "ml"
 DEADLINE_SECONDS = 30
+#: The admission policy the tests' operators run with unless a test passes its own: the scenarios'
+#: models live under /data on the host.
+TEST_POLICY = "runtimeImages: [ghcr.io/kunlun-inference/]\nhostPaths: [/data]\n"
 VERSION_LABELS = {
     "kunlun.dev/xpu.present": "true",
     "kunlun.dev/xpu.product": "P800",
@@ -91,6 +94,10 @@ class Cluster:
     def start_operator(self, *extra: str, standalone: bool = True) -> OperatorProcess:
         health, webhook = free_port(), free_port()
         log_path = self.tmp_path / f"operator-{len(self.operators)}.log"
+        if "--admission-policy" not in extra:
+            policy = self.tmp_path / "admission-policy.yaml"
+            policy.write_text(TEST_POLICY)
+            extra = ("--admission-policy", str(policy), *extra)
         args = [
             sys.executable,
             "-m",

@@ -106,3 +106,40 @@ def test_webhook_allows_denies_and_warns_naming_the_field(cluster: Cluster) -> N
     )
     assert invalid["allowed"] is False
     assert invalid["status"]["message"].startswith("spec.resources.xpus: 3 is not a multiple")
+
+
+def test_webhook_rejects_what_the_admission_policy_forbids_naming_the_field(cluster: Cluster) -> None:
+    port = cluster.start_operator().webhook_port  # policy: runtime images of ghcr.io/kunlun-inference/, /data
+    wait_for(lambda: _accepts(port), message="the webhook server")
+    host = copy.deepcopy(SPEC)
+    host["model"]["source"] = {"hostPath": {"path": "/var/lib/kubelet"}}
+    assert review(port, host)["status"] == {
+        "code": 422,
+        "message": "spec.model.source.hostPath.path: '/var/lib/kubelet' is not allowed by the admission "
+        "policy (hostPaths: /data)",
+    }
+    image = {**copy.deepcopy(SPEC), "runtime": {"image": "docker.io/evil/kunlun-runtime:0.1.0"}}
+    denied = review(port, image)
+    assert denied["allowed"] is False
+    assert denied["status"]["message"].startswith("spec.runtime.image: 'docker.io/evil/kunlun-runtime:0.1.0'")
+    fetch = copy.deepcopy(SPEC)
+    fetch["model"]["source"] = {"image": {"reference": "docker.io/evil/model:1"}}
+    assert review(port, fetch)["status"]["message"].startswith("spec.model.source.image.reference:")
+    flag = {**copy.deepcopy(SPEC), "runtime": {"extraArgs": ["--api-key", "s3cret"]}}
+    assert review(port, flag)["status"]["message"].startswith("spec.runtime.extraArgs[0]:")
+
+
+def test_a_service_admitted_before_the_policy_changed_is_not_deployed(cluster: Cluster) -> None:
+    # The fake API has no webhook: creating the object directly plays "admitted under an older policy".
+    cluster.add_node("xpu-1")
+    cluster.start_operator()
+    spec = copy.deepcopy(SPEC)
+    spec["model"]["source"] = {"hostPath": {"path": "/etc"}}
+    cluster.create_service(spec)
+    wait_for(lambda: cluster.status().get("phase") == "Failed", message="phase Failed")
+    assert cluster.condition("Ready") == (
+        "False",
+        "PolicyViolation",
+        "spec.model.source.hostPath.path: '/etc' is not allowed by the admission policy (hostPaths: /data)",
+    )
+    assert cluster.deployment() is None

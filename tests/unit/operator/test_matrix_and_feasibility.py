@@ -90,7 +90,7 @@ def test_admission_finds_a_card_by_label_value_or_family_and_reports_the_numbers
     assert card_memory_of(matrix.card_memory_bytes, "P800-OAM") == 96 * GiB
     assert card_memory_of(matrix.card_memory_bytes, "X9") is None
     big = make_raw_spec(
-        model={"name": "m", "source": {"hostPath": {"path": "/m"}}, "parameters": "70B"},
+        model={"name": "m", "source": {"pvc": {"claimName": "models"}}, "parameters": "70B"},
         resources={"xpuProduct": "P800-OAM"},
     )
     verdict = review(big, matrix, "rt:0.1.0")
