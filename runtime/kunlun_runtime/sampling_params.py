@@ -1,7 +1,9 @@
 """``SamplingParams``: how to pick tokens and when to stop, validated with the field named.
 
 Field names and defaults follow vLLM's SamplingParams, so offline code and the HTTP API's extra
-body fields (``top_k``, ``min_p``, ``repetition_penalty``, ...) mean the same thing.
+body fields (``top_k``, ``min_p``, ``repetition_penalty``, ...) mean the same thing. Stop strings
+and stop token ids are bounded in number and length: every one is checked against every new
+token on the engine's single thread, so an unbounded list would slow every request sharing it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from dataclasses import dataclass, field
 from kunlun_runtime.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+MAX_NUM_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_NUM_STOP_TOKEN_IDS = 128
 
 
 @dataclass(slots=True)
@@ -80,14 +85,7 @@ class SamplingParams:
             "min_tokens",
             f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})",
         )
-        _require(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"
-        )
-        _require(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be token ids",
-        )
+        self._validate_stops()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(
@@ -95,6 +93,33 @@ class SamplingParams:
                 name,
                 f"must be in [0, {_MAX_LOGPROBS}], got {value}",
             )
+
+    def _validate_stops(self) -> None:
+        """Bound the stop conditions: each is checked against every generated token."""
+        _require(
+            len(self.stop) <= MAX_NUM_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_NUM_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+        )
+        _require(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"
+        )
+        longest = max((len(s) for s in self.stop), default=0)
+        _require(
+            longest <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {longest}",
+        )
+        _require(
+            len(self.stop_token_ids) <= MAX_NUM_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_NUM_STOP_TOKEN_IDS} stop token ids are allowed, got {len(self.stop_token_ids)}",
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be token ids",
+        )
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:

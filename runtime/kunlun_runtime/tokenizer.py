@@ -3,7 +3,9 @@
 Loads ``tokenizer.json`` with the ``tokenizers`` library and the chat template from
 ``tokenizer_config.json`` (or ``chat_template.jinja``), rendered with a sandboxed jinja2
 environment the way HF's ``apply_chat_template`` renders it, then tokenized without extra
-special tokens. Incremental detokenization lives in ``detokenizer``.
+special tokens. Incremental detokenization lives in ``detokenizer``. A long text is encoded through
+the library's batch call, which releases the GIL, so encoding it on a worker thread does not stall
+the server's event loop (the single-text call holds the GIL throughout).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
 from kunlun_runtime.errors import InvalidRequestError, ModelLoadError
+
+# From this many characters on, encode through ``encode_batch`` (it releases the GIL; the same ids).
+GIL_FREE_ENCODE_MIN_CHARS = 4096
 
 
 def _raise(message: str) -> None:
@@ -60,6 +65,8 @@ class Tokenizer:
         self._compiled = self._env.from_string(template) if template else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) >= GIL_FREE_ENCODE_MIN_CHARS:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

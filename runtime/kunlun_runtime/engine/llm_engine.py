@@ -228,9 +228,10 @@ class LLMEngine:
                 f"has {len(token_ids)} tokens (at least one token must be left to generate)",
                 field="prompt",
             )
+        self._check_lengths(len(token_ids), params)
         limit = self.max_model_len
         if params.max_tokens is not None:
-            limit = min(limit, len(token_ids) + params.max_tokens)
+            limit = len(token_ids) + params.max_tokens
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -246,6 +247,27 @@ class LLMEngine:
         )
         self.scheduler.add(request)
         return request
+
+    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse what can never be served in full instead of cutting it short: a ``max_tokens``
+        beyond the context (as vLLM answers) and a ``min_tokens`` beyond it. The KV cache holds at
+        least one sequence of ``max_model_len`` tokens (``plan_num_blocks``), so whatever passes
+        here fits in it."""
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens: {params.max_tokens} is too large: this model's maximum context length is "
+                f"{self.max_model_len} tokens and the request has {num_prompt_tokens} input tokens "
+                f"({params.max_tokens} > {self.max_model_len} - {num_prompt_tokens})",
+                field="max_tokens",
+            )
+        if params.min_tokens > room:
+            raise InvalidRequestError(
+                f"min_tokens: {params.min_tokens} is too large: this model's maximum context length is "
+                f"{self.max_model_len} tokens and the request has {num_prompt_tokens} input tokens "
+                f"({params.min_tokens} > {self.max_model_len} - {num_prompt_tokens})",
+                field="min_tokens",
+            )
 
     def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

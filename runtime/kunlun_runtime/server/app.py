@@ -1,18 +1,15 @@
 """The FastAPI application: routes only; the work happens in ``chat``, ``completions``, ``lifecycle``.
 
-(No ``from __future__ import annotations`` here: FastAPI resolves the route signatures, whose
-``Annotated`` dependency aliases are local to ``create_app``.)
-
 ``create_app(engine_factory, ...)`` returns an app whose lifespan loads the model in the
-background; tests serve it with uvicorn in-process, ``kunlun-runtime serve`` from the CLI. The API
-key (when set) guards the ``/v1`` routes and tokenization; ``/health``, ``/version`` and
-``/metrics`` stay open for probes and scrapers, as in vLLM.
+background; tests serve it with uvicorn in-process, ``kunlun-runtime serve`` from the CLI. Every
+request passes ``door.Door`` first: API keys (one per tenant) guard the ``/v1`` routes and
+tokenization, an optional token guards ``/metrics``, and body sizes are limited, all before a body
+is read. ``/health`` and ``/version`` stay open for probes.
 
 No ``from __future__ import annotations`` here: FastAPI resolves the route signatures, and the
 ``Annotated`` dependency alias they use is local to ``create_app``.
 """
 
-import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -24,9 +21,12 @@ from starlette.responses import Response
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.platforms.cpu_features import cpu_capabilities
+from kunlun_runtime.server.auth import DEFAULT_TENANT, Tenants
 from kunlun_runtime.server.chat import create_chat_completion
 from kunlun_runtime.server.completions import create_completion
-from kunlun_runtime.server.errors import APIError, install_error_handlers, unavailable
+from kunlun_runtime.server.door import DEFAULT_MAX_REQUEST_BODY_BYTES, Door
+from kunlun_runtime.server.errors import install_error_handlers, unavailable
+from kunlun_runtime.server.fair_share import DEFAULT_MAX_WAITING_SHARE
 from kunlun_runtime.server.lifecycle import Lifecycle, ServerState
 from kunlun_runtime.server.protocol import (
     ChatCompletionRequest,
@@ -48,7 +48,7 @@ from kunlun_runtime.version import __version__
 
 # FastAPI's type for ``responses=`` (the keys may also be "4XX" or "default").
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
 
 
@@ -57,9 +57,21 @@ def create_app(
     *,
     max_queue_len: int | None = None,
     api_key: str | None = None,
+    tenants: Tenants | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_waiting_share: float = DEFAULT_MAX_WAITING_SHARE,
+    metrics_token: str | None = None,
     lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
-    life = lifecycle or Lifecycle(engine_factory, max_queue_len=max_queue_len)
+    """The application. ``tenants`` (else the one ``api_key``, else an open server) says who may
+    call; ``max_waiting_share`` bounds each tenant's part of the waiting queue when there are
+    several; ``lifecycle`` (built from the other arguments when omitted) owns the engine."""
+    tenants = tenants or Tenants({DEFAULT_TENANT: api_key} if api_key else None)
+    life = lifecycle or Lifecycle(
+        engine_factory,
+        max_queue_len=max_queue_len,
+        max_waiting_share=tenants.queue_share(max_waiting_share),
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -70,8 +82,14 @@ def create_app(
     app = FastAPI(title="kunlun-inference", version=__version__, lifespan=lifespan)
     app.state.lifecycle = life
     install_error_handlers(app)
+    app.add_middleware(
+        Door,
+        tenants=tenants,
+        max_request_body_bytes=max_request_body_bytes,
+        metrics_token=metrics_token,
+    )
 
-    # Both dependencies are async: FastAPI runs a plain `def` dependency in its thread pool, a hop
+    # The dependency is async: FastAPI runs a plain `def` dependency in its thread pool, a hop
     # per request for checks that never block.
     async def served() -> ServedModel:
         if life.state is ServerState.DRAINING:
@@ -82,14 +100,6 @@ def create_app(
             raise unavailable("the model is loading")
         return life.served
 
-    async def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not secrets.compare_digest(header.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)")
-
-    api = [Depends(authorized)]
     Model = Annotated[ServedModel, Depends(served)]
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -102,45 +112,47 @@ def create_app(
     async def version() -> dict[str, object]:
         return {"version": __version__, "cpu": cpu_capabilities().describe()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={401: {"model": ErrorResponse}})
     async def metrics() -> Response:
         life.update_telemetry()
         return Response(generate_latest(life.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=api, responses=_ERRORS)
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(model: Model) -> ModelList:
+        # `root` is the served name, never the weights' path on the server's disk.
         card = ModelCard(
-            id=model.name, created=now_seconds(), root=model.root, max_model_len=model.max_model_len
+            id=model.name, created=now_seconds(), root=model.name, max_model_len=model.max_model_len
         )
         return ModelList(data=[card])
 
-    @app.post("/v1/completions", dependencies=api, responses={200: {"model": CompletionResponse}, **_ERRORS})
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request, model: Model) -> Response:
         return await create_completion(body, model, request)
 
     @app.post(
         "/v1/chat/completions",
-        dependencies=api,
         responses={200: {"model": ChatCompletionResponse}, **_ERRORS},
     )
     async def chat(body: ChatCompletionRequest, request: Request, model: Model) -> Response:
         return await create_chat_completion(body, model, request)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=api, responses=_ERRORS)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, model: Model) -> TokenizeResponse:
         model.check_model(body.model)
+        # The same path as generation: the character cap first, long texts off the event loop.
         if body.messages is not None:
-            text = model.tokenizer.render_chat(
+            tokens = await model.encode_chat(
                 [{"role": m.role, "content": m.text()} for m in body.messages], body.add_generation_prompt
             )
-            tokens = model.tokenizer.encode(text, add_special_tokens=False)
         elif body.prompt is not None:
-            tokens = model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await model.encode(
+                body.prompt, field="prompt", add_special_tokens=body.add_special_tokens
+            )
         else:
             raise InvalidRequestError("prompt: give a prompt or messages", field="prompt")
         return TokenizeResponse(count=len(tokens), max_model_len=model.max_model_len, tokens=tokens)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=api, responses=_ERRORS)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest, model: Model) -> DetokenizeResponse:
         model.check_model(body.model)
         bad = [t for t in body.tokens if t >= model.vocab_size]

@@ -7,8 +7,15 @@ the event loop and the loop never touches engine state. A caller that stops list
 disconnect, cancellation) aborts its requests, which returns their KV blocks.
 
 Backpressure: at most ``max_queue_len`` requests may wait (in the scheduler or in the inbox); more
-raises ``QueueFullError`` at once instead of growing an unbounded queue. If a step raises, the
-engine is dead: every open stream gets ``EngineDeadError`` and so does every later call.
+raises ``QueueFullError`` at once instead of growing an unbounded queue, and so does a tenant
+holding more than its share of those places (``fair_share``). A group larger than
+``max_queue_len`` could never be admitted: it is a 400 naming ``n``, not a 429. If a step raises,
+the engine is dead: every open stream gets ``EngineDeadError`` and so does every later call.
+
+Liveness: the engine thread stamps when it last made progress and how long recent steps took;
+``stalled_seconds`` tells the lifecycle's watchdog how long it has been busy without finishing a
+turn, and ``fail`` ends every open stream from the event loop when the thread cannot (it is stuck).
+``cut_off`` ends every open stream with a given error (the drain timeout).
 """
 
 from __future__ import annotations
@@ -18,17 +25,22 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.outputs import RequestOutput
-from kunlun_runtime.errors import EngineDeadError, KunlunRuntimeError
+from kunlun_runtime.errors import EngineDeadError, InvalidRequestError, KunlunRuntimeError
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.errors import QueueFullError
+from kunlun_runtime.server.fair_share import WaitingShares
 from kunlun_runtime.server.stats import StatsRecorder
 
 logger = logging.getLogger(__name__)
+
+NUM_RECENT_STEPS = 64  # how many step durations the watchdog's bound is derived from
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +52,7 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    tenant: str | None = None  # who asked (the API key's tenant): queue shares are per tenant
 
 
 @dataclass(slots=True)
@@ -56,10 +69,12 @@ class AsyncEngine:
         *,
         stats: StatsRecorder | None = None,
         max_queue_len: int | None = None,
+        max_waiting_share: float | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
+        self._shares = WaitingShares(max_waiting_share, max_queue_len)  # guarded by _cond
         self._stats = stats
         self._cond = threading.Condition()
         self._inbox: list[_Add | list[str]] = []  # guarded by _cond
@@ -72,7 +87,12 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_active = 0  # open RequestStreams (event loop only)
+        self._streams: set[RequestStream] = set()  # open RequestStreams (event loop only)
         self._idle: asyncio.Event | None = None
+        # Liveness, written by the engine thread, read by the watchdog (single floats: atomic).
+        self._busy_since: float | None = None  # monotonic time of the last progress while busy
+        self._recent_step_seconds: deque[float] = deque(maxlen=NUM_RECENT_STEPS)  # engine thread only
+        self.slowest_recent_step_seconds = 0.0  # the longest of those steps
 
     # -- lifecycle (event loop) --------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -93,20 +113,70 @@ class AsyncEngine:
     def is_dead(self) -> bool:
         return self._dead is not None
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    def stalled_seconds(self, now: float | None = None) -> float:
+        """How long the engine thread has been working without finishing a turn (0 when idle)."""
+        busy_since = self._busy_since
+        if busy_since is None:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - busy_since)
+
+    def fail(self, error: BaseException) -> None:
+        """From the event loop: declare the engine dead (it is stuck) and end every open stream
+        with ``EngineDeadError``; later calls get it too. The engine thread stops if it returns."""
+        dead = EngineDeadError(f"the engine has failed: {error}")
+        with self._cond:
+            if self._dead is not None:
+                return
+            self._dead = error
+            for command in self._inbox:
+                if isinstance(command, _Add):
+                    command.done.set_exception(dead)
+            self._inbox = []
+            self._cond.notify()
+        self.cut_off(dead)
+
+    def cut_off(self, error: BaseException) -> None:
+        """From the event loop: end every open stream now with ``error`` (their readers raise it;
+        closing them then aborts their requests), and every ``add`` the engine thread has not
+        taken in yet (it will skip them)."""
+        with self._cond:
+            for command in self._inbox:
+                if isinstance(command, _Add) and not command.done.done():
+                    command.done.set_exception(error)
+        for stream in list(self._streams):
+            stream.put_error(error)
+
     async def wait_idle(self) -> None:
         """Return once no RequestStream is open (used to drain on shutdown)."""
         assert self._idle is not None, "start() first"
         await self._idle.wait()
 
     # -- requests (event loop) ---------------------------------------------------------------------
-    async def add(self, requests: list[EngineRequest]) -> RequestStream:
+    def reserve(self, count: int, tenant: str | None) -> None:
+        """Take ``count`` queue places for a group that ``add(..., reserved=True)`` will queue once
+        it is prepared (tokenized), so a full queue is answered before that work. Raises as
+        ``add`` does; ``release`` gives the places back when the group is never added."""
+        self._admit(count, tenant)
+
+    def release(self, count: int, tenant: str | None) -> None:
+        with self._cond:
+            self._num_pending -= count
+            self._shares.taken_in(tenant, count)
+
+    async def add(self, requests: list[EngineRequest], *, reserved: bool = False) -> RequestStream:
         """Queue ``requests`` (one HTTP request's children) and return the stream of their outputs.
 
         Raises InvalidRequestError for a request the engine refuses (nothing of the group stays
         queued), QueueFullError when too many requests wait, EngineDeadError when the engine has
         failed. The caller must ``close()`` the stream; closing early aborts what is unfinished.
+        ``reserved``: the group's places were taken by ``reserve``.
         """
-        self._admit(len(requests))
+        if not reserved:
+            self._admit(len(requests), requests[0].tenant if requests else None)
         add = _Add(requests, asyncio.Queue())
         stream = RequestStream(self, add.queue, {r.request_id for r in requests})
         self._submit(add)
@@ -121,28 +191,37 @@ class AsyncEngine:
             raise
         return stream
 
-    def _opened(self) -> None:
+    def _opened(self, stream: RequestStream) -> None:
         assert self._idle is not None, "start() first"  # streams come from add(), after start()
+        self._streams.add(stream)
         self.num_active += 1
         self._idle.clear()
 
-    def _closed(self, unfinished: set[str]) -> None:
-        if unfinished:
-            self._submit(sorted(unfinished))
+    def _closed(self, stream: RequestStream) -> None:
+        if stream.remaining:
+            self._submit(sorted(stream.remaining))
+        self._streams.discard(stream)
         self.num_active -= 1
         if self.num_active == 0:
             assert self._idle is not None, "start() first"  # a stream was opened, after start()
             self._idle.set()
 
-    def _admit(self, count: int) -> None:
+    def _admit(self, count: int, tenant: str | None = None) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine has failed: {self._dead}")
+        if self.max_queue_len is not None and count > self.max_queue_len:
+            raise InvalidRequestError(
+                f"n: this request needs {count} places in the queue, more than it ever has "
+                f"({self.max_queue_len}, --max-queue-len); lower n or the number of prompts",
+                field="n",
+            )
         with self._cond:
             queued = self._num_waiting + self._num_pending
             if self.max_queue_len is not None and queued + count > self.max_queue_len:
                 raise QueueFullError(
                     f"too many requests waiting ({queued}, limit {self.max_queue_len}); retry later"
                 )
+            self._shares.admit(tenant, count)
             self._num_pending += count
 
     def _submit(self, command: _Add | list[str]) -> None:
@@ -160,21 +239,29 @@ class AsyncEngine:
             while True:
                 with self._cond:
                     while not (self._inbox or self._stop or self.engine.has_unfinished_requests()):
+                        self._busy_since = None
                         self._cond.wait()
-                    if self._stop:
+                    if self._stop or self._dead is not None:  # dead: declared stuck by the watchdog
                         return
                     commands, self._inbox = self._inbox, []
+                    if self._busy_since is None:
+                        self._busy_since = time.monotonic()
                 deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []
                 aborted = [out for command in commands for out in self._apply(command)]
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                outputs = self._timed_step() if self.engine.has_unfinished_requests() else []
                 for output in outputs:
                     queue = self._queues.get(output.request_id)
                     if output.finished:
                         self._queues.pop(output.request_id, None)
+                        self._shares.forget(output.request_id)
                     if queue is not None:
                         deliveries.append((queue, output))
+                waiting_by_tenant = self._shares.count_waiting(
+                    r.request_id for r in self.engine.scheduler.waiting
+                )
                 with self._cond:
                     self._num_waiting = len(self.engine.scheduler.waiting)
+                    self._shares.set_waiting(waiting_by_tenant)
                 if self._stats is not None:
                     self._stats.record(self.engine, outputs + aborted, ran_step=bool(outputs))
                 self._deliver(deliveries)
@@ -192,15 +279,32 @@ class AsyncEngine:
                 with contextlib.suppress(RuntimeError):
                     self._loop.call_soon_threadsafe(self._on_dead, error)
 
+    def _timed_step(self) -> list[RequestOutput]:
+        """One engine step; records its duration and stamps progress for the watchdog."""
+        began = time.monotonic()
+        outputs = self.engine.step()
+        now = time.monotonic()
+        self._recent_step_seconds.append(now - began)
+        self.slowest_recent_step_seconds = max(self._recent_step_seconds)
+        self._busy_since = now
+        return outputs
+
     def _apply(self, command: _Add | list[str]) -> list[RequestOutput]:
         """Apply one inbox command; returns the outputs of requests it aborted."""
         if isinstance(command, list):
             aborted = [self.engine.abort_request(request_id) for request_id in command]
             for request_id in command:
                 self._queues.pop(request_id, None)
+                self._shares.forget(request_id)
             return [out for out in aborted if out is not None]
         with self._cond:
+            # Taken in: they wait in the scheduler now, until the next step recounts the waiting.
             self._num_pending -= len(command.requests)
+            self._num_waiting += len(command.requests)
+            if command.requests:
+                self._shares.taken_in(command.requests[0].tenant, len(command.requests))
+            if command.done.done():  # cut off while it waited in the inbox
+                return []
         added: list[str] = []
         try:
             for request in command.requests:
@@ -213,10 +317,12 @@ class AsyncEngine:
                 )
                 added.append(request.request_id)
                 self._queues[request.request_id] = command.queue
+                self._shares.track(request.request_id, request.tenant)
         except Exception as error:  # refused (InvalidRequestError): undo the group's earlier members
             for request_id in added:
                 self.engine.abort_request(request_id)
                 self._queues.pop(request_id, None)
+                self._shares.forget(request_id)
             command.done.set_exception(error)
             return []
         command.done.set_result(None)
@@ -237,7 +343,7 @@ class RequestStream:
         self._queue = queue
         self.remaining = set(request_ids)
         self._closed = False
-        engine._opened()
+        engine._opened(self)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while self.remaining:
@@ -248,11 +354,15 @@ class RequestStream:
                 self.remaining.discard(item.request_id)
             yield item
 
+    def put_error(self, error: BaseException) -> None:
+        """End the stream: its reader raises ``error`` next (event loop only)."""
+        self._queue.put_nowait(error)
+
     def close(self) -> None:
         """Idempotent: abort whatever is unfinished and stop counting this stream as in flight."""
         if not self._closed:
             self._closed = True
-            self._engine._closed(self.remaining)
+            self._engine._closed(self)
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: the model's own chat template, n choices, SSE streaming.
 
-The conversation is rendered with the model's jinja2 chat template and tokenized once; the engine
-gets token ids. Streaming sends OpenAI's chunks: the role first, then content deltas, then the
-finish reason, an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+The conversation is rendered with the model's jinja2 chat template and tokenized once, off the
+event loop (``ServedModel.encode_chat``); the engine gets token ids. Streaming sends OpenAI's
+chunks: the role first, then content deltas, then the finish reason, an optional usage chunk
+(``stream_options.include_usage``) and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from starlette.responses import Response
 from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.engine.request import TokenLogprob
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.server.async_engine import RequestStream
+from kunlun_runtime.server.async_engine import EngineRequest, RequestStream
+from kunlun_runtime.server.door import tenant_of
 from kunlun_runtime.server.protocol import ChatCompletionRequest
 from kunlun_runtime.server.responses import (
     ChatChoice,
@@ -32,6 +34,7 @@ from kunlun_runtime.server.responses import (
 from kunlun_runtime.server.serving import (
     EngineStreamingResponse,
     ServedModel,
+    add_prepared,
     children,
     collect,
     guard_stream,
@@ -72,10 +75,15 @@ async def create_chat_completion(
     )
     reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
     kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in reserved}
-    prompt_text = served.tokenizer.render_chat(body.conversation(), body.add_generation_prompt, **kwargs)
-    prompt_ids = served.tokenizer.encode(prompt_text, add_special_tokens=False)
     request_id = new_id("chatcmpl")
-    stream = await served.engine.add(children(request_id, {"prompt_token_ids": prompt_ids}, params, body))
+    tenant = tenant_of(request)
+    prompt_ids: list[int] = []
+
+    async def prepare() -> list[EngineRequest]:
+        prompt_ids.extend(await served.encode_chat(body.conversation(), body.add_generation_prompt, **kwargs))
+        return children(request_id, {"prompt_token_ids": prompt_ids}, params, body, tenant)
+
+    stream = await add_prepared(served, params.n, tenant, prepare)
     index_of = {f"{request_id}-{i}": i for i in range(params.n)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

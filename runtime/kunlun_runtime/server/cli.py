@@ -14,12 +14,22 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from kunlun_runtime.cli_args import Command, add_engine_args, engine_config_from_args
+from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.server.auth import build_tenants
+from kunlun_runtime.server.door import DEFAULT_MAX_REQUEST_BODY_BYTES
+from kunlun_runtime.server.fair_share import DEFAULT_MAX_WAITING_SHARE
 from kunlun_runtime.server.lifecycle import Lifecycle
+from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS
+from kunlun_runtime.server.watchdog import (
+    DEFAULT_ENGINE_STALL_GRACE_SECONDS,
+    DEFAULT_ENGINE_STALL_TIMEOUT_SECONDS,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +87,51 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLLM_API_KEY, unset = open)",
     )
     group.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=os.environ.get("KUNLUN_API_KEYS_FILE"),
+        help="YAML mapping 'tenant: key', one API key per tenant; tenants share no prefix cache "
+        "(default: $KUNLUN_API_KEYS_FILE)",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are answered 413 (default: 4 MiB)",
+    )
+    group.add_argument(
+        "--max-waiting-share",
+        type=float,
+        default=DEFAULT_MAX_WAITING_SHARE,
+        help="with several tenants, the most of --max-queue-len one tenant may hold; more get 429",
+    )
+    group.add_argument(
+        "--metrics-token",
+        default=os.environ.get("KUNLUN_METRICS_TOKEN"),
+        help="require 'Authorization: Bearer TOKEN' on /metrics (default: $KUNLUN_METRICS_TOKEN, unset = open)",
+    )
+    group.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests"
+    )
+    group.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_CHARS,
+        help="longest prompt (or sum of chat messages) in characters, checked before tokenizing; "
+        "longer is answered 400",
+    )
+    group.add_argument(
+        "--engine-stall-timeout-seconds",
+        type=float,
+        default=DEFAULT_ENGINE_STALL_TIMEOUT_SECONDS,
+        help="with requests pending and no engine step finished for this long (or 10x the slowest "
+        "recent step, if longer), /health turns 503 and open requests fail",
+    )
+    group.add_argument(
+        "--engine-stall-grace-seconds",
+        type=float,
+        default=DEFAULT_ENGINE_STALL_GRACE_SECONDS,
+        help="after a stall is detected, seconds until the process exits 1 to be restarted",
     )
     group.add_argument("--uvicorn-log-level", default="info")
 
@@ -90,10 +144,36 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if args.max_queue_len < 1:
         raise SystemExit("kunlun-runtime serve: error: --max-queue-len must be at least 1")
+    if args.max_request_body_bytes < 1:
+        raise SystemExit("kunlun-runtime serve: error: --max-request-body-bytes must be at least 1")
+    if args.max_prompt_chars < 1:
+        raise SystemExit("kunlun-runtime serve: error: --max-prompt-chars must be at least 1")
+    if args.engine_stall_timeout_seconds <= 0 or args.engine_stall_grace_seconds < 0:
+        raise SystemExit(
+            "kunlun-runtime serve: error: --engine-stall-timeout-seconds must be positive and "
+            "--engine-stall-grace-seconds not negative"
+        )
+    try:
+        tenants = build_tenants(args.api_key, args.api_keys_file)
+        max_waiting_share = tenants.queue_share(args.max_waiting_share)
+    except ConfigError as error:
+        raise SystemExit(f"kunlun-runtime serve: error: {error}") from error
     lifecycle = Lifecycle(
-        lambda: LLMEngine(config), max_queue_len=args.max_queue_len, freeze_gc_after_load=True
+        lambda: LLMEngine(config),
+        max_queue_len=args.max_queue_len,
+        max_waiting_share=max_waiting_share,
+        freeze_gc_after_load=True,
+        max_prompt_chars=args.max_prompt_chars,
+        engine_stall_timeout_seconds=args.engine_stall_timeout_seconds,
+        engine_stall_grace_seconds=args.engine_stall_grace_seconds,
     )
-    app = create_app(lambda: LLMEngine(config), api_key=args.api_key, lifecycle=lifecycle)
+    app = create_app(
+        lambda: LLMEngine(config),
+        tenants=tenants,
+        max_request_body_bytes=args.max_request_body_bytes,
+        metrics_token=args.metrics_token,
+        lifecycle=lifecycle,
+    )
     uvicorn_config = uvicorn.Config(
         app,
         host=args.host,

@@ -1,12 +1,14 @@
 """``POST /v1/completions``: string, strings, token ids or token-id lists; echo; legacy logprobs.
 
 Each prompt becomes n engine requests; choice ``index`` is ``prompt_index * n + i``, as OpenAI and
-vLLM number them. ``usage`` counts every prompt once and every generated token.
+vLLM number them. ``usage`` counts every prompt once and every generated token. Text prompts are
+tokenized here, off the event loop (``ServedModel.encode``), so the engine gets token ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import Request
 from starlette.responses import Response
@@ -14,7 +16,8 @@ from starlette.responses import Response
 from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.engine.request import TokenLogprob
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.server.async_engine import RequestStream
+from kunlun_runtime.server.async_engine import EngineRequest, RequestStream
+from kunlun_runtime.server.door import tenant_of
 from kunlun_runtime.server.protocol import CompletionRequest
 from kunlun_runtime.server.responses import (
     CompletionChoice,
@@ -25,6 +28,7 @@ from kunlun_runtime.server.responses import (
 from kunlun_runtime.server.serving import (
     EngineStreamingResponse,
     ServedModel,
+    add_prepared,
     children,
     collect,
     guard_stream,
@@ -44,6 +48,13 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     if all(isinstance(item, int) for item in prompt):
         return [list(prompt)]
     return list(prompt)
+
+
+async def _engine_prompt(served: ServedModel, prompt: str | list[int]) -> dict[str, Any]:
+    """What the engine gets: token ids (a text is tokenized here, off the event loop) and the text."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "prompt_token_ids": await served.encode(prompt, field="prompt")}
+    return {"prompt_token_ids": prompt}
 
 
 def completion_logprobs(
@@ -79,12 +90,18 @@ async def create_completion(body: CompletionRequest, served: ServedModel, reques
         body, served, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
     )
     request_id = new_id("cmpl")
-    engine_requests = []
-    for number, prompt in enumerate(prompts):
-        engine_prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-        engine_requests += children(f"{request_id}-{number}", engine_prompt, params, body)
+    tenant = tenant_of(request)
+    served.check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+    engine_requests: list[EngineRequest] = []
+
+    async def prepare() -> list[EngineRequest]:
+        for number, prompt in enumerate(prompts):
+            engine_prompt = await _engine_prompt(served, prompt)
+            engine_requests.extend(children(f"{request_id}-{number}", engine_prompt, params, body, tenant))
+        return engine_requests
+
+    stream = await add_prepared(served, len(prompts) * params.n, tenant, prepare)
     index_of = {r.request_id: i for i, r in enumerate(engine_requests)}
-    stream = await served.engine.add(engine_requests)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream_events(stream, served, body, request_id, index_of, include_usage)

@@ -2,10 +2,13 @@
 
 The HTTP server starts at once and answers /health with 503 while the model loads in a background
 thread and one warm-up generation passes; then 200. On SIGTERM the server drains: /health and new
-API requests get 503, in-flight requests run to completion for up to ``shutdown_timeout_seconds``,
-then the engine thread stops. A model that fails to load, or an engine loop that fails, is fatal
-(``on_fatal``: the CLI exits 1 so Kubernetes restarts the pod), not a server that stays up
-answering 503 forever.
+API requests get 503, in-flight requests run to completion for up to ``shutdown_timeout_seconds``;
+whatever is still open then is cut off cleanly (a stream ends with an error event and
+``data: [DONE]``, a non-streaming request gets a JSON 503), then the engine thread stops. A model
+that fails to load, or an engine loop that fails, is fatal (``on_fatal``: the CLI exits 1 so
+Kubernetes restarts the pod), not a server that stays up answering 503 forever. So is an engine
+that stops making progress (``watchdog``): /health turns 503 and open requests fail at once, and
+``on_fatal`` follows ``engine_stall_grace_seconds`` later.
 """
 
 from __future__ import annotations
@@ -24,12 +27,20 @@ from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.metrics import CacheConfigInfo, EngineMetrics, build_metrics
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.async_engine import AsyncEngine
-from kunlun_runtime.server.serving import ServedModel
+from kunlun_runtime.server.errors import unavailable
+from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS, ServedModel
 from kunlun_runtime.server.stats import StatsRecorder
+from kunlun_runtime.server.watchdog import (
+    DEFAULT_ENGINE_STALL_GRACE_SECONDS,
+    DEFAULT_ENGINE_STALL_TIMEOUT_SECONDS,
+    EngineStalledError,
+    watch_engine,
+)
 
 logger = logging.getLogger(__name__)
 
 WARMUP_MAX_TOKENS = 2
+CUT_OFF_FLUSH_SECONDS = 2.0  # after the drain timeout, time for the cut-off answers to be sent
 
 
 class ServerState(enum.Enum):
@@ -64,14 +75,23 @@ class Lifecycle:
         engine_factory: Callable[[], LLMEngine],
         *,
         max_queue_len: int | None = None,
+        max_waiting_share: float | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         freeze_gc_after_load: bool = False,
+        max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+        engine_stall_timeout_seconds: float = DEFAULT_ENGINE_STALL_TIMEOUT_SECONDS,
+        engine_stall_grace_seconds: float = DEFAULT_ENGINE_STALL_GRACE_SECONDS,
     ) -> None:
         self._factory = engine_factory
         self.max_queue_len = max_queue_len
+        self.max_waiting_share = max_waiting_share  # a tenant's share of the queue; None = no limit
         self.on_fatal = on_fatal
         # For a process that is the server and nothing else (the CLI): see `_settle_heap`.
         self.freeze_gc_after_load = freeze_gc_after_load
+        self.max_prompt_chars = max_prompt_chars
+        self.engine_stall_timeout_seconds = engine_stall_timeout_seconds
+        self.engine_stall_grace_seconds = engine_stall_grace_seconds
+        self._watchdog: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.state = ServerState.LOADING
         self.served: ServedModel | None = None
@@ -119,10 +139,17 @@ class Lifecycle:
         stats = StatsRecorder(self.metrics, engine)
         stats.record(engine, [], ran_step=False)  # publish the idle gauges before the first request
         async_engine = AsyncEngine(
-            engine, stats=stats, max_queue_len=self.max_queue_len, on_dead=self._engine_died
+            engine,
+            stats=stats,
+            max_queue_len=self.max_queue_len,
+            max_waiting_share=self.max_waiting_share,
+            on_dead=self._engine_died,
         )
         async_engine.start(asyncio.get_running_loop())
-        self.served = ServedModel.of(async_engine)
+        self.served = ServedModel.of(async_engine, max_prompt_chars=self.max_prompt_chars)
+        self._watchdog = asyncio.ensure_future(
+            watch_engine(async_engine, self.engine_stall_timeout_seconds, self._engine_stalled)
+        )
         if self.state is ServerState.LOADING:
             self.state = ServerState.READY
         logger.info("ready: serving %s", engine.served_model_name)
@@ -134,6 +161,16 @@ class Lifecycle:
         if self.on_fatal is not None:
             self.on_fatal(error)
 
+    def _engine_stalled(self, error: EngineStalledError) -> None:
+        """No step finished within the bound: unhealthy now, every open request fails now (as
+        when the engine loop fails), and the process ends after the grace period."""
+        self.state, self.error = ServerState.FAILED, error
+        if self.served is not None:
+            self.served.engine.fail(error)
+        if self.on_fatal is not None:
+            on_fatal = self.on_fatal
+            asyncio.get_running_loop().call_later(self.engine_stall_grace_seconds, on_fatal, error)
+
     def update_telemetry(self) -> None:
         if self.metrics is not None and self.served is not None:
             self.metrics.set_telemetry(self.served.engine.engine.platform.telemetry())
@@ -144,13 +181,27 @@ class Lifecycle:
         if self.served is None:
             return
         logger.info("draining: %d request(s) in flight", self.served.engine.num_active)
+        engine = self.served.engine
         try:
-            await asyncio.wait_for(self.served.engine.wait_idle(), timeout_seconds)
+            await asyncio.wait_for(engine.wait_idle(), timeout_seconds)
         except TimeoutError:
-            logger.warning("shutdown timeout: %d request(s) still in flight", self.served.engine.num_active)
+            logger.warning("shutdown timeout: cutting off %d request(s) still in flight", engine.num_active)
+            engine.cut_off(
+                unavailable(
+                    f"the server is shutting down; the request did not finish within {timeout_seconds} s"
+                )
+            )
+            try:
+                await asyncio.wait_for(engine.wait_idle(), CUT_OFF_FLUSH_SECONDS)
+            except TimeoutError:
+                logger.warning("%d request(s) still open after the cut-off", engine.num_active)
 
     async def stop(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        for task in (self._task, self._watchdog):
+            if task is not None and not task.done():
+                task.cancel()
         if self.served is not None:
-            await asyncio.to_thread(self.served.engine.shutdown)
+            self.served.close()
+            # A stalled engine thread may never return: do not wait long for it.
+            timeout_seconds = 1.0 if self.served.engine.is_dead else 10.0
+            await asyncio.to_thread(self.served.engine.shutdown, timeout_seconds)

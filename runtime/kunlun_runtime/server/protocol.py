@@ -5,14 +5,16 @@ Shapes follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``; the ext
 ``priority``, ...) are those vLLM accepts, so clients written for vLLM work unchanged. Unknown
 fields are ignored, as OpenAI and vLLM do. Bounds that keep the sampler's arithmetic finite live
 here (they appear in the OpenAPI document); everything else is checked once, by
-``SamplingParams``. Response bodies are in ``responses``.
+``SamplingParams``. Every text must be valid Unicode: JSON may carry a lone surrogate
+(``"\\ud800"``) that no tokenizer or response encoder accepts, so it is refused here, naming the
+field. Response bodies are in ``responses``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -21,8 +23,31 @@ MAX_SEED = 2**63 - 1
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
+def validate_text(value: Any) -> Any:
+    """``value`` unchanged; raises ValueError when a string in it is not valid Unicode (a lone
+    surrogate), which pydantic reports as a 400 naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"must be valid Unicode text (lone surrogate at {error.start})") from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            validate_text(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            validate_text(key)
+            validate_text(item)
+    return value
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        return validate_text(value)
 
 
 class StreamOptions(_Body):

@@ -3,15 +3,22 @@
 ``n > 1`` becomes n engine requests with seeds ``seed + i`` (as the offline API does), so each
 choice is reproducible on its own. Non-streaming calls watch for the client going away and abort
 their requests when it does; streaming responses abort theirs when the stream is closed.
+
+Prompts are rendered (chat template) and tokenized here, never on the engine thread, and a long
+one (``INLINE_TOKENIZE_MAX_CHARS`` on) on a small thread pool, not on the event loop: the engine
+gets token ids, and a huge prompt delays neither /health nor other requests' steps. Their size is
+checked first (``max_prompt_chars``) and their queue places are taken before the work
+(``add_prepared``), so a full queue is answered at once and the work is bounded before it starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,8 +32,14 @@ from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.async_engine import AsyncEngine, EngineRequest, RequestStream
-from kunlun_runtime.server.errors import APIError
+from kunlun_runtime.server.auth import scoped_cache_salt
+from kunlun_runtime.server.errors import ERROR_TYPES, APIError
 from kunlun_runtime.server.protocol import SamplingFields
+
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000
+NUM_TOKENIZER_THREADS = 2  # tokenization is CPU work: more threads would only take cores from steps
+# Shorter prompts are tokenized inline: well under a millisecond, less than the hop to a thread.
+INLINE_TOKENIZE_MAX_CHARS = 4096
 
 
 @dataclass(slots=True)
@@ -38,9 +51,13 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     root: str
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # longer prompts are refused before any work
+    tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None  # None: asyncio's default
 
     @classmethod
-    def of(cls, async_engine: AsyncEngine) -> ServedModel:
+    def of(
+        cls, async_engine: AsyncEngine, *, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    ) -> ServedModel:
         engine: LLMEngine = async_engine.engine
         return cls(
             engine=async_engine,
@@ -48,6 +65,10 @@ class ServedModel:
             max_model_len=engine.max_model_len,
             vocab_size=engine.model_config.vocab_size,
             root=str(engine.model_dir),
+            max_prompt_chars=max_prompt_chars,
+            tokenizer_pool=concurrent.futures.ThreadPoolExecutor(
+                NUM_TOKENIZER_THREADS, thread_name_prefix="tokenizer"
+            ),
         )
 
     @property
@@ -57,6 +78,46 @@ class ServedModel:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def check_prompt_chars(self, num_chars: int, field: str) -> None:
+        """Raise InvalidRequestError naming ``field`` when a prompt has too many characters."""
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{field}: {num_chars} characters, more than this server accepts "
+                f"({self.max_prompt_chars}, --max-prompt-chars)",
+                field=field,
+            )
+
+    async def encode(self, text: str, *, field: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, computed on the tokenizer pool; its length is checked first."""
+        self.check_prompt_chars(len(text), field)
+        return await self._tokenize(
+            len(text), lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        )
+
+    async def encode_chat(
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
+    ) -> list[int]:
+        """The token ids of the rendered chat template, computed on the tokenizer pool; the
+        conversation's length is checked first. Raises InvalidRequestError naming ``messages``."""
+        num_chars = sum(len(str(m.get("content") or "")) for m in conversation)
+        self.check_prompt_chars(num_chars, "messages")
+
+        def render_and_encode() -> list[int]:
+            text = self.tokenizer.render_chat(conversation, add_generation_prompt, **kwargs)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return await self._tokenize(num_chars, render_and_encode)
+
+    async def _tokenize(self, num_chars: int, work: Callable[[], list[int]]) -> list[int]:
+        """``work()`` inline for a short prompt, else on the tokenizer pool."""
+        if num_chars < INLINE_TOKENIZE_MAX_CHARS:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, work)
+
+    def close(self) -> None:
+        if self.tokenizer_pool is not None:
+            self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def new_id(prefix: str) -> str:
@@ -110,16 +171,39 @@ def sampling_params(
 
 
 def children(
-    base_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams, body: SamplingFields
+    base_id: str,
+    prompt: str | list[int] | dict[str, Any],
+    params: SamplingParams,
+    body: SamplingFields,
+    tenant: str | None = None,
 ) -> list[EngineRequest]:
-    """n engine requests for one prompt, seeded ``seed + i``."""
+    """n engine requests for one prompt, seeded ``seed + i``, in ``tenant``'s cache namespace."""
+    salt = scoped_cache_salt(tenant, body.cache_salt)
     out = []
     for index in range(params.n):
         child = replace(params, n=1)
         if params.seed is not None:
             child.seed = params.seed + index
-        out.append(EngineRequest(f"{base_id}-{index}", prompt, child, body.priority, body.cache_salt))
+        out.append(EngineRequest(f"{base_id}-{index}", prompt, child, body.priority, salt, tenant))
     return out
+
+
+async def add_prepared(
+    served: ServedModel,
+    count: int,
+    tenant: str | None,
+    prepare: Callable[[], Awaitable[list[EngineRequest]]],
+) -> RequestStream:
+    """Take ``count`` queue places, then ``prepare`` the group (tokenize) and queue it, so a full
+    queue is answered at once, before the prompt is tokenized, and the places are held in the
+    order requests arrived. The places are given back when preparing fails."""
+    served.engine.reserve(count, tenant)
+    try:
+        requests = await prepare()
+    except BaseException:
+        served.engine.release(count, tenant)
+        raise
+    return await served.engine.add(requests, reserved=True)
 
 
 async def _wait_disconnect(receive: Callable) -> None:
@@ -173,13 +257,19 @@ async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield event
-    except (InvalidRequestError, APIError) as error:
-        yield sse({"error": {"message": str(error), "type": "BadRequestError", "param": None, "code": 400}})
+    except InvalidRequestError as error:
+        yield error_event(error.status_code, error.message, error.field)
+    except APIError as error:  # e.g. 503: the server is draining and its timeout has passed
+        yield error_event(error.status_code, error.message, error.param)
     except Exception as error:  # e.g. EngineDeadError: the stream must still end cleanly
-        yield sse(
-            {"error": {"message": str(error), "type": "InternalServerError", "param": None, "code": 500}}
-        )
+        yield error_event(500, str(error))
     yield SSE_DONE
+
+
+def error_event(status_code: int, message: str, param: str | None = None) -> str:
+    """An SSE event with OpenAI's error body."""
+    error_type = ERROR_TYPES.get(status_code, "Error")
+    return sse({"error": {"message": message, "type": error_type, "param": param, "code": status_code}})
 
 
 def token_text(served: ServedModel, token_id: int) -> str:

@@ -179,7 +179,9 @@ class Profiler:
 
     def decode_point(self, engine: LLMEngine, num_seqs: int, context: int) -> DecodePoint:
         ids = [f"tune-decode-{num_seqs}-{context}-{i}" for i in range(num_seqs)]
-        params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+        # The engine refuses a max_tokens beyond the context (it no longer cuts it short).
+        max_tokens = min(DECODE_TOKENS, engine.max_model_len - context)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for request_id in ids:
             engine.add_request(request_id, self._tokens(context), params)
         started: set[str] = set()

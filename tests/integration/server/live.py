@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.server.app import create_app
+from kunlun_runtime.server.lifecycle import Lifecycle
 from tests.support.waiting import wait_for
 
 API_KEY = "test-key"
@@ -40,9 +42,11 @@ def health_status(base_url: str) -> int | None:
         return None
 
 
-def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple], float]:
     """/metrics as {(sample name, sorted labels): value}, parsed by prometheus_client's parser."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    response = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
+    text = response.text
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -62,6 +66,7 @@ class LiveServer:
     model_name: str
     model_dir: Path
     api_key: str | None
+    lifecycle: Lifecycle | None = None  # the app's, to reach the engine or drive a drain
 
     @property
     def headers(self) -> dict[str, str]:
@@ -75,12 +80,29 @@ def serve_in_thread(
     api_key: str | None = None,
     max_queue_len: int | None = None,
     engine_class: type[LLMEngine] = LLMEngine,
+    app_options: dict[str, Any] | None = None,
+    lifecycle_options: dict[str, Any] | None = None,
     **engine_options: object,
 ) -> Iterator[LiveServer]:
+    """``app_options`` go to ``create_app`` (tenants, limits), ``lifecycle_options`` to its
+    ``Lifecycle`` (prompt limit, watchdog), ``engine_options`` to EngineConfig."""
     config = EngineConfig(
         model=str(model_dir), dtype="float32", kv_cache_memory_bytes=16 << 20, **engine_options
     )
-    app = create_app(lambda: engine_class(config.validate()), max_queue_len=max_queue_len, api_key=api_key)
+
+    def factory() -> LLMEngine:
+        return engine_class(config.validate())
+
+    lifecycle = None
+    if lifecycle_options is not None:
+        lifecycle = Lifecycle(factory, max_queue_len=max_queue_len, **lifecycle_options)
+    app = create_app(
+        factory,
+        max_queue_len=max_queue_len,
+        api_key=api_key,
+        lifecycle=lifecycle,
+        **(app_options or {}),
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
@@ -92,7 +114,7 @@ def serve_in_thread(
             timeout_seconds=READY_DEADLINE_SECONDS,
             message="the server to become ready",
         )
-        yield LiveServer(base_url, model_dir.name, model_dir, api_key)
+        yield LiveServer(base_url, model_dir.name, model_dir, api_key, app.state.lifecycle)
     finally:
         server.should_exit = True
         thread.join(30)

@@ -123,3 +123,20 @@ def test_a_bad_prompt_in_a_batch_aborts_the_ones_already_queued(llm):
     with pytest.raises(InvalidRequestError, match="prompt: must not be empty"):
         llm.generate(["the", ""], SamplingParams(n=2, max_tokens=4))
     assert all_free(llm)
+
+
+@pytest.mark.parametrize(
+    ("params", "field", "message"),
+    [
+        (SamplingParams(max_tokens=5), "max_tokens",
+         r"max_tokens: 5 is too large: .* is 64 tokens and the request has 60 input tokens \(5 > 64 - 60\)"),
+        (SamplingParams(max_tokens=None, min_tokens=5), "min_tokens", r"min_tokens: 5 is too large"),
+    ],
+)  # fmt: skip
+def test_a_request_that_cannot_fit_the_context_is_refused_not_cut_short(llm, params, field, message):
+    with pytest.raises(InvalidRequestError, match=message) as error:
+        llm.generate({"prompt_token_ids": list(range(60))}, params)
+    assert error.value.field == field and error.value.status_code == 400
+    assert all_free(llm)
+    out = llm.generate({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -6,6 +6,12 @@ import pytest
 from pydantic import ValidationError
 
 from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.sampling_params import (
+    MAX_NUM_STOP_STRINGS,
+    MAX_NUM_STOP_TOKEN_IDS,
+    MAX_STOP_STRING_CHARS,
+    SamplingParams,
+)
 from kunlun_runtime.server.completions import _prompts
 from kunlun_runtime.server.errors import APIError, param_from_location
 from kunlun_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -121,3 +127,38 @@ def test_unknown_model_is_404_and_no_model_means_the_served_one() -> None:
     with pytest.raises(APIError) as caught:
         SERVED.check_model("other")
     assert caught.value.status_code == 404 and caught.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        ({"stop": ["s"] * (MAX_NUM_STOP_STRINGS + 1)}, "stop", "at most 64 stop strings are allowed, got 65"),
+        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop", "at most 256 characters, got 257"),
+        ({"stop_token_ids": [1] * (MAX_NUM_STOP_TOKEN_IDS + 1)}, "stop_token_ids", "at most 128 stop token ids"),
+    ],
+)  # fmt: skip
+def test_stop_conditions_are_bounded_naming_the_field(fields: dict, field: str, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as caught:
+        SamplingParams(**fields)
+    assert caught.value.field == field and caught.value.status_code == 400
+    at_limit = SamplingParams(
+        stop=["x" * MAX_STOP_STRING_CHARS] * MAX_NUM_STOP_STRINGS, stop_token_ids=[1] * MAX_NUM_STOP_TOKEN_IDS
+    )
+    assert len(at_limit.stop) == MAX_NUM_STOP_STRINGS
+
+
+@pytest.mark.parametrize(
+    ("body", "location"),
+    [
+        ({"prompt": "a\ud800"}, ("prompt",)),
+        ({"prompt": ["ok", "\udfff"]}, ("prompt",)),
+        ({"prompt": "ok", "stop": "\ud800"}, ("stop",)),
+        ({"prompt": "ok", "cache_salt": "\ud800"}, ("cache_salt",)),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_the_field(body: dict, location: tuple) -> None:
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate(body)
+    assert caught.value.errors()[0]["loc"] == location
+    assert "must be valid Unicode text" in caught.value.errors()[0]["msg"]
+    assert CompletionRequest.model_validate({"prompt": "héllo 🙂"}).prompt == "héllo 🙂"
