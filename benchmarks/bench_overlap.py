@@ -39,7 +39,8 @@ def start_requests(engine, batch: int, prompt_tokens: int, tag: str, seed: int) 
 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
+    # As many tokens as the context leaves: never stopping on their own within the run.
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - prompt_tokens, ignore_eos=True)
     ids = [f"{tag}-{index}" for index in range(batch)]
     for request_id in ids:
         prompt = [rng.randrange(min(100, vocab - 1), vocab) for _ in range(prompt_tokens)]
