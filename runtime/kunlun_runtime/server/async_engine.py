@@ -165,7 +165,7 @@ class AsyncEngine:
     def release(self, count: int, tenant: str | None) -> None:
         with self._cond:
             self._num_pending -= count
-            self._shares.taken_in(tenant, count)
+            self._shares.released(tenant, count)
 
     async def add(self, requests: list[EngineRequest], *, reserved: bool = False) -> RequestStream:
         """Queue ``requests`` (one HTTP request's children) and return the stream of their outputs.

@@ -49,7 +49,15 @@ class WaitingShares:
         self._pending[tenant] += num_requests
 
     def taken_in(self, tenant: str | None, num_requests: int) -> None:
-        """The engine thread has taken ``num_requests`` pending requests of ``tenant`` in."""
+        """The engine thread has taken ``num_requests`` pending requests of ``tenant`` in: they wait
+        in the scheduler now, and count as waiting until the next step recounts (``set_waiting``),
+        so that in between they count as neither pending nor waiting."""
+        if self.limit is not None and tenant is not None:
+            self.released(tenant, num_requests)
+            self._waiting[tenant] += num_requests
+
+    def released(self, tenant: str | None, num_requests: int) -> None:
+        """``num_requests`` pending requests of ``tenant`` will never be queued (preparing failed)."""
         if self.limit is not None and tenant is not None:
             self._pending[tenant] -= num_requests
             if self._pending[tenant] <= 0:
