@@ -8,7 +8,10 @@ up. The session's shared server requires an API key, so every test also exercise
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -118,3 +121,31 @@ def serve_in_thread(
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+SERVE_MAIN = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
+
+
+def start_serve_process(
+    model_dir: Path, *extra_args: str, stdout: int | None = subprocess.DEVNULL
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A real ``kunlun-runtime serve`` process on a free loopback port, once /health answers 200;
+    returns it and its base URL. The caller stops it; a server that never gets ready is killed."""
+    port = free_port()
+    command = [
+        sys.executable, "-c", SERVE_MAIN, "serve", "--model", str(model_dir), "--dtype", "float32",
+        "--kv-cache-memory", "16MiB", "--host", "127.0.0.1", "--port", str(port), *extra_args,
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT, env=os.environ.copy())
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            lambda: health_status(base_url) == 200,
+            timeout_seconds=300.0,
+            message="the server to become ready",
+        )
+    except BaseException:
+        process.kill()
+        process.wait(timeout=30)
+        raise
+    return process, base_url

@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -18,9 +15,7 @@ import psutil
 import pytest
 
 from kunlun_runtime.server.auth import Tenants
-from tests.integration.server.live import LiveServer, free_port, health_status, serve_in_thread
-from tests.integration.server.test_overload_and_shutdown import SERVE_MAIN
-from tests.support.waiting import wait_for
+from tests.integration.server.live import LiveServer, serve_in_thread, start_serve_process
 
 MAX_BODY_BYTES = 64 << 10
 METRICS_TOKEN = "scrape-token"
@@ -146,22 +141,10 @@ def test_the_openapi_document_lists_413_and_401(door_server: LiveServer) -> None
 async def test_large_bodies_leave_the_server_memory_bounded(tiny_model_dir: Path, tmp_path: Path) -> None:
     keys_file = tmp_path / "keys.yaml"
     keys_file.write_text("".join(f"{tenant}: {key}\n" for tenant, key in KEYS.items()))
-    port = free_port()
-    command = [
-        sys.executable, "-c", SERVE_MAIN, "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
-        "--kv-cache-memory", "16MiB", "--host", "127.0.0.1", "--port", str(port),
-        "--api-keys-file", str(keys_file), "--uvicorn-log-level", "warning",
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy()
+    process, base_url = start_serve_process(
+        tiny_model_dir, "--api-keys-file", str(keys_file), "--uvicorn-log-level", "warning"
     )
-    base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(
-            lambda: health_status(base_url) == 200,
-            timeout_seconds=300.0,
-            message="the server to become ready",
-        )
         server = psutil.Process(process.pid)
         rss_before = server.memory_info().rss
         huge = b'{"prompt": "' + b"a" * HUGE_BYTES + b'"}'

@@ -4,23 +4,20 @@ SIGTERM lets in-flight requests finish, answers 503 meanwhile, and exits 0."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import httpx
 import openai
 
-from tests.integration.server.live import free_port, health_status, serve_in_thread
+from tests.integration.server.live import health_status, serve_in_thread, start_serve_process
 from tests.support.waiting import wait_for
 
 BURST = 12
 # The console script's entry point, run by this interpreter (``-m kunlun_runtime.cli`` would load the
 # CLI module twice, once as __main__, and miss the subcommands registered on the other copy).
-SERVE_MAIN = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
 
 
 async def test_a_burst_beyond_max_queue_len_is_refused_with_retry_after_and_the_server_lives_on(
@@ -45,22 +42,10 @@ async def test_a_burst_beyond_max_queue_len_is_refused_with_retry_after_and_the_
 
 
 def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(tiny_model_dir: Path) -> None:
-    port = free_port()
-    command = [
-        sys.executable, "-c", SERVE_MAIN, "serve", "--model", str(tiny_model_dir), "--dtype", "float32",
-        "--kv-cache-memory", "16MiB", "--max-num-seqs", "1", "--host", "127.0.0.1", "--port", str(port),
-        "--shutdown-timeout", "60",
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ.copy()
+    process, base_url = start_serve_process(
+        tiny_model_dir, "--max-num-seqs", "1", "--shutdown-timeout", "60", stdout=subprocess.PIPE
     )
-    base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(
-            lambda: health_status(base_url) == 200,
-            timeout_seconds=300.0,
-            message="the server to become ready",
-        )
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
         started = [threading.Event() for _ in range(3)]
         results: list[tuple[int, str | None] | BaseException] = [None] * 3  # type: ignore[list-item]
