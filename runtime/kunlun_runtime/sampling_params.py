@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.structured.params import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
 MAX_NUM_STOP_STRINGS = 64
@@ -38,6 +39,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # The output must match this constraint (JSON Schema, regex, ...): masked before sampling.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -4,10 +4,17 @@ The engine owns the request lifecycle: validation at the door (clear errors, not
 that cannot finish), incremental detokenization, stop conditions, and returning every KV block
 when a request finishes or is aborted. It is single-threaded; ``AsyncEngine`` drives it for the
 server.
+
+A request with a structured-output constraint gets its own grammar state at ``add_request``. Each
+step, the allowed-token masks of the constrained requests about to sample are computed on a
+worker thread while the model's forward runs (the grammar engine releases the GIL), applied
+before sampling, and each chosen token advances its request's grammar; a grammar that is complete
+ends its request with ``stop``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kunlun_runtime.config import EngineConfig
@@ -22,7 +30,7 @@ from kunlun_runtime.detokenizer import IncrementalDetokenizer
 from kunlun_runtime.engine.model_runner import ModelRunner, StepLogits
 from kunlun_runtime.engine.outputs import CompletionOutput, RequestOutput, RequestTimes
 from kunlun_runtime.engine.request import Request, RequestStatus, TokenLogprob
-from kunlun_runtime.engine.sampler import Sampler, make_logprob
+from kunlun_runtime.engine.sampler import AllowedTokens, Sampler, make_logprob
 from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
@@ -36,6 +44,7 @@ from kunlun_runtime.models.sharding import shard_model_config
 from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
 from kunlun_runtime.platforms import Platform, detect
 from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.structured.grammar import GrammarCompiler, GrammarMatcher
 from kunlun_runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +84,15 @@ class _Tracked:
     times: RequestTimes
     text: str = ""
     finish_reason: str | None = None
+    grammar: GrammarMatcher | None = None  # the request's place in its structured-output grammar
+
+
+@dataclass(slots=True)
+class _PendingMasks:
+    """The allowed-token masks of a step's constrained rows, being computed during the forward."""
+
+    rows: tuple[int, ...]
+    bitmask: concurrent.futures.Future[np.ndarray]
 
 
 class LLMEngine:
@@ -115,6 +133,10 @@ class LLMEngine:
         # torch.argmax, whose generic reduction runs far below memory bandwidth over a large vocabulary.
         argmax = cpu_kernels.argmax_rows if self.model.native_kernels else None
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, argmax=argmax)
+        self.structured = GrammarCompiler(
+            (self.model_dir / "tokenizer.json").read_text(), model_config.vocab_size, self.eos_token_ids
+        )
+        self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None  # started on first use
         self._tracked: dict[str, _Tracked] = {}
         self.num_generation_tokens_total = 0
         self.num_prompt_tokens_total = 0
@@ -184,6 +206,10 @@ class LLMEngine:
         if self.tp_group is not None:
             self.tp_group.close()
             self.tp_group = None
+        pool = getattr(self, "_mask_pool", None)  # close() also runs on a half-built engine
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            self._mask_pool = None
 
     def _resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings
@@ -229,6 +255,9 @@ class LLMEngine:
                 field="prompt",
             )
         self._check_lengths(len(token_ids), params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.new_matcher(params.structured_outputs)
         limit = self.max_model_len
         if params.max_tokens is not None:
             limit = len(token_ids) + params.max_tokens
@@ -243,7 +272,7 @@ class LLMEngine:
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         self._tracked[request_id] = _Tracked(
-            request, prompt_text, detokenizer, RequestTimes(request.arrival_time)
+            request, prompt_text, detokenizer, RequestTimes(request.arrival_time), grammar=grammar
         )
         self.scheduler.add(request)
         return request
@@ -297,8 +326,9 @@ class LLMEngine:
         if sched.is_empty:
             return []
         began = self._start_step(sched)
+        masks = self._start_masks(sched)
         logits = self.runner.execute(sched, self._block_tables(sched))
-        sampled = self._finish_step(sched, logits, began)
+        sampled = self._finish_step(sched, logits, began, masks)
         now = time.monotonic()
         return [self._append_token(tracked, token_id, logprob, now) for tracked, token_id, logprob in sampled]
 
@@ -310,11 +340,32 @@ class LLMEngine:
             times.scheduled = times.scheduled or now
         return now
 
+    def _start_masks(self, sched: SchedulerOutput) -> _PendingMasks | None:
+        """Start computing the allowed tokens of the constrained requests that sample this step,
+        in the rows the runner gives them (those whose scheduled tokens reach their end)."""
+        rows: list[int] = []
+        matchers: list[GrammarMatcher] = []
+        row = 0
+        for item in sched.scheduled:
+            request = item.request
+            if request.num_computed_tokens + item.num_new_tokens != request.num_tokens:
+                continue
+            grammar = self._tracked[request.request_id].grammar
+            if grammar is not None:
+                rows.append(row)
+                matchers.append(grammar)
+            row += 1
+        if not matchers:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return _PendingMasks(tuple(rows), self._mask_pool.submit(self.structured.fill_bitmask, matchers))
+
     def _block_tables(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         return {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
 
     def _finish_step(
-        self, sched: SchedulerOutput, logits: StepLogits, began: float
+        self, sched: SchedulerOutput, logits: StepLogits, began: float, masks: _PendingMasks | None
     ) -> list[tuple[_Tracked, int, TokenLogprob | None]]:
         """After the forward: let the scheduler account for the step, record prompt logprobs, and
         sample; returns (request, token id, logprob) per new token."""
@@ -324,7 +375,10 @@ class LLMEngine:
         tracked = [self._tracked[rid] for rid in logits.sample_request_ids]
         if not tracked:
             return []
-        sampled = self.sampler.sample(logits.sample_logits, [t.request for t in tracked])
+        allowed = None
+        if masks is not None:
+            allowed = AllowedTokens(masks.rows, masks.bitmask.result())
+        sampled = self.sampler.sample(logits.sample_logits, [t.request for t in tracked], allowed)
         return [(t, token_id, logprob) for t, (token_id, logprob) in zip(tracked, sampled, strict=True)]
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, rows: torch.Tensor) -> None:
@@ -368,6 +422,8 @@ class LLMEngine:
     def _check_stop(self, tracked: _Tracked, token_id: int) -> RequestStatus | None:
         request, params = tracked.request, tracked.request.params
         num_out = len(request.output_token_ids)
+        if tracked.grammar is not None and self._grammar_complete(tracked.grammar, token_id):
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -388,6 +444,15 @@ class LLMEngine:
         text = tracked.detokenizer.text
         tracked.text = text[: len(text) - hold] if hold else text
         return None
+
+    def _grammar_complete(self, grammar: GrammarMatcher, token_id: int) -> bool:
+        """Advance ``grammar`` by the chosen token; True when the constrained text is complete
+        (or the grammar cannot go on: the mask never offers a token it refuses, so that is a bug
+        in the grammar engine, logged, and the request ends rather than generating past it)."""
+        if not grammar.accept(token_id):
+            logger.error("structured output: the grammar refused token %d (%s)", token_id, grammar.error)
+            return True
+        return grammar.is_finished
 
     def _finish(
         self, tracked: _Tracked, status: RequestStatus, new_token_ids: Sequence[int] = ()

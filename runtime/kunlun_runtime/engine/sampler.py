@@ -2,17 +2,31 @@
 
 Each request samples from its own ``torch.Generator`` (seeded by its ``seed`` when given), so its
 tokens do not depend on which other requests share the batch. Logprobs are those of the model's
-raw distribution (before temperature and truncation), as vLLM reports them.
+raw distribution (before temperature, truncation and any structured-output mask), as vLLM reports
+them. A structured-output request's row is masked to the tokens its grammar allows after the
+penalties and before any choice; its grammar, not ``min_tokens``, decides when its text may end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kunlun_runtime.engine.request import Request, TokenLogprob
 from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.structured.bitmask import apply_token_bitmask
+
+
+@dataclass(frozen=True, slots=True)
+class AllowedTokens:
+    """The allowed next tokens of the constrained rows of a step: ``bitmask`` row ``i`` holds
+    those of logits row ``rows[i]`` (see ``structured.bitmask``)."""
+
+    rows: tuple[int, ...]
+    bitmask: np.ndarray
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -39,10 +53,11 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
 def suppress_stop_tokens(
     logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int]
 ) -> None:
-    """While a request has fewer than ``min_tokens`` outputs, it may not emit EOS or a stop token."""
+    """While a request has fewer than ``min_tokens`` outputs, it may not emit EOS or a stop token
+    (unless its output is constrained: there the grammar says when the text is complete)."""
     for row, request in enumerate(requests):
         params = request.params
-        if len(request.output_token_ids) < params.min_tokens:
+        if len(request.output_token_ids) < params.min_tokens and params.structured_outputs is None:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             if banned:
                 logits[row, banned] = float("-inf")
@@ -103,14 +118,17 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def sample(
-        self, logits: torch.Tensor, requests: Sequence[Request]
+        self, logits: torch.Tensor, requests: Sequence[Request], allowed: AllowedTokens | None = None
     ) -> list[tuple[int, TokenLogprob | None]]:
-        """Pick one token per row of FP32 ``logits`` [S, V]; returns (token id, logprob or None)."""
+        """Pick one token per row of FP32 ``logits`` [S, V] among the ``allowed`` ones of the
+        constrained rows; returns (token id, logprob or None)."""
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = apply_penalties(logits.clone(), requests)
         suppress_stop_tokens(logits, requests, self.eos_token_ids)
+        if allowed is not None:
+            self._mask(logits, allowed)
         greedy_ids = self.argmax(logits).tolist()
         results = []
         for row, request in enumerate(requests):
@@ -126,3 +144,12 @@ class Sampler:
                 logprob = make_logprob(raw_logprobs[row], token_id, params.logprobs)
             results.append((token_id, logprob))
         return results
+
+    def _mask(self, logits: torch.Tensor, allowed: AllowedTokens) -> None:
+        """Mask the constrained rows. A row left with no token (a grammar in an error state) gets
+        EOS, so the request ends instead of the sampler failing."""
+        apply_token_bitmask(logits, allowed.bitmask, allowed.rows)
+        rows = torch.tensor(allowed.rows, dtype=torch.long, device=logits.device)
+        dead = rows[torch.isneginf(logits.index_select(0, rows)).all(dim=-1)]
+        if dead.numel() and self.eos_token_ids:
+            logits[dead, self.eos_token_ids[0]] = 0.0
