@@ -39,7 +39,10 @@ def perplexity(llm, token_ids: list[int]) -> float:
     from kunlun_runtime import SamplingParams
 
     output = llm.generate({"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    logprobs = [entry.logprob for entry in output.prompt_logprobs if entry is not None]
+    # vLLM's shape: None for the first token, then a dict holding each prompt token's Logprob.
+    logprobs = [
+        entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], token_ids[1:], strict=True)
+    ]
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
@@ -59,7 +62,7 @@ def teacher_forced_agreement(llm, prompts: list[list[int]], continuations: list[
             {"prompt_token_ids": prompt + continuation}, SamplingParams(max_tokens=1, prompt_logprobs=0)
         )[0]
         scored = output.prompt_logprobs[len(prompt) :]
-        agree += sum(entry.rank == 1 for entry in scored)
+        agree += sum(entry[token].rank == 1 for entry, token in zip(scored, continuation, strict=True))
         total += len(scored)
     return agree / total
 

@@ -1,11 +1,14 @@
 """kunlun_runtime: the bundled inference engine of kunlun-inference.
 
-Public surface (vLLM-compatible in shape): ``LLM`` and ``SamplingParams``.
+Public surface (vLLM-compatible in shape): ``LLM``, ``SamplingParams``,
+``StructuredOutputsParams`` (a constraint on the output) and ``Logprob`` (the entries of the
+offline outputs' logprobs, as ``vllm.logprobs.Logprob``).
 """
 
+from kunlun_runtime.logprobs import Logprob
 from kunlun_runtime.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Logprob", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: importing the package must not import torch
@@ -17,4 +20,8 @@ def __getattr__(name: str):  # lazy: importing the package must not import torch
         from kunlun_runtime.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from kunlun_runtime.structured.params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(name)

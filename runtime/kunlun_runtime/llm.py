@@ -2,19 +2,31 @@
 
 ``n > 1`` is served as n engine requests sharing the prompt (the prefix cache shares its blocks);
 their outputs are merged into one ``RequestOutput`` per prompt, in prompt order.
+
+Logprobs leave in vLLM's shape (``kunlun_runtime.logprobs``): the outputs this API returns, and
+those ``on_output`` sees, carry ``token_id -> Logprob`` dicts where the engine's carry
+``TokenLogprob`` records (which the server reads). Each position is converted once per call.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kunlun_runtime.config import EngineConfig, parse_memory
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.outputs import RequestOutput
+from kunlun_runtime.logprobs import (
+    PromptLogprobs,
+    SampleLogprobs,
+    build_prompt_logprobs,
+    build_sample_logprobs,
+)
 from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
@@ -59,6 +71,7 @@ class LLM:
         # (InvalidRequestError naming the field), so the elements are Any here.
         prompt_list: Sequence[Any] = prompts if isinstance(prompts, (list, tuple)) else [prompts]
         params_list = self._per_prompt(sampling_params, len(prompt_list))
+        shape = _VllmLogprobs(self.engine.tokenizer)
         groups: list[list[str]] = []
         try:
             for index, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
@@ -74,7 +87,7 @@ class LLM:
                         request_id, prompt, child_params, priority=priority[index] if priority else 0
                     )
                     ids.append(request_id)
-            finished = self._run(on_output)
+            finished = self._run(on_output, shape)
         except BaseException:
             for ids in groups:
                 for request_id in ids:
@@ -102,10 +115,15 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
         return list(params)
 
-    def _run(self, on_output: Callable[[RequestOutput], None] | None) -> dict[str, RequestOutput]:
+    def _run(
+        self, on_output: Callable[[RequestOutput], None] | None, shape: _VllmLogprobs
+    ) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
+                if on_output is None and not output.finished:
+                    continue
+                output = shape.convert(output)
                 if on_output is not None:
                     on_output(output)
                 if output.finished:
@@ -119,6 +137,42 @@ class LLM:
         for index, child in enumerate(children):
             outputs.append(replace(child.outputs[0], index=index))
         return replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=outputs)
+
+
+class _VllmLogprobs:
+    """Converts the engine's logprobs of one ``generate`` call into vLLM's shape.
+
+    The engine's lists only grow while a request runs, so each request keeps the positions
+    converted so far and a later output of it converts only the new ones; each token id is
+    decoded once.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        # vLLM decodes a logprob's token on its own with the tokenizer's default: specials kept.
+        self._decode = functools.cache(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        )
+        self._sample: dict[str, SampleLogprobs] = {}
+        self._prompt: dict[str, PromptLogprobs] = {}
+
+    def convert(self, output: RequestOutput) -> RequestOutput:
+        """``output`` with its (and its completion's) logprobs in vLLM's shape; None stays None."""
+        completion = output.outputs[0]
+        sample: SampleLogprobs | None = None
+        if completion.logprobs is not None:
+            done = self._sample.setdefault(output.request_id, [])
+            done.extend(build_sample_logprobs(completion.logprobs[len(done) :], self._decode))
+            sample = list(done)
+        prompt: PromptLogprobs | None = None
+        if output.prompt_logprobs is not None:
+            done_prompt = self._prompt.setdefault(output.request_id, [])
+            done_prompt.extend(
+                build_prompt_logprobs(output.prompt_logprobs[len(done_prompt) :], self._decode)
+            )
+            prompt = list(done_prompt)
+        # RequestOutput's annotations name the engine's records; the offline outputs carry vLLM's.
+        completion = replace(completion, logprobs=cast(Any, sample))
+        return replace(output, outputs=[completion], prompt_logprobs=cast(Any, prompt))
 
 
 def _is_one_conversation(

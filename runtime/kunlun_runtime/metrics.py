@@ -3,7 +3,8 @@
 Names, types, help texts' meaning, histogram buckets and labels (``model_name``, ``engine``) follow
 vLLM v1's Prometheus logger, so dashboards, routers and autoscalers written for vLLM read them
 unchanged; ``vllm:gpu_cache_usage_perc`` stays as the deprecated alias of
-``vllm:kv_cache_usage_perc``. Every collector is built into the ``CollectorRegistry`` it is given
+``vllm:kv_cache_usage_perc``. Structured outputs have no vLLM metric: theirs are ours, under
+``kunlun:structured_output_*``. Every collector is built into the ``CollectorRegistry`` it is given
 (never the global one), so several servers and the tests can live in one process.
 
 This module only turns plain numbers into metrics: it never imports the engine. The server feeds it
@@ -12,7 +13,8 @@ one ``StepStats`` per engine step and one ``FinishedRequestStats`` per finished 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
@@ -31,6 +33,10 @@ REQUEST_LATENCY_BUCKETS_SECONDS = (
     960.0, 1920.0, 7680.0,
 )  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# The constraint kinds of structured outputs (structured.grammar.CONSTRAINT_KINDS, not imported:
+# this module stays free of the engine); each is a labelled series from the start, at 0.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 # Exposed family names (what a scrape shows before the _bucket/_total suffixes of the samples).
 METRIC_NAMES = (
@@ -47,6 +53,8 @@ METRIC_NAMES = (
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
     "vllm:iteration_tokens_total",
+    "vllm:request_params_n",
+    "vllm:request_params_max_tokens",
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
     "vllm:time_per_output_token_seconds",
@@ -56,6 +64,8 @@ METRIC_NAMES = (
     "vllm:request_prefill_time_seconds",
     "vllm:request_decode_time_seconds",
     "vllm:cache_config_info",
+    "kunlun:structured_output_mask_seconds",
+    "kunlun:structured_output_requests",
     "kunlun:device_utilization_ratio",
     "kunlun:device_memory_used_bytes",
     "kunlun:device_memory_total_bytes",
@@ -91,6 +101,8 @@ class StepStats:
     ran_step: bool = False  # False: only gauges changed (e.g. after an abort), no iteration happened
     time_to_first_tokens_seconds: tuple[float, ...] = ()
     inter_token_latencies_seconds: tuple[float, ...] = ()
+    structured_mask_seconds: float = 0.0  # computing structured-output allowed-token masks
+    num_structured_requests: Mapping[str, int] = field(default_factory=dict)  # by constraint kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +115,12 @@ class FinishedRequestStats:
     prefill_seconds: float
     decode_seconds: float
     inference_seconds: float
+    # The effective max_tokens: as asked, or what the context leaves (vLLM observes the same);
+    # None when unknown, and then not observed.
+    max_tokens: int | None = None
+    # The n of the API request this one is a choice of, given on the last of its n requests to
+    # finish (vLLM observes n once per API request); None on the others.
+    n: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +185,12 @@ class EngineMetrics:
             "Histogram of number of tokens per engine_step.",
             ITERATION_TOKENS_BUCKETS,
         )
+        self.request_params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS
+        )
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -219,6 +243,18 @@ class EngineMetrics:
             ),
             registry=registry,
         )
+        self.structured_mask_seconds = counter(
+            "kunlun:structured_output_mask_seconds",
+            "Time spent computing the allowed-token masks of structured outputs, in seconds.",
+        )
+        self._structured_requests = Counter(
+            "kunlun:structured_output_requests",
+            "Requests started with a structured-output constraint, by constraint kind.",
+            (*labels, "kind"),
+            registry=registry,
+        )
+        for kind in STRUCTURED_OUTPUT_KINDS:
+            self._structured_requests.labels(*values, kind)
         # Labelled only once the platform reports a value: an absent reading is no sample, not 0.
         device = {
             "utilization_ratio": (
@@ -265,11 +301,18 @@ class EngineMetrics:
         for seconds in stats.inter_token_latencies_seconds:
             self.itl.observe(seconds)
             self.tpot.observe(seconds)
+        self.structured_mask_seconds.inc(stats.structured_mask_seconds)
+        for kind, count in stats.num_structured_requests.items():
+            self._structured_requests.labels(*self._label_values, kind).inc(count)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self.success[stats.finished_reason].inc()
         self.request_prompt_tokens.observe(stats.num_prompt_tokens)
         self.request_generation_tokens.observe(stats.num_generation_tokens)
+        if stats.max_tokens:
+            self.request_params_max_tokens.observe(stats.max_tokens)
+        if stats.n is not None:
+            self.request_params_n.observe(stats.n)
         self.phase["e2e"].observe(stats.e2e_seconds)
         self.phase["queue"].observe(stats.queue_seconds)
         self.phase["inference"].observe(stats.inference_seconds)

@@ -48,7 +48,7 @@ def test_batched_chunked_greedy_equals_hf(tiny_model_dirs, name):
         completion = output.outputs[0]
         assert completion.token_ids == tokens
         assert completion.finish_reason == "length"
-        ours = [lp.logprob for lp in completion.logprobs]
+        ours = [position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)]
         assert ours == pytest.approx(logprobs, abs=1e-4)
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
 
@@ -64,6 +64,9 @@ def test_prompt_logprobs_match_hf(tiny_model_dirs):
     with torch.no_grad():
         expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], -1)
     assert output.prompt_logprobs[0] is None
-    got = [lp.logprob for lp in output.prompt_logprobs[1:]]
+    got = [
+        position[token].logprob
+        for position, token in zip(output.prompt_logprobs[1:], prompt[1:], strict=True)
+    ]
     want = [expected[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
     assert got == pytest.approx(want, abs=1e-4)

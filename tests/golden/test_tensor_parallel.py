@@ -48,8 +48,10 @@ def test_tp2_engine_generates_the_same_tokens_and_logprobs(tiny_model_dirs):
         llm.engine.close()
     for one, two in zip(single, split, strict=True):
         assert one.outputs[0].token_ids == two.outputs[0].token_ids
-        got = [lp.logprob for lp in two.outputs[0].logprobs]
-        assert got == pytest.approx([lp.logprob for lp in one.outputs[0].logprobs], abs=1e-5)
+        tokens = one.outputs[0].token_ids
+        got = [position[t].logprob for position, t in zip(two.outputs[0].logprobs, tokens, strict=True)]
+        want = [position[t].logprob for position, t in zip(one.outputs[0].logprobs, tokens, strict=True)]
+        assert got == pytest.approx(want, abs=1e-5)
 
 
 def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(tiny_model_dirs):

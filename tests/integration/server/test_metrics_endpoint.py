@@ -62,6 +62,25 @@ def test_counters_advance_by_exactly_what_a_request_did(live_server) -> None:
     assert sample(after, "vllm:gpu_cache_usage_perc", **model) == 0
 
 
+def test_request_params_and_structured_outputs_are_observed_per_request(live_server) -> None:
+    model = {"model_name": live_server.model_name}
+    before = scrape(live_server.base_url)
+    completion(live_server, n=2, max_tokens=3)
+    completion(live_server, max_tokens=6, guided_choice=["yes", "no"], ignore_eos=False)
+    after = scrape(live_server.base_url)
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **model, **labels) - sample(before, name, **model, **labels)
+
+    assert delta("vllm:request_params_n_count") == 2  # once per API request, not per choice
+    assert delta("vllm:request_params_n_sum") == 2 + 1
+    assert delta("vllm:request_params_max_tokens_count") == 3  # once per choice
+    assert delta("vllm:request_params_max_tokens_sum") == 3 + 3 + 6
+    assert delta("kunlun:structured_output_requests_total", kind="choice") == 1
+    assert delta("kunlun:structured_output_requests_total", kind="json") == 0
+    assert delta("kunlun:structured_output_mask_seconds_total") > 0
+
+
 def test_metrics_pass_promtool_apart_from_vllms_own_naming(live_server) -> None:
     promtool = shutil.which("promtool") or (REPO / ".tools/bin/promtool")
     if not Path(promtool).exists():

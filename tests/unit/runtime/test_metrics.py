@@ -6,10 +6,13 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kunlun_runtime.config import EngineConfig, parse_memory
+from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.metrics import (
     ITL_BUCKETS_SECONDS,
     METRIC_NAMES,
     REQUEST_LATENCY_BUCKETS_SECONDS,
+    STRUCTURED_OUTPUT_KINDS,
     TTFT_BUCKETS_SECONDS,
     CacheConfigInfo,
     FinishedRequestStats,
@@ -18,6 +21,11 @@ from kunlun_runtime.metrics import (
     build_metrics,
 )
 from kunlun_runtime.platforms.base import Telemetry
+from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.server.stats import StatsRecorder
+from kunlun_runtime.structured.grammar import CONSTRAINT_KINDS
+from kunlun_runtime.structured.params import StructuredOutputsParams
+from tests.support.tiny_models import make_tiny_model
 
 VLLM_TYPES = {
     "vllm:num_requests_running": "gauge",
@@ -40,7 +48,11 @@ VLLM_TYPES = {
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
     "vllm:iteration_tokens_total": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
     "vllm:cache_config_info": "gauge",
+    "kunlun:structured_output_mask_seconds": "counter",
+    "kunlun:structured_output_requests": "counter",
 }
 
 
@@ -85,6 +97,8 @@ def test_histogram_buckets_are_vllms(registry) -> None:
     assert bounds("vllm:e2e_request_latency_seconds") == list(REQUEST_LATENCY_BUCKETS_SECONDS)
     assert bounds("vllm:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100]
     assert bounds("vllm:iteration_tokens_total")[:3] == [1, 8, 16]
+    assert bounds("vllm:request_params_n") == [1, 2, 5, 10, 20]
+    assert bounds("vllm:request_params_max_tokens") == [1, 2, 5, 10, 20, 50, 100]
 
 
 def test_1_2_5_buckets_stop_at_the_maximum() -> None:
@@ -137,6 +151,104 @@ def test_a_finished_request_counts_by_reason_and_phase(registry) -> None:
     assert values[("vllm:e2e_request_latency_seconds_sum", labels())] == pytest.approx(1.0)
     assert values[("vllm:request_decode_time_seconds_sum", labels())] == pytest.approx(0.6)
     assert values[("vllm:request_generation_tokens_sum", labels())] == 4
+
+
+def test_request_params_are_observed_when_given(registry) -> None:
+    metrics = build_metrics(registry, "m", max_model_len=100)
+    metrics.record_finished(FinishedRequestStats("length", 7, 4, 0.9, 0.1, 0.2, 0.6, 0.8, max_tokens=4))
+    metrics.record_finished(FinishedRequestStats("stop", 7, 3, 0.9, 0.1, 0.2, 0.6, 0.8, max_tokens=4, n=2))
+    metrics.record_finished(FinishedRequestStats("stop", 7, 3, 0.9, 0.1, 0.2, 0.6, 0.8))  # unknown: none
+    _, values = scrape(registry)
+    assert values[("vllm:request_params_max_tokens_count", labels())] == 2
+    assert values[("vllm:request_params_max_tokens_sum", labels())] == 8
+    assert values[("vllm:request_params_n_count", labels())] == 1
+    assert values[("vllm:request_params_n_bucket", labels(le="1.0"))] == 0
+    assert values[("vllm:request_params_n_bucket", labels(le="2.0"))] == 1
+
+
+def test_structured_output_counters_start_at_zero_for_every_kind(registry) -> None:
+    assert STRUCTURED_OUTPUT_KINDS == CONSTRAINT_KINDS
+    metrics = build_metrics(registry, "m")
+    metrics.record_step(
+        StepStats(0, 0, 0.0, structured_mask_seconds=0.25, num_structured_requests={"regex": 2})
+    )
+    _, values = scrape(registry)
+    kinds = {
+        dict(key)["kind"]: value
+        for (name, key), value in values.items()
+        if name == "kunlun:structured_output_requests_total"
+    }
+    assert kinds == {"json": 0, "json_object": 0, "regex": 2, "choice": 0, "grammar": 0}
+    assert values[("kunlun:structured_output_mask_seconds_total", labels())] == 0.25
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> LLMEngine:
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("metrics") / "tiny")
+    config = EngineConfig(
+        model=str(model_dir), dtype="float32", max_model_len=32, kv_cache_memory_bytes=parse_memory("4MiB")
+    )
+    return LLMEngine(config)
+
+
+def run_until_done(engine: LLMEngine, stats: StatsRecorder, *, abort_second: str | None = None) -> None:
+    """Drive the engine and the recorder as the server's engine thread does: apply commands (here
+    at most one abort, before the second step), step, record."""
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        aborted = engine.abort_request(abort_second) if abort_second and num_steps == 1 else None
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        num_steps += 1
+        stats.record(engine, outputs + ([aborted] if aborted else []), ran_step=bool(outputs))
+
+
+def test_finished_requests_report_n_once_and_their_effective_max_tokens(engine) -> None:
+    registry = CollectorRegistry()
+    stats = StatsRecorder(build_metrics(registry, "m", max_model_len=engine.max_model_len), engine)
+    prompt = [5, 17, 99, 3, 250, 8]
+    asked = SamplingParams(max_tokens=4, ignore_eos=True, seed=1)
+    for index in range(3):  # one API request with n=3, as serving.children names its requests
+        engine.add_request(f"cmpl-a-{index}", prompt, asked)
+    engine.add_request("cmpl-b-0", prompt, SamplingParams(max_tokens=None, ignore_eos=True))  # 32 - 6 left
+    engine.add_request("cmpl-c-0", prompt, SamplingParams(max_tokens=1))  # ends in its first step
+    engine.add_request("cmpl-d-0", prompt, SamplingParams(max_tokens=8, ignore_eos=True))  # aborted
+    run_until_done(engine, stats, abort_second="cmpl-d-0")
+    _, values = scrape(registry)
+    success = {
+        r: values[("vllm:request_success_total", labels(finished_reason=r))] for r in ("length", "abort")
+    }
+    assert success == {"length": 5, "abort": 1}
+    assert values[("vllm:request_params_n_count", labels())] == 4  # a, b, c and d: n once each
+    assert values[("vllm:request_params_n_sum", labels())] == 3 + 1 + 1 + 1
+    assert values[("vllm:request_params_n_bucket", labels(le="1.0"))] == 3
+    assert values[("vllm:request_params_n_bucket", labels(le="5.0"))] == 4
+    assert values[("vllm:request_params_max_tokens_count", labels())] == 6  # one per engine request
+    assert values[("vllm:request_params_max_tokens_sum", labels())] == 3 * 4 + 26 + 1 + 8
+    buckets = {
+        dict(key)["le"]: value
+        for (name, key), value in values.items()
+        if name == "vllm:request_params_max_tokens_bucket"
+    }
+    assert buckets == {"1.0": 1, "2.0": 1, "5.0": 4, "10.0": 5, "20.0": 5, "+Inf": 6}
+
+
+def test_structured_output_requests_and_mask_time_are_counted_from_the_engine(engine) -> None:
+    registry = CollectorRegistry()
+    stats = StatsRecorder(build_metrics(registry, "m", max_model_len=engine.max_model_len), engine)
+    choice = StructuredOutputsParams(choice=("yes", "no"))
+    engine.add_request("chat-s-0", [5, 17, 99], SamplingParams(max_tokens=8, structured_outputs=choice))
+    engine.add_request("chat-t-0", [5, 17, 99], SamplingParams(max_tokens=2))
+    run_until_done(engine, stats)
+    _, values = scrape(registry)
+    kinds = {
+        dict(key)["kind"]: value
+        for (name, key), value in values.items()
+        if name == "kunlun:structured_output_requests_total"
+    }
+    assert kinds == {"json": 0, "json_object": 0, "regex": 0, "choice": 1, "grammar": 0}
+    mask_seconds = values[("kunlun:structured_output_mask_seconds_total", labels())]
+    assert 0 < mask_seconds == pytest.approx(engine.structured.mask_seconds_total)
+    assert values[("vllm:request_params_max_tokens_sum", labels())] == 8 + 2
 
 
 def test_telemetry_sets_only_what_the_platform_reports(registry) -> None:
