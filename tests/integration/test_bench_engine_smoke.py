@@ -234,3 +234,19 @@ def test_bench_int8_prefill_quick_run(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "one layer's linears, 16 rows: INT8 kernel" in printed
     assert "TTFT 24 tokens: HF FP32" in printed
+
+
+def test_bench_structured_quick_run_measures_both_sides_side_by_side(tmp_path, monkeypatch, capsys):
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    out = tmp_path / "structured.json"
+    monkeypatch.setattr(
+        "sys.argv", ["bench_structured", "--quick", "--model", str(model_dir), "--json", str(out)]
+    )
+    load("bench_structured").main()
+    results = json.loads(out.read_text())
+    assert set(results["batches"]) == {"1", "8"} and results["compile_ms"] > 0
+    for row in results["batches"].values():
+        assert row["free_tok_s"] > 0 and row["constrained_tok_s"] > 0
+        assert row["ratio"] == row["constrained_tok_s"] / row["free_tok_s"]
+        assert row["mask_us_per_token"] > 0
+    assert "JSON schema" in capsys.readouterr().out
