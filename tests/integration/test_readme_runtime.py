@@ -1,5 +1,6 @@
 """The README's offline-API snippet runs as written and does what it says."""
 
+import json
 import re
 from pathlib import Path
 
@@ -21,3 +22,7 @@ def test_offline_api_snippet_runs_as_written(capsys):
     assert all(o.outputs[0].finish_reason in {"stop", "length"} for o in out)
     printed = capsys.readouterr().out
     assert out[0].outputs[0].text in printed and printed.strip()
+    record = namespace["llm"].generate("A user record as JSON:", namespace["json_params"])[0].outputs[0]
+    assert record.finish_reason == "stop" and isinstance(json.loads(record.text)["name"], str)
+    assert record.text in printed  # greedy: the same text the snippet printed
+
