@@ -13,14 +13,23 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kunlun_device.errors import ConfigError, XpuError
 from kunlun_device.xpu.health import HealthPolicy, parse_severities
 from kunlun_device.xpu.source import DEFAULT_KML_VERSION_FILE, XpuSource
 
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+
+    from kunlun_device.plugin.server import RoundHook
+    from kunlun_device.xpu.model import XpuDevice
+
 logger = logging.getLogger("kunlun_device")
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
 def _positive(text: str) -> float:
@@ -78,6 +87,34 @@ def build_parser() -> argparse.ArgumentParser:
     plugin.add_argument(
         "--socket-name", default="kunlun-xpu.sock", metavar="NAME", help="the plugin's socket"
     )
+    faults = plugin.add_argument_group("fault response (pod conditions, Events, quarantine, taint)")
+    faults.add_argument("--respond-to-faults", action="store_true", help="tell pods on failed cards")
+    faults.add_argument(
+        "--kubeconfig", default=None, metavar="PATH", help="default: in-cluster, else KUBECONFIG"
+    )
+    faults.add_argument(
+        "--pod-resources-socket",
+        default=DEFAULT_POD_RESOURCES_SOCKET,
+        metavar="PATH",
+        help="kubelet PodResources",
+    )
+    faults.add_argument(
+        "--quarantine-failures", type=int, default=3, metavar="K", help="failures that quarantine"
+    )
+    faults.add_argument(
+        "--quarantine-window-seconds",
+        type=_positive,
+        default=600.0,
+        metavar="SECONDS",
+        help="counting window",
+    )
+    faults.add_argument(
+        "--node-sync-seconds", type=_positive, default=30.0, metavar="SECONDS", help="re-read the quarantine"
+    )
+    faults.add_argument(
+        "--taint-when-all-unhealthy", action="store_true", help="NoSchedule taint on dead nodes"
+    )
+    faults.add_argument("--quarantine-file", default="", metavar="PATH", help="where the exporter reads it")
     labeler = commands.add_parser("labeler", parents=[_common(False)], help="node labeler")
     labeler.add_argument(
         "--interval", type=_positive, default=300.0, metavar="SECONDS", help="re-check period"
@@ -94,9 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument("--port", type=int, default=9400, help="HTTP port of /metrics")
     exporter.add_argument(
         "--pod-resources-socket",
-        default="/var/lib/kubelet/pod-resources/kubelet.sock",
+        default=DEFAULT_POD_RESOURCES_SOCKET,
         metavar="PATH",
         help="kubelet PodResources socket for pod attribution; '' disables",
+    )
+    exporter.add_argument(
+        "--quarantine-file", default="", metavar="PATH", help="the plugin's quarantine file; '' disables"
     )
     return parser
 
@@ -133,11 +173,64 @@ def _stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(signum, handler)
 
 
+def _api_client(kubeconfig: str | None) -> ApiClient:
+    """An explicit ApiClient: the library's process-wide default configuration is left untouched."""
+    from kubernetes import client, config
+
+    api_client: ApiClient
+    if kubeconfig:
+        api_client = config.new_client_from_config(config_file=kubeconfig)
+        return api_client
+    try:
+        in_cluster = client.Configuration()
+        config.load_incluster_config(client_configuration=in_cluster)
+        return client.ApiClient(in_cluster)
+    except config.ConfigException:
+        api_client = config.new_client_from_config()
+        return api_client
+
+
+def _fault_response(args: argparse.Namespace) -> Callable[[tuple[XpuDevice, ...]], RoundHook] | None:
+    """The plugin's fault responder factory, or None without `--respond-to-faults`."""
+    if not args.respond_to_faults:
+        return None
+    from kubernetes import client
+
+    from kunlun_device.faults import FaultResponder, QuarantinePolicy
+    from kunlun_device.podresources import PodResourcesClient
+
+    if not args.node_name:
+        raise ConfigError("--node-name", "required with --respond-to-faults (or set NODE_NAME)")
+    policy = QuarantinePolicy(args.quarantine_failures, args.quarantine_window_seconds)
+    api = client.CoreV1Api(_api_client(args.kubeconfig))
+    pods = PodResourcesClient(args.pod_resources_socket)
+    quarantine_file = Path(args.quarantine_file) if args.quarantine_file else None
+
+    def build(devices: tuple[XpuDevice, ...]) -> RoundHook:
+        return FaultResponder(
+            devices,
+            args.node_name,
+            api,
+            pods,
+            policy,
+            taint=args.taint_when_all_unhealthy,
+            node_sync_seconds=args.node_sync_seconds,
+            quarantine_file=quarantine_file,
+        )
+
+    return build
+
+
 def run_plugin(args: argparse.Namespace) -> int:
     from kunlun_device.plugin import PluginServer
 
     server = PluginServer(
-        _source(args), args.kubelet_dir, args.socket_name, _policy(args), args.health_interval
+        _source(args),
+        args.kubelet_dir,
+        args.socket_name,
+        _policy(args),
+        args.health_interval,
+        fault_response=_fault_response(args),
     )
     with _stop_on_signals() as stop:
         server.start()
@@ -151,7 +244,12 @@ def run_exporter(args: argparse.Namespace) -> int:
 
     node = args.node_name or socket.gethostname()
     exporter = Exporter(
-        _source(args), node, _policy(args), args.health_interval, args.pod_resources_socket or None
+        _source(args),
+        node,
+        _policy(args),
+        args.health_interval,
+        args.pod_resources_socket or None,
+        quarantine_file=Path(args.quarantine_file) if args.quarantine_file else None,
     )
     with _stop_on_signals() as stop:
         exporter.start()
@@ -162,23 +260,13 @@ def run_exporter(args: argparse.Namespace) -> int:
 
 
 def run_labeler(args: argparse.Namespace) -> int:
-    from kubernetes import client, config
+    from kubernetes import client
 
     from kunlun_device.labeler import NodeLabeler
 
     if not args.node_name:
         raise ConfigError("--node-name", "required (or set NODE_NAME)")
-    # an explicit ApiClient: the library's process-wide default configuration is left untouched
-    if args.kubeconfig:
-        api_client = config.new_client_from_config(config_file=args.kubeconfig)
-    else:
-        try:
-            in_cluster = client.Configuration()
-            config.load_incluster_config(client_configuration=in_cluster)
-            api_client = client.ApiClient(in_cluster)
-        except config.ConfigException:
-            api_client = config.new_client_from_config()
-    labeler = NodeLabeler(client.CoreV1Api(api_client), args.node_name, _source(args))
+    labeler = NodeLabeler(client.CoreV1Api(_api_client(args.kubeconfig)), args.node_name, _source(args))
     if args.once:
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError

@@ -34,3 +34,21 @@ VISIBLE_DEVICES_ENV = "XPU_VISIBLE_DEVICES"
 
 #: Control device node handed to every container that gets at least one card.
 CONTROL_DEVICE = "/dev/xpuctrl"
+
+#: Pod condition the node agent sets on every pod holding a card: "False" while one of its cards is
+#: Unhealthy or quarantined, "True" again when they all are Healthy. Runtime pods carry a readiness
+#: gate on it (the operator), so a pod on a failed card leaves its Service at once.
+XPU_HEALTHY_CONDITION = "kunlun.dev/xpu-healthy"
+
+#: `reason` of that condition and of the Events posted on the pod.
+REASON_XPU_UNHEALTHY = "XpuUnhealthy"
+REASON_XPU_QUARANTINED = "XpuQuarantined"
+REASON_XPU_HEALTHY = "XpuHealthy"
+
+#: Node annotation: comma-separated UUIDs of the node's quarantined cards. The node agent adds a
+#: card after it failed `--quarantine-failures` times within `--quarantine-window-seconds`; an
+#: operator re-admits a card by removing its UUID (or the whole annotation).
+QUARANTINE_ANNOTATION = "kunlun.dev/xpu-quarantine"
+
+#: NoSchedule taint the node agent puts on a node whose cards are all Unhealthy (when enabled).
+UNHEALTHY_TAINT = "kunlun.dev/xpu-unhealthy"

@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--image-volumes", action="store_true", help="mount image model sources as image volumes"
     )
     run.add_argument(
+        "--xpu-health-gate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="runtime pods get a readiness gate on the node agent's kunlun.dev/xpu-healthy condition; "
+        "turn off only where no node agent sets it (it would keep the pods NotReady)",
+    )
+    run.add_argument(
         "--resync-seconds", type=float, default=300.0, help="periodic reconcile of every service"
     )
     run.add_argument("--retry-delay", type=float, default=2.0, help="first retry delay; doubles up to 60 s")
@@ -132,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             default_image=args.default_runtime_image,
             matrix_configmap=_matrix_configmap(args.compatibility_configmap),
             image_volumes=args.image_volumes,
+            xpu_health_gate=args.xpu_health_gate,
             policy=_admission_policy(args.admission_policy),
         ),
         metrics,

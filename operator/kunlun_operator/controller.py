@@ -8,6 +8,7 @@ and started again converges to the same objects; it never writes what already ma
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import threading
@@ -28,14 +29,22 @@ from kunlun_operator.apply import (
     delete_object,
     removal_patch,
 )
-from kunlun_operator.errors import ApiError, OwnershipError
+from kunlun_operator.errors import ApiError, OwnershipError, SpecError
 from kunlun_operator.kube import POD, PVC, KubeClient
 from kunlun_operator.matrix import MATRIX_KEY, Matrix, load_default_matrix, merge_cards, parse_matrix
 from kunlun_operator.metrics import OperatorMetrics
 from kunlun_operator.nodes import NodeFacts
 from kunlun_operator.policy import STRICTEST, AdmissionPolicy
 from kunlun_operator.reconcile import ClusterFacts, Plan, PodFacts, reconcile
-from kunlun_operator.spec import ServiceRef, parse_service_ref
+from kunlun_operator.replicas import (
+    EVICTION_RETRY_SECONDS,
+    CardFault,
+    ReplacementOutcome,
+    card_fault,
+    parse_time,
+    plan_replacements,
+)
+from kunlun_operator.spec import ServiceRef, parse_service_ref, parse_spec
 from kunlun_operator.status import DeploymentFacts
 
 logger = logging.getLogger(__name__)
@@ -63,6 +72,7 @@ class ControllerConfig:
     default_image: str = names.DEFAULT_RUNTIME_IMAGE
     matrix_configmap: tuple[str, str] | None = None  # (namespace, name)
     image_volumes: bool = False
+    xpu_health_gate: bool = True  # --[no-]xpu-health-gate
     policy: AdmissionPolicy = STRICTEST  # --admission-policy
 
 
@@ -84,6 +94,10 @@ class Controller:
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._phases: dict[tuple[str, str], str] = {}
+        # Per service: pod uid -> when a fault without a time of its own was first seen, and the
+        # uids whose eviction the API accepted (a stale listing must not evict them twice).
+        self._first_seen: dict[tuple[str, str], dict[str, datetime.datetime]] = {}
+        self._evicted: dict[tuple[str, str], set[str]] = {}
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -115,15 +129,19 @@ class Controller:
         pvc_exists = None
         if isinstance(source.get("pvc"), Mapping) and source["pvc"].get("claimName"):
             pvc_exists = self.client.get(PVC, ref.namespace, source["pvc"]["claimName"]) is not None
-        pods: tuple[PodFacts, ...] = ()
-        if (spec.get("versions") or {}).get("policy") == "Warn":
-            selector = names.selector_labels(ref.name)
-            items = self.client.list(POD, ref.namespace, label_selector=names.selector_string(ref.name))
-            pods = tuple(
-                PodFacts(p["metadata"]["name"], (p.get("spec") or {}).get("nodeName"))
-                for p in items  # filtered here too: not every API honours labelSelector
-                if all(((p["metadata"].get("labels") or {}).get(k) == v) for k, v in selector.items())
+        # The pods: where they run (Warn policy) and whether their cards are healthy.
+        selector = names.selector_labels(ref.name)
+        items = self.client.list(POD, ref.namespace, label_selector=names.selector_string(ref.name))
+        pods = tuple(
+            PodFacts(
+                p["metadata"]["name"],
+                (p.get("spec") or {}).get("nodeName"),
+                uid=p["metadata"].get("uid") or p["metadata"]["name"],
+                fault=card_fault(p),
             )
+            for p in items  # filtered here too: not every API honours labelSelector
+            if all(((p["metadata"].get("labels") or {}).get(k) == v) for k, v in selector.items())
+        )
         return ClusterFacts(
             nodes=tuple(nodes),
             matrix=self.load_matrix(),
@@ -133,6 +151,7 @@ class Controller:
             pods=pods,
             pvc_exists=pvc_exists,
             image_volumes=self.config.image_volumes,
+            xpu_health_gate=self.config.xpu_health_gate,
             policy=self.config.policy,
         )
 
@@ -163,8 +182,10 @@ class Controller:
     def _reconcile_locked(self, ref: ServiceRef, body: Mapping[str, Any], nodes: Iterable[NodeFacts]) -> Plan:
         spec = body.get("spec") or {}
         previous = body.get("status") or {}
+        now = self.clock()
         facts = self.read_facts(ref, spec, nodes)
-        plan = reconcile(ref, spec, previous, facts, now=self.clock())
+        facts = dataclasses.replace(facts, replacements=self.replace_replicas(ref, spec, facts.pods, now))
+        plan = reconcile(ref, spec, previous, facts, now=now)
         existed_before = (
             previous.get("observedGeneration") == ref.generation and previous.get("phase") != "Failed"
         )
@@ -207,6 +228,82 @@ class Controller:
         )
         return plan
 
+    def replace_replicas(
+        self, ref: ServiceRef, raw_spec: Mapping[str, Any], pods: Iterable[PodFacts], now: str
+    ) -> ReplacementOutcome:
+        """Evict the replicas whose card has been unhealthy for ``spec.faultTolerance.replaceAfter``.
+
+        Evictions go through the Eviction API, so the PodDisruptionBudget decides: a 429 (no
+        budget left) leaves the pod in place and the pass asks again after
+        ``EVICTION_RETRY_SECONDS``. An invalid spec replaces nothing (its phase is Failed anyway).
+        """
+        try:
+            replace_after = parse_spec(raw_spec).fault_tolerance.replace_after_seconds
+        except SpecError:
+            return ReplacementOutcome()
+        key = (ref.namespace, ref.name)
+        current = parse_time(now) or datetime.datetime.now(datetime.UTC)
+        pods = tuple(pods)
+        faults = [p.fault for p in pods if p.fault is not None]
+        first_seen = self._first_seen.setdefault(key, {})
+        for uid in set(first_seen) - {f.uid for f in faults}:
+            del first_seen[uid]  # healthy again (or gone): a new fault starts a new wait
+        for fault in faults:
+            if fault.since is None:
+                first_seen.setdefault(fault.uid, current)
+        evicted = self._evicted.setdefault(key, set())
+        evicted &= {p.uid for p in pods}  # forget pods that are gone
+        plan = plan_replacements(
+            faults,
+            now=current,
+            replace_after_seconds=replace_after,
+            evicted_uids=frozenset(evicted),
+            first_seen=first_seen,
+        )
+        done: list[CardFault] = []
+        blocked: list[CardFault] = []
+        failed: list[tuple[CardFault, str]] = []
+        for fault in plan.evict:
+            try:
+                self.client.evict(ref.namespace, fault.pod, uid=fault.uid)
+            except ApiError as error:
+                if error.status == 429:
+                    blocked.append(fault)
+                    logger.info(
+                        "eviction of %s of %s/%s refused: no disruption budget left; retry in %gs",
+                        fault.describe(),
+                        ref.namespace,
+                        ref.name,
+                        EVICTION_RETRY_SECONDS,
+                    )
+                elif error.status != 404:  # 404: the pod is already gone
+                    failed.append((fault, f"{error.status} {error.reason}"))
+                    logger.warning("eviction of %s of %s/%s failed: %s", fault.describe(), *key, error)
+                continue
+            evicted.add(fault.uid)
+            done.append(fault)
+            self.metrics.replica_replacements.labels(reason=fault.reason).inc()
+            logger.warning(
+                "evicted %s of %s/%s: card unhealthy for %gs or more (%s)",
+                fault.describe(),
+                ref.namespace,
+                ref.name,
+                replace_after,
+                fault.reason,
+            )
+        recheck = plan.recheck_after_seconds
+        if blocked or failed:
+            recheck = min(recheck or EVICTION_RETRY_SECONDS, EVICTION_RETRY_SECONDS)
+        return ReplacementOutcome(
+            waiting=plan.waiting,
+            in_flight=plan.in_flight,
+            evicted=tuple(done),
+            blocked=tuple(blocked),
+            failed=tuple(failed),
+            replace_after_seconds=replace_after,
+            recheck_after_seconds=recheck,
+        )
+
     def reconcile_key(self, namespace: str, name: str, nodes: Iterable[NodeFacts]) -> Plan | None:
         """Reconcile the service by name (fresh read); None when it is gone or being deleted."""
         body = self.client.get(names.KIS, namespace, name)
@@ -230,6 +327,8 @@ class Controller:
                 if change is not None:
                     changes.append(self._report(body, change))
         self._phases.pop((ref.namespace, ref.name), None)
+        self._first_seen.pop((ref.namespace, ref.name), None)
+        self._evicted.pop((ref.namespace, ref.name), None)
         self.metrics.set_phases(self._phases)
         logger.info(
             "cleaned up %s/%s: %s",

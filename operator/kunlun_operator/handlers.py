@@ -3,7 +3,8 @@
 Owns: kopf registrations and settings only; the work is in ``Controller`` (one reconcile pass) and
 ``admission`` (the webhook's verdict). Each KunlunInferenceService gets one daemon, a level-
 triggered loop: it reconciles, then sleeps until woken (its spec changed, an owned object or a
-Kunlun node changed) or until the resync period passes; a failed pass is retried with doubling
+Kunlun node changed, or the card health of one of its pods) or until the resync period passes, or
+until a replica on a failed card becomes due for replacement; a failed pass is retried with doubling
 delays. So one service never has two passes at once, and no trigger is lost while a pass runs.
 """
 
@@ -21,7 +22,9 @@ import kopf
 from kunlun_operator import admission, names
 from kunlun_operator.controller import Controller
 from kunlun_operator.errors import ApiError
+from kunlun_operator.kube import POD
 from kunlun_operator.nodes import NodeFacts
+from kunlun_operator.replicas import card_fault
 
 KIS = (names.GROUP, names.VERSION, names.PLURAL)
 WATCHED_OWNED_KINDS = (names.CONFIGMAP, names.SERVICE, names.DEPLOYMENT, names.PDB, names.HPA)
@@ -82,6 +85,15 @@ def _node_fingerprint(labels: Mapping[str, str], spec: Mapping[str, Any]) -> tup
     return tuple(sorted(labels.items())), bool(spec.get("unschedulable"))
 
 
+def _pod_fingerprint(pod: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What of a runtime pod its service depends on: its node, whether it is terminating, and its
+    card health (``replicas.card_fault``); container restarts and probe results are not."""
+    fault = card_fault(pod)
+    meta = pod.get("metadata") or {}
+    health = None if fault is None else (fault.card, fault.reason, fault.since)
+    return (pod.get("spec") or {}).get("nodeName"), bool(meta.get("deletionTimestamp")), health
+
+
 async def _sleep_until_woken(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
@@ -105,6 +117,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
     wakers = Wakers()
     generations: dict[tuple[str, str], Any] = {}
     node_prints: dict[str, tuple[Any, ...]] = {}
+    pod_prints: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     @kopf.on.startup(registry=registry, id="configure")
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -119,7 +132,9 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         settings.watching.server_timeout = config.watch_timeout_seconds
         settings.execution.max_workers = 8
         settings.admission.server = config.webhook
-        for kind in WATCHED_OWNED_KINDS:  # watch only our own objects, filtered by the API server
+        # Only our own objects, filtered by the API server. The runtime pods carry the managed-by
+        # label from the Deployment's template: a change of their card health wakes their service.
+        for kind in (*WATCHED_OWNED_KINDS, POD):
             group, version = group_version(kind)
             settings.watching.label_selectors[group, version, kind.plural] = (
                 f"{names.LABEL_MANAGED_BY}={names.MANAGER}"
@@ -153,8 +168,13 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         while not stopped:
             wake.clear()
             try:
-                await asyncio.to_thread(controller.reconcile_key, namespace, name, node_facts(nodes_index))
+                plan = await asyncio.to_thread(
+                    controller.reconcile_key, namespace, name, node_facts(nodes_index)
+                )
                 attempt, delay = 0, config.resync_seconds
+                if plan is not None and plan.requeue_after_seconds is not None:
+                    # a replica on a failed card becomes due, or an eviction is retried
+                    delay = min(delay, max(plan.requeue_after_seconds, STOP_POLL_SECONDS))
             except ApiError as error:
                 attempt += 1
                 delay = config.retry_delay(attempt)
@@ -200,6 +220,24 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
             assert namespace is not None, NAMESPACED
             if type is not None and names.LABEL_INSTANCE in labels:
                 wakers.wake(namespace, labels[names.LABEL_INSTANCE])
+
+    @kopf.on.event("", "v1", POD.plural, labels=MANAGED, registry=registry, id="pod_event")
+    async def on_pod_event(
+        type: str | None,
+        body: kopf.Body,
+        namespace: str | None,
+        name: str,
+        labels: Mapping[str, str],
+        **_: Any,
+    ) -> None:
+        # Only what the service depends on wakes it (probe results reach it via the Deployment).
+        assert namespace is not None, NAMESPACED
+        before = pod_prints.pop((namespace, name), None)
+        fingerprint = () if type == "DELETED" else _pod_fingerprint(body)
+        if type != "DELETED":
+            pod_prints[(namespace, name)] = fingerprint
+        if type is not None and before != fingerprint and names.LABEL_INSTANCE in labels:
+            wakers.wake(namespace, labels[names.LABEL_INSTANCE])
 
     @kopf.on.event("", "v1", "nodes", registry=registry, id="node_event")
     async def on_node_event(

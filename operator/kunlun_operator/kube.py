@@ -145,6 +145,22 @@ class KubeClient:
             raise
         return True
 
+    def evict(self, namespace: str, name: str, *, uid: str | None = None) -> None:
+        """Ask the API to evict a pod (``policy/v1`` Eviction), so PodDisruptionBudgets apply.
+
+        Raises:
+            ApiError: 429 when a PodDisruptionBudget allows no disruption now; 404 when the pod
+                is gone; 409 when ``uid`` no longer names it.
+        """
+        body: dict[str, Any] = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        if uid is not None:  # never evict a newer pod that reuses the name
+            body["deleteOptions"] = {"preconditions": {"uid": uid}}
+        self._call("POST", self.path(POD, namespace, name, "eviction"), body=body)
+
     def served_plurals(self, group_version: str) -> frozenset[str]:
         """Plurals the cluster serves in ``group_version`` (discovery); empty when it serves none."""
         try:

@@ -48,6 +48,13 @@ class OperatorMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.replica_replacements = Counter(
+            "kunlun_operator_replica_replacements_total",
+            "Replicas evicted because their XPU card stayed unhealthy for spec.faultTolerance.replaceAfter,"
+            " by the card's fault reason.",
+            ["reason"],
+            registry=self.registry,
+        )
         for phase in PHASES:
             self.managed_services.labels(phase=phase).set(0)
 

@@ -17,6 +17,7 @@ from kunlun_device.labels import (
     LABEL_PRESENT,
     LABEL_PRODUCT,
     RESOURCE_NAME,
+    XPU_HEALTHY_CONDITION,
 )
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "LABEL_PRESENT",
     "LABEL_PRODUCT",
     "RESOURCE_NAME",
+    "XPU_HEALTHY_CONDITION",
 ]
 
 GROUP = "serving.kunlun.dev"

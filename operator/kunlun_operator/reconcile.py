@@ -23,6 +23,8 @@ from kunlun_operator.errors import SpecError
 from kunlun_operator.matrix import Matrix, check_versions
 from kunlun_operator.nodes import NodeFacts, assess_nodes, version_mismatches
 from kunlun_operator.policy import STRICTEST, AdmissionPolicy, check_policy
+from kunlun_operator.replicas import CONDITION_TYPE as REPLICAS_HEALTHY
+from kunlun_operator.replicas import CardFault, ReplacementOutcome, replicas_condition
 from kunlun_operator.spec import InferenceSpec, ServiceRef, parse_spec
 from kunlun_operator.status import (
     FAILED,
@@ -43,6 +45,8 @@ EventType = Literal["Normal", "Warning"]
 class PodFacts:
     name: str
     node_name: str | None
+    uid: str = ""
+    fault: CardFault | None = None  # its card is unhealthy (``replicas.card_fault``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,10 @@ class ClusterFacts:
     pods: tuple[PodFacts, ...] = ()
     pvc_exists: bool | None = None  # None: not a PVC source, or not looked up
     image_volumes: bool = False
+    xpu_health_gate: bool = True  # --xpu-health-gate: the pods' readiness gate on card health
     policy: AdmissionPolicy = STRICTEST  # the cluster admin's admission policy
+    #: Replicas on failed cards: who waits, who was evicted in this pass, who could not be.
+    replacements: ReplacementOutcome = field(default_factory=ReplacementOutcome)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +82,9 @@ class Plan:
     events: tuple[Event, ...] = field(default=())
     #: Per kind, field paths whose live value wins over the plan (owned by another controller).
     live_fields: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
+    #: Reconcile again after this many seconds (a replica becomes due for replacement, or an
+    #: eviction is retried); None: on the next event or resync.
+    requeue_after_seconds: float | None = None
 
 
 def reconcile(
@@ -119,6 +129,7 @@ def reconcile(
             "DevicesAvailable", bool_status(bool(report.compatible_node_names)), report.reason, report.message
         ),
         _model_condition(spec, facts, ready),
+        replicas_condition(facts.replacements),
     ]
     status: dict[str, Any] = {
         "phase": phase,
@@ -135,9 +146,57 @@ def reconcile(
     }
     if previous.get("lastFailure"):
         status["lastFailure"] = previous["lastFailure"]
-    events = _transition_events(previous, status)
+    status.update(_replacement_status(facts.replacements, previous, now))
+    events = (*_transition_events(previous, status), *_replacement_events(facts.replacements, previous))
     live = {names.DEPLOYMENT.kind: (("spec", "replicas"),)} if spec.autoscaling.enabled else {}
-    return Plan(apply=tuple(objects), delete=tuple(absent), status=status, events=events, live_fields=live)
+    return Plan(
+        apply=tuple(objects),
+        delete=tuple(absent),
+        status=status,
+        events=events,
+        live_fields=live,
+        requeue_after_seconds=facts.replacements.recheck_after_seconds,
+    )
+
+
+def _replacement_status(outcome: ReplacementOutcome, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """``replicaReplacements`` (a running count) and ``lastReplacement``."""
+    out: dict[str, Any] = {
+        "replicaReplacements": int(previous.get("replicaReplacements") or 0) + len(outcome.evicted)
+    }
+    if outcome.evicted:
+        last = outcome.evicted[-1]
+        out["lastReplacement"] = {
+            "pod": last.pod,
+            "node": last.node or "unknown",
+            "card": last.card,
+            "reason": last.reason,
+            "time": now,
+        }
+    elif previous.get("lastReplacement"):
+        out["lastReplacement"] = previous["lastReplacement"]
+    return out
+
+
+def _replacement_events(outcome: ReplacementOutcome, previous: Mapping[str, Any]) -> tuple[Event, ...]:
+    """One event per eviction; one when a card fault is first seen or the PDB starts blocking."""
+    events = [
+        Event(
+            "Warning",
+            "ReplacingReplica",
+            f"evicting {f.describe()}: the card has been unhealthy for "
+            f"{outcome.replace_after_seconds:g}s or more ({f.reason}{': ' + f.message if f.message else ''})",
+        )
+        for f in outcome.evicted
+    ]
+    cond = replicas_condition(outcome)
+    before: Mapping[str, Any] = next(
+        (c for c in previous.get("conditions") or [] if c.get("type") == cond.type), {}
+    )
+    entered = before.get("reason") != cond.reason
+    if entered and cond.reason in ("CardUnhealthy", "WaitingForDisruptionBudget"):
+        events.append(Event("Warning", cond.reason, cond.message))
+    return tuple(events)
 
 
 def desired_objects(
@@ -158,6 +217,7 @@ def desired_objects(
             config_hash=config_hash(configmap["data"]),
             image_volumes=facts.image_volumes,
             replicas=replicas,
+            xpu_health_gate=facts.xpu_health_gate,
         ),
         build_pdb(ref, spec),
     ]
@@ -256,6 +316,7 @@ def _failed_plan(
         ),
         Condition("DevicesAvailable", "Unknown", error.reason, "not evaluated: the spec is invalid"),
         Condition("ModelAvailable", "Unknown", error.reason, "not evaluated: the spec is invalid"),
+        Condition(REPLICAS_HEALTHY, "Unknown", error.reason, "not evaluated: the spec is invalid"),
     ]
     status: dict[str, Any] = {
         "phase": FAILED,
@@ -266,7 +327,15 @@ def _failed_plan(
             conditions, previous.get("conditions") or [], now=now, generation=ref.generation
         ),
     }
-    for key in ("replicas", "readyReplicas", "ready", "endpoint", "compatibleNodes"):
+    for key in (
+        "replicas",
+        "readyReplicas",
+        "ready",
+        "endpoint",
+        "compatibleNodes",
+        "replicaReplacements",
+        "lastReplacement",
+    ):
         if key in previous:
             status[key] = previous[key]
     events = () if same else (Event("Warning", error.reason, message),)

@@ -50,6 +50,8 @@ _PARAMETERS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([MB])$")
 _VERSION = re.compile(r"^[0-9A-Za-z]([0-9A-Za-z._-]{0,61}[0-9A-Za-z])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 _INTERVAL = re.compile(r"^[0-9]+(ms|s|m|h)$")
+_DURATION = re.compile(r"^(?=[0-9])(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?$")  # 1h, 2m30s, 45s
+DEFAULT_REPLACE_AFTER = "30s"
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS-1123 subdomain
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 
@@ -158,6 +160,13 @@ class MonitoringSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class FaultToleranceSpec:
+    """What happens to a replica whose card fails (docs/operator.md, "Replicas on a failed card")."""
+
+    replace_after_seconds: float = 30.0  # unhealthy this long → evicted (PDB respected)
+
+
+@dataclass(frozen=True, slots=True)
 class SecretKeyRef:
     """One key of a Secret in the service's namespace (``{name, key}``)."""
 
@@ -183,6 +192,7 @@ class InferenceSpec:
     disruption_max_unavailable: int | str = 1
     api_key_secret: SecretKeyRef | None = None  # → env VLLM_API_KEY of the runtime
     metrics_token_secret: SecretKeyRef | None = None  # → env KUNLUN_METRICS_TOKEN; ServiceMonitor auth
+    fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +262,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
         ),
         api_key_secret=_parse_secret_ref(spec, "apiKeySecretRef"),
         metrics_token_secret=_parse_secret_ref(spec, "metricsTokenSecretRef"),
+        fault_tolerance=_parse_fault_tolerance(read_obj(spec, "faultTolerance", p)),
     )
 
 
@@ -305,6 +316,25 @@ def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
         if arch
         else None,
     )
+
+
+def parse_duration_seconds(text: str, field: str) -> int:
+    """``"2m30s"`` → 150; hours, minutes and seconds in that order, each at most once.
+
+    Raises:
+        SpecError: ``text`` is not such a duration; ``field`` names it.
+    """
+    match = _DURATION.match(text)
+    if not match:
+        raise SpecError(field, f"{text!r} must be a duration like '30s', '2m' or '1m30s'")
+    hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+def _parse_fault_tolerance(ft: Mapping[str, Any]) -> FaultToleranceSpec:
+    p = "spec.faultTolerance"
+    text = read_str(ft, "replaceAfter", p, default=DEFAULT_REPLACE_AFTER)
+    return FaultToleranceSpec(replace_after_seconds=parse_duration_seconds(text, f"{p}.replaceAfter"))
 
 
 def _parse_secret_ref(spec: Mapping[str, Any], key: str) -> SecretKeyRef | None:

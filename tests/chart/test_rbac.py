@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.chart.tools import REPO, Rendered
+from tests.chart.tools import REPO, Rendered, render
 
 Grant = tuple[str, str, str]  # (api group, resource, verb)
 OPERATOR_API_CALLS = REPO / "operator" / "kunlun_operator" / "api_calls.yaml"
@@ -98,9 +98,31 @@ def test_namespaced_operator_peers_through_kopfpeerings_instead(rendered_sets: d
     assert grants_of_rules(role["rules"]) == expected
 
 
-def test_labeler_cluster_role_is_exactly_its_api_calls(default_render: Rendered) -> None:
+def fault_response_calls() -> set[Grant]:
+    """The plugin's fault response (pod conditions, Events, quarantine annotation, taint): its own
+    table in docs/device-plugin.md, core API only."""
+    rows = table_after(DEVICE_DOC.read_text(), "Fault response API calls")
+    assert all(row["call"].split("`")[1].split()[1].startswith("/api/v1/") for row in rows)
+    return {("", r, v) for row in rows for r in _names(row["resource"]) for v in _names(row["verb"])}
+
+
+def test_device_plugin_cluster_role_is_exactly_its_api_calls(default_render: Rendered) -> None:
     role = default_render.one("ClusterRole", "-device-plugin")
-    assert grants_of_rules(role["rules"]) == labeler_calls()
+    assert fault_response_calls() == {
+        ("", "nodes", "get"),
+        ("", "nodes", "patch"),
+        ("", "pods/status", "patch"),
+        ("", "events", "create"),
+    }
+    assert grants_of_rules(role["rules"]) == labeler_calls() | fault_response_calls()
+
+
+def test_without_fault_response_the_device_plugin_keeps_only_the_labelers_rights() -> None:
+    off = render(overrides={"devicePlugin": {"faults": {"enabled": False}}})
+    assert grants_of_rules(off.one("ClusterRole", "-device-plugin")["rules"]) == labeler_calls()
+    spec = off.one("DaemonSet", "-device-plugin")["spec"]["template"]["spec"]
+    assert "fault-state" not in {v["name"] for v in spec["volumes"]}
+    assert not [a for c in spec["containers"] for a in c["args"] if "fault" in a or "quarantine" in a]
 
 
 def test_roles_are_bound_to_the_service_accounts_the_pods_run_as(default_render: Rendered) -> None:

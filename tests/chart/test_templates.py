@@ -200,7 +200,7 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
         "feature.node.kubernetes.io/pci-1d22.present",
         "kunlun.dev/xpu.present",
     ]
-    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert volumes == {
         "device-plugins": "/var/lib/kubelet/device-plugins",
         "pod-resources": "/var/lib/kubelet/pod-resources",
@@ -208,14 +208,17 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
         "host-sys": "/sys",
         "kunlun-home": "/usr/local/xpu",
     }
+    assert [v for v in spec["volumes"] if "hostPath" not in v] == [
+        {"name": "fault-state", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+    ]
     by_name = {c["name"]: c for c in spec["containers"]}
     assert list(by_name) == ["plugin", "labeler", "exporter"]
     mounts = {name: {m["mountPath"] for m in c["volumeMounts"]} for name, c in by_name.items()}
     host = {"/host/dev", "/host/sys", "/host/usr/local/xpu"}
     assert mounts == {
-        "plugin": host | {"/var/lib/kubelet/device-plugins"},
+        "plugin": host | {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/run/kunlun"},
         "labeler": host,
-        "exporter": host | {"/var/lib/kubelet/pod-resources"},
+        "exporter": host | {"/var/lib/kubelet/pod-resources", "/run/kunlun"},
     }
     for name, container in by_name.items():
         assert container["env"] == [
@@ -223,8 +226,27 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
         ]
         args = parse_cli(device_cli, container["args"])
         assert (args.command, args.dev_root, args.xpu_smi) == (name, "/host", "/usr/local/bin/xpu-smi")
-    assert parse_cli(device_cli, by_name["plugin"]["args"]).kubelet_dir == "/var/lib/kubelet/device-plugins"
+    plugin = parse_cli(device_cli, by_name["plugin"]["args"])
+    assert plugin.kubelet_dir == "/var/lib/kubelet/device-plugins"
+    assert (
+        plugin.respond_to_faults,
+        plugin.pod_resources_socket,
+        plugin.quarantine_failures,
+        plugin.quarantine_window_seconds,
+        plugin.node_sync_seconds,
+        plugin.quarantine_file,
+        plugin.taint_when_all_unhealthy,
+    ) == (
+        True,
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        3,
+        600,
+        30,
+        "/run/kunlun/quarantine.json",
+        False,
+    )
     exporter = parse_cli(device_cli, by_name["exporter"]["args"])
+    assert exporter.quarantine_file == plugin.quarantine_file
     assert (exporter.port, exporter.pod_resources_socket) == (
         9400,
         "/var/lib/kubelet/pod-resources/kubelet.sock",
@@ -244,7 +266,7 @@ def test_custom_node_selector_replaces_the_default_affinity(rendered_sets: dict[
     assert {"name": "xpu-smi", "mountPath": "/usr/local/bin/xpu-smi", "readOnly": True} in by_name["plugin"][
         "volumeMounts"
     ]
-    assert {v["name"]: v["hostPath"] for v in spec["volumes"]}["xpu-smi"] == {
+    assert {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}["xpu-smi"] == {
         "path": "/opt/kunlun/bin/xpu-smi",
         "type": "File",
     }

@@ -204,11 +204,25 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 {{- end }}
 {{- if eq .command "plugin" }}
 - --kubelet-dir=/var/lib/kubelet/device-plugins
+{{- if $v.faults.enabled }}
+- --respond-to-faults
+- --pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock
+- --quarantine-failures={{ $v.faults.quarantineFailures }}
+- --quarantine-window-seconds={{ $v.faults.quarantineWindowSeconds }}
+- --node-sync-seconds={{ $v.faults.nodeSyncSeconds }}
+- --quarantine-file=/run/kunlun/quarantine.json
+{{- if $v.faults.taintWhenAllUnhealthy }}
+- --taint-when-all-unhealthy
+{{- end }}
+{{- end }}
 {{- else if eq .command "labeler" }}
 - --interval={{ $v.labeler.intervalSeconds }}
 {{- else if eq .command "exporter" }}
 - --port={{ $v.exporter.port }}
 - --pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock
+{{- if $v.faults.enabled }}
+- --quarantine-file=/run/kunlun/quarantine.json
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -226,8 +240,15 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 {{- end }}
 {{- if eq .command "plugin" }}
 - {name: device-plugins, mountPath: /var/lib/kubelet/device-plugins}
+{{- if .ctx.Values.devicePlugin.faults.enabled }}
+- {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
+- {name: fault-state, mountPath: /run/kunlun}
+{{- end }}
 {{- else if eq .command "exporter" }}
 - {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
+{{- if .ctx.Values.devicePlugin.faults.enabled }}
+- {name: fault-state, mountPath: /run/kunlun, readOnly: true}
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -271,9 +292,19 @@ hostPaths: {{ $p.hostPaths | toJson }}
 allowFlagOverrides: {{ $p.allowFlagOverrides }}
 {{- end -}}
 
-{{/* The labeler's ClusterRole rules. */}}
+{{/* The device plugin DaemonSet's ClusterRole rules: the labeler's node labels and, with
+devicePlugin.faults.enabled, the plugin's pod conditions, Events and the node's quarantine
+annotation and taint (docs/device-plugin.md lists each call). */}}
 {{- define "kunlun-inference.labeler.rules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["get", "patch"]
+{{- if .Values.devicePlugin.faults.enabled }}
+- apiGroups: [""]
+  resources: ["pods/status"]
+  verbs: ["patch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
 {{- end -}}

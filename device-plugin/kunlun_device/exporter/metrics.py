@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kunlun_device.exporter.podresources import Holder
+from kunlun_device.podresources import Holder
 from kunlun_device.xpu.health_tracker import HealthState
 from kunlun_device.xpu.model import CardTelemetry, Versions, XpuDevice
 from kunlun_device.xpu.monitor import HealthSnapshot
@@ -37,6 +37,7 @@ class ExporterState:
     holders: dict[str, Holder]
     transitions_total: dict[tuple[int, HealthState], int]
     tool_errors_total: int
+    quarantined: frozenset[str] = frozenset()  # UUIDs the plugin quarantined (its quarantine file)
 
 
 _READINGS: tuple[tuple[str, str, Callable[[CardTelemetry], float | None]], ...] = (
@@ -75,7 +76,14 @@ def build_metrics(state: ExporterState) -> list[Metric]:
     )
     for index, health in sorted(state.snapshot.states.items()):
         healthy.add_metric(labels[index], 1.0 if health is HealthState.HEALTHY else 0.0)
-    families += [ecc, healthy, *_node_families(state, ids)]
+    quarantined = GaugeMetricFamily(
+        "kunlun_xpu_quarantined",
+        "1 while the card is quarantined (failed too often; an operator must re-admit it)",
+        labels=CARD_LABELS,
+    )
+    for d in sorted(state.devices, key=lambda d: d.index):
+        quarantined.add_metric(labels[d.index], 1.0 if d.uuid in state.quarantined else 0.0)
+    families += [ecc, healthy, quarantined, *_node_families(state, ids)]
     return families
 
 

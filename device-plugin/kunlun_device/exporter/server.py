@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
+from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kunlun_device.errors import XpuError
 from kunlun_device.exporter.metrics import ExporterState, StateCollector
-from kunlun_device.exporter.podresources import PodResourcesClient
+from kunlun_device.faults.quarantine import read_quarantine_file
+from kunlun_device.podresources import PodResourcesClient
 from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.monitor import HealthMonitor
 from kunlun_device.xpu.source import XpuSource
@@ -38,11 +40,13 @@ class Exporter:
         policy: HealthPolicy | None = None,
         interval_seconds: float = 10.0,
         pod_resources_socket: str | None = None,
+        quarantine_file: Path | None = None,
     ) -> None:
         self.source = source
         self.node = node
         self.interval_seconds = interval_seconds
         self.pod_resources = PodResourcesClient(pod_resources_socket) if pod_resources_socket else None
+        self.quarantine_file = quarantine_file  # written by the plugin's fault responder
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StateCollector(lambda: self._state))
         self._policy = policy or HealthPolicy()
@@ -101,6 +105,7 @@ class Exporter:
             holders=holders,
             transitions_total=dict(self.monitor.tracker.transitions_total),
             tool_errors_total=self.monitor.tool_errors_total,
+            quarantined=read_quarantine_file(self.quarantine_file) if self.quarantine_file else frozenset(),
         )
         self._state = state
         return state

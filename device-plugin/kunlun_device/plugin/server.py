@@ -5,7 +5,10 @@ registers `kunlunxin.com/xpu` with kubelet. The topology (`xpu-smi topo -m`) is 
 cards lose the XPU Link preference and, when sysfs lacks it too, their NUMA node
 (`kunlun_device.xpu.numa`), but the plugin still registers. Two threads then run until `stop()`:
 - health: every `health_interval_seconds` one `HealthMonitor.poll()`, published to `DeviceStates`
-  (which wakes every open `ListAndWatch`);
+  (which wakes every open `ListAndWatch`); with a fault responder (`kunlun_device.faults`), the
+  states pass through its `observe` first (a quarantined card stays Unhealthy) and its `act` (pod
+  conditions, Events, the Node) runs after the publication, so kubelet never waits for the API;
+  what `act` returns (a card re-admitted on the Node) is published before the next round;
 - kubelet watch: when `kubelet.sock` is recreated (kubelet restarted) or the plugin's own socket
   vanished, the gRPC server is restarted on a fresh socket and registration is repeated; a failed
   registration is retried on the next tick.
@@ -18,8 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
@@ -30,12 +35,22 @@ from kunlun_device.plugin.placement import build_placement
 from kunlun_device.plugin.servicer import DevicePluginServicer
 from kunlun_device.plugin.states import DeviceStates
 from kunlun_device.xpu.health import HealthPolicy
-from kunlun_device.xpu.monitor import HealthMonitor
+from kunlun_device.xpu.health_tracker import HealthState
+from kunlun_device.xpu.model import XpuDevice
+from kunlun_device.xpu.monitor import HealthMonitor, HealthSnapshot
 from kunlun_device.xpu.source import XpuSource
 
 logger = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
+
+
+class RoundHook(Protocol):
+    """What the plugin asks of a fault responder each round (see `kunlun_device.faults`)."""
+
+    def observe(self, snapshot: HealthSnapshot) -> dict[int, HealthState]: ...
+
+    def act(self) -> dict[int, HealthState]: ...
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -57,6 +72,7 @@ class PluginServer:
         policy: HealthPolicy | None = None,
         health_interval_seconds: float = 10.0,
         watch_interval_seconds: float = 1.0,
+        fault_response: Callable[[tuple[XpuDevice, ...]], RoundHook] | None = None,
     ) -> None:
         self.source = source
         self.kubelet_dir = Path(kubelet_dir)
@@ -65,6 +81,8 @@ class PluginServer:
         self.health_interval_seconds = health_interval_seconds
         self.watch_interval_seconds = watch_interval_seconds
         self.registrations = 0
+        self.fault_response = fault_response
+        self.hook: RoundHook | None = None
         self._registered = False
         self._stop = threading.Event()
         self._server: grpc.Server | None = None
@@ -86,7 +104,10 @@ class PluginServer:
         self.devices = devices
         self.placement = build_placement(devices, topology)
         self.monitor = HealthMonitor(self.source, devices, self.policy)
-        self.states = DeviceStates(self.monitor.poll().states)
+        self.hook = self.fault_response(devices) if self.fault_response is not None else None
+        self.states = DeviceStates(self._observe(self.monitor.poll()))
+        if self.hook is not None:
+            self.states.publish(self.hook.act())
         logger.info("discovered %d cards: %s", len(devices), [d.uuid for d in devices])
         self._serve()
         self._kubelet_identity = _identity(self.kubelet_dir / KUBELET_SOCKET)
@@ -150,8 +171,12 @@ class PluginServer:
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.health_interval_seconds):
-            snapshot = self.monitor.poll()
-            self.states.publish(snapshot.states)
+            self.states.publish(self._observe(self.monitor.poll()))
+            if self.hook is not None:
+                self.states.publish(self.hook.act())  # a re-admission read from the Node counts at once
+
+    def _observe(self, snapshot: HealthSnapshot) -> dict[int, HealthState]:
+        return snapshot.states if self.hook is None else self.hook.observe(snapshot)
 
     def _watch_loop(self) -> None:
         while not self._stop.wait(self.watch_interval_seconds):

@@ -3,7 +3,9 @@
 Owns: the pod template. Under ``Strict`` the pods require nodes whose labels carry the locked
 driver/firmware/KML versions, and an init container re-checks them on the node with
 ``kunlun-runtime preflight`` before the model loads. The startup probe's budget grows with the
-model's size so a loading model is never killed; readiness and liveness start after it.
+model's size so a loading model is never killed; readiness and liveness start after it. A
+readiness gate on the node agent's ``kunlun.dev/xpu-healthy`` condition takes a pod on a failed
+card out of the Service before any request fails.
 """
 
 from __future__ import annotations
@@ -200,8 +202,10 @@ def _model_volume(spec: InferenceSpec, *, image_volumes: bool) -> dict[str, Any]
 
 
 def build_pod_spec(
-    ref: ServiceRef, spec: InferenceSpec, image: str, *, image_volumes: bool
+    ref: ServiceRef, spec: InferenceSpec, image: str, *, image_volumes: bool, xpu_health_gate: bool = True
 ) -> dict[str, Any]:
+    """The runtime pod; ``xpu_health_gate``: the readiness gate on the node agent's condition (off
+    only where no node agent sets it: a gate nobody sets keeps the pod NotReady forever)."""
     path = model_path(spec, image_volumes=image_volumes)
     node_selector = {names.LABEL_PRESENT: "true", **spec.scheduling.node_selector}
     if spec.resources.xpu_product:
@@ -223,6 +227,10 @@ def build_pod_spec(
             *(dict(t) for t in spec.scheduling.tolerations),
         ],
     }
+    if xpu_health_gate:
+        # The node agent sets this condition on every pod holding a card (False while a card is
+        # unhealthy): a pod on a failed card leaves the Service's endpoints at once.
+        pod["readinessGates"] = [{"conditionType": names.XPU_HEALTHY_CONDITION}]
     affinity = build_affinity(spec)
     if affinity:
         pod["affinity"] = affinity
@@ -249,6 +257,7 @@ def build_deployment(
     config_hash: str,
     image_volumes: bool,
     replicas: int,
+    xpu_health_gate: bool = True,
 ) -> dict[str, Any]:
     """The runtime Deployment with ``replicas`` replicas."""
     deploy_spec: dict[str, Any] = {"replicas": replicas}
@@ -266,7 +275,9 @@ def build_deployment(
                     "labels": names.common_labels(ref.name),
                     "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash},
                 },
-                "spec": build_pod_spec(ref, spec, image, image_volumes=image_volumes),
+                "spec": build_pod_spec(
+                    ref, spec, image, image_volumes=image_volumes, xpu_health_gate=xpu_health_gate
+                ),
             },
         }
     )

@@ -1,6 +1,8 @@
 """A test playing kubelet: the device plugin Registration server on `<dir>/kubelet.sock`.
 
 It records every `RegisterRequest`; tests then dial the plugin's socket as kubelet would.
+`FakePodResources` plays kubelet's PodResources API (`v1`, `List`) on its own socket, answering
+with whatever card assignment the test sets.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import grpc
 
 from kunlun_device.api import deviceplugin_v1beta1_pb2 as pb
 from kunlun_device.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from kunlun_device.api import podresources_v1_pb2 as pr
+from kunlun_device.api import podresources_v1_pb2_grpc as pr_grpc
+from kunlun_device.labels import RESOURCE_NAME
 
 
 class _Registration(pb_grpc.RegistrationServicer):
@@ -66,6 +71,50 @@ class FakeKubelet:
 
     def plugin_channel(self, endpoint: str) -> grpc.Channel:
         return grpc.insecure_channel(f"unix://{self.directory / endpoint}")
+
+
+class _Lister(pr_grpc.PodResourcesListerServicer):
+    def __init__(self, owner: FakePodResources) -> None:
+        self.owner = owner
+
+    def List(
+        self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext
+    ) -> pr.ListPodResourcesResponse:
+        self.owner.calls += 1
+        pods = []
+        for (namespace, name, container), device_ids in sorted(self.owner.assignments.items()):
+            devices = pr.ContainerDevices(resource_name=RESOURCE_NAME, device_ids=device_ids)
+            pods.append(
+                pr.PodResources(
+                    name=name,
+                    namespace=namespace,
+                    containers=[pr.ContainerResources(name=container, devices=[devices])],
+                )
+            )
+        return pr.ListPodResourcesResponse(pod_resources=pods)
+
+
+class FakePodResources:
+    """kubelet's PodResources on `socket`; `assignments[(namespace, pod, container)] = [device ids]`."""
+
+    def __init__(self, socket: Path) -> None:
+        self.socket = socket
+        self.assignments: dict[tuple[str, str, str], list[str]] = {}
+        self.calls = 0
+        self._server: grpc.Server | None = None
+
+    def start(self) -> None:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pr_grpc.add_PodResourcesListerServicer_to_server(_Lister(self), server)
+        server.add_insecure_port(f"unix://{self.socket}")
+        server.start()
+        self._server = server
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None).wait()
+            self._server = None
+        self.socket.unlink(missing_ok=True)
 
 
 @contextmanager

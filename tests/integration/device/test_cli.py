@@ -95,6 +95,14 @@ def test_exporter_process_serves_metrics() -> None:
         ),
         (["labeler", "--once", "--node-name", ""], "kunlun-device-plugin labeler: --node-name: required"),
         (
+            ["plugin", "--respond-to-faults", "--node-name", ""],
+            "kunlun-device-plugin plugin: --node-name: required with --respond-to-faults",
+        ),
+        (
+            ["plugin", "--respond-to-faults", "--node-name", "n1", "--quarantine-failures", "0"],
+            "kunlun-device-plugin plugin: --quarantine-failures: must be >= 1",
+        ),
+        (
             ["exporter", "--temperature-warn-celsius", "99"],
             "kunlun-device-plugin exporter: --temperature-warn-celsius: must not exceed",
         ),

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kunlun_device.api import podresources_v1_pb2 as pr
 from kunlun_device.api import podresources_v1_pb2_grpc as pr_grpc
 from kunlun_device.exporter import Exporter
+from kunlun_device.faults.quarantine import write_quarantine_file
 from kunlun_device.xpu.health import HealthPolicy
 from tests.integration.device.fake_kubelet import short_tempdir
 from tests.unit.device.hosts import copy_host, make_source, use_outputs
@@ -104,6 +105,7 @@ def test_metrics_over_http_with_pod_attribution(tmp_path: Path, pod_resources_so
         ("kunlun_xpu_power_watts", card(4, holder)): 89.0,
         ("kunlun_xpu_ecc_errors_total", card(4, holder)): 0.0,
         ("kunlun_xpu_healthy", card(4, holder)): 1.0,
+        ("kunlun_xpu_quarantined", card(4, holder)): 0.0,
     }
     assert got[("kunlun_xpu_utilization_ratio", card(5, holder))] == 0.91
     assert got[("kunlun_xpu_utilization_ratio", card(0))] == 0.0  # card 0 is held by nobody
@@ -121,6 +123,7 @@ def test_metrics_over_http_with_pod_attribution(tmp_path: Path, pod_resources_so
         "kunlun_xpu_power_watts",
         "kunlun_xpu_ecc_errors_total",
         "kunlun_xpu_healthy",
+        "kunlun_xpu_quarantined",
         "kunlun_xpu_info",
         "kunlun_xpu_tool_errors_total",
     }
@@ -168,6 +171,19 @@ def test_node_without_topology_exports_every_card(host: str) -> None:
     assert [got[("kunlun_xpu_healthy", card(i))] for i in range(8)] == [1.0] * 8
     assert got[("kunlun_xpu_utilization_ratio", card(5))] == 0.91
     assert got[("kunlun_xpu_tool_errors_total", (("node", "node-a"),))] == 0.0
+
+
+def test_quarantined_cards_from_the_plugins_file(tmp_path: Path) -> None:
+    quarantine = tmp_path / "quarantine.json"
+    exporter = Exporter(make_source("p800-8"), "node-a", HealthPolicy(), 3600, quarantine_file=quarantine)
+    exporter.start()
+    exporter.stop()
+    got = samples(scrape_registry(exporter))
+    assert [got[("kunlun_xpu_quarantined", card(i))] for i in range(8)] == [0.0] * 8  # no file yet
+    write_quarantine_file(quarantine, frozenset({uuid(5), "GPU-of-another-node"}))
+    exporter.refresh()
+    got = samples(scrape_registry(exporter))
+    assert [got[("kunlun_xpu_quarantined", card(i))] for i in range(8)] == [0, 0, 0, 0, 0, 1, 0, 0]
 
 
 def scrape_registry(exporter: Exporter) -> str:

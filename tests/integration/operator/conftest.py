@@ -7,6 +7,7 @@ waits for wall-clock periods: tests poll for the state they expect, with a deadl
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from tests.support import waiting
+from tests.support import kubeapi, waiting
 from tests.support.kubeapi import RunningKubeAPI, running_fake_api
 
 GROUP, VERSION, PLURAL = "serving.kunlun.dev", "v1alpha1", "kunluninferenceservices"
@@ -38,6 +39,15 @@ VERSION_LABELS = {
     "kunlun.dev/xpu.driver-version": "5.0.21.26",
     "kunlun.dev/xpu.firmware-version": "1.0.2.14.1.54",
     "kunlun.dev/xpu.kml-version": "3.2.0",
+}
+
+
+RUNTIME_POD_LABELS = {  # what the Deployment's template gives the runtime pods
+    "app.kubernetes.io/name": "kunlun-runtime",
+    "app.kubernetes.io/instance": "qwen",
+    "app.kubernetes.io/component": "inference",
+    "app.kubernetes.io/part-of": "kunlun-inference",
+    "app.kubernetes.io/managed-by": "kunlun-operator",
 }
 
 
@@ -224,3 +234,43 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "monitoring: the fake API also serves monitoring.coreos.com/v1")
+
+
+@pytest.fixture
+def evictions_delete_pods(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Teach the fake API the Eviction subresource: an accepted eviction deletes the pod (201)."""
+    serve = kubeapi.FakeKubeAPI._serve
+
+    def serve_with_evictions(
+        self: kubeapi.FakeKubeAPI, verb: str, target: kubeapi.Target, request: Any
+    ) -> tuple[int, Any]:
+        if (verb, target.kind.plural, target.subresource) != ("create", "pods", "eviction"):
+            return serve(self, verb, target, request)
+        with self.lock:
+            key = ("/pods", target.namespace, target.name or "")
+            pod = self.store.objects.get(key)
+            if pod is None:
+                raise kubeapi.ApiStatusError(404, "NotFound", f'pods "{target.name}" not found')
+            self._delete("/pods", target, pod)
+        return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    monkeypatch.setattr(kubeapi.FakeKubeAPI, "_serve", serve_with_evictions)
+    yield
+
+
+def add_failed_pod(cluster: Cluster, name: str = "qwen-7d9f-abcde") -> None:
+    """A runtime pod on xpu-1 whose card 5 the node agent has just declared unhealthy."""
+    pod = {
+        "metadata": {"name": name, "labels": RUNTIME_POD_LABELS},
+        "spec": {"nodeName": "xpu-1", "containers": []},
+    }
+    cluster.core.create_namespaced_pod(NAMESPACE, pod)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    condition = {
+        "type": "kunlun.dev/xpu-healthy",
+        "status": "False",
+        "reason": "XpuUnhealthy",
+        "message": "card 5 (uuid KL-0005) on node xpu-1: uncorrectable ECC error",
+        "lastTransitionTime": now,
+    }
+    cluster.core.patch_namespaced_pod_status(name, NAMESPACE, {"status": {"conditions": [condition]}})

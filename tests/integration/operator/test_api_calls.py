@@ -2,8 +2,9 @@
 
 The fake API records each call as (verb, group, resource); one run walks the operator through every
 code path that talks to the API (create, autoscaling on and off, Warn policy, a PVC source, the
-matrix ConfigMap, a node change, drift, admission, deletion). The observed table must equal
-``kunlun_operator/api_calls.yaml`` minus the peering rules (tests run standalone).
+matrix ConfigMap, a node change, drift, a replica on a failed card evicted, admission, deletion).
+The observed table must equal ``kunlun_operator/api_calls.yaml`` minus the peering rules (tests
+run standalone).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from importlib import resources
 import pytest
 import yaml
 
-from tests.integration.operator.conftest import NAMESPACE, Cluster, wait_for
+from tests.integration.operator.conftest import NAMESPACE, Cluster, add_failed_pod, wait_for
 from tests.integration.operator.test_admission import _accepts, review
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("evictions_delete_pods")]
 SPEC = {
     "model": {"name": "qwen", "source": {"pvc": {"claimName": "models", "path": "qwen"}}},
     "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"},
     "autoscaling": {"enabled": True, "maxReplicas": 3},
+    "faultTolerance": {"replaceAfter": "1s"},
 }
 
 
@@ -53,6 +55,8 @@ def test_the_operator_calls_exactly_the_documented_api(cluster: Cluster) -> None
     cluster.create_service(copy.deepcopy(SPEC))
     wait_for(lambda: cluster.kube.objects("horizontalpodautoscalers", "autoscaling"), message="the HPA")
     wait_for(lambda: cluster.kube.objects("prometheusrules", "monitoring.coreos.com"), message="the objects")
+    add_failed_pod(cluster)  # watched, listed, then evicted
+    wait_for(lambda: cluster.status().get("replicaReplacements") == 1, message="the replica replaced")
     cluster.patch_service(
         {
             "spec": {
@@ -92,6 +96,8 @@ def test_the_operator_calls_exactly_the_documented_api(cluster: Cluster) -> None
         ("", "nodes", "create"),
         ("", "nodes", "patch"),
         ("", "configmaps", "create"),
+        ("", "pods", "create"),
+        ("", "pods/status", "patch"),
         ("serving.kunlun.dev", "kunluninferenceservices", "create"),
         ("serving.kunlun.dev", "kunluninferenceservices", "delete"),
     }

@@ -42,7 +42,8 @@ def test_one_replica_reconciles_and_the_standby_takes_over(cluster: Cluster) -> 
     cluster.patch_service({"spec": {"runtime": {"maxModelLen": 2048}}})
     wait_for(lambda: cluster.status().get("observedGeneration") == 2, message="the standby to take over")
     assert "Resuming operations after the pause" in standby.log()
-    assert "reconciled ml/qwen generation 2" in standby.log()
+    # The pass logs its summary after writing the status: wait for the line, do not race it.
+    wait_for(lambda: "reconciled ml/qwen generation 2" in standby.log(), message="the standby's reconcile")
     assert len(cluster.kube.objects("deployments", "apps")) == 1
     # The peering calls are the ones documented for it (api_calls.yaml, rules marked `peering`).
     documented = {

@@ -86,6 +86,7 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "terminationGracePeriodSeconds": 90,
+                    "readinessGates": [{"conditionType": "kunlun.dev/xpu-healthy"}],
                     "nodeSelector": {"kunlun.dev/xpu.present": "true"},
                     "tolerations": [
                         {"key": "kunlunxin.com/xpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -255,6 +256,13 @@ def test_runtime_args_map_every_engine_knob_to_its_vllm_flag() -> None:
         "--no-enable-prefix-caching",
         "--seed=1",
     ]
+
+
+def test_the_card_health_readiness_gate_can_be_turned_off_where_no_node_agent_sets_it() -> None:
+    spec = parse_spec(make_raw_spec())
+    objects, _ = desired_objects(make_ref(), spec, make_facts(xpu_health_gate=False), IMAGE)
+    [deployment] = [o for o in objects if o["kind"] == "Deployment"]
+    assert "readinessGates" not in deployment["spec"]["template"]["spec"]
 
 
 def test_model_sources_mount_where_the_runtime_is_told_to_look() -> None:

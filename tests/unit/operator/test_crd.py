@@ -136,6 +136,17 @@ INVALID = [
         "spec.model.parameters",
     ),
     ("bad scrape interval", {"monitoring": {"interval": "soon"}}, "spec.monitoring.interval"),
+    (
+        "replaceAfter not a duration",
+        {"faultTolerance": {"replaceAfter": "soon"}},
+        "spec.faultTolerance.replaceAfter",
+    ),
+    ("replaceAfter in days", {"faultTolerance": {"replaceAfter": "1d"}}, "spec.faultTolerance.replaceAfter"),
+    (
+        "replaceAfter units out of order",
+        {"faultTolerance": {"replaceAfter": "30s2m"}},
+        "spec.faultTolerance.replaceAfter",
+    ),
 ]
 
 

@@ -44,7 +44,9 @@ def test_new_service_plans_its_objects_and_is_pending() -> None:
         "VersionsCompatible": ("True", "VersionsLocked"),
         "DevicesAvailable": ("True", "CompatibleNodesFound"),
         "ModelAvailable": ("Unknown", "NotLoadedYet"),
+        "ReplicasHealthy": ("True", "AllCardsHealthy"),
     }
+    assert plan.status["replicaReplacements"] == 0
     assert plan.events == ()
 
 
@@ -77,6 +79,7 @@ def test_ready_transition_emits_one_event_and_keeps_transition_times() -> None:
         "VersionsCompatible": NOW,
         "DevicesAvailable": NOW,
         "ModelAvailable": LATER,
+        "ReplicasHealthy": NOW,
     }
     assert ready.status["ready"] == "1/1"
 

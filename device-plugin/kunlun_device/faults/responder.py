@@ -1,0 +1,308 @@
+"""`FaultResponder`: tells the pods on a failed card, quarantines flapping cards, taints a dead node.
+
+Runs inside the device plugin, once per health round, in two steps:
+- `observe(snapshot)` (in memory, fast): counts failures, quarantines a card that failed too often
+  and returns the states for `ListAndWatch` — a quarantined card is Unhealthy whatever the checks say;
+- `act()` (I/O): reads/writes the Node (quarantine annotation, optional taint) every
+  `node_sync_seconds` or when it has something to write, then asks kubelet's PodResources which pods
+  hold our cards and patches the `kunlun.dev/xpu-healthy` condition of every pod whose verdict differs
+  from the one last written (a new pod gets "True" at once: its readiness gate waits for it), and
+  posts an Event on each pod holding a card whose health flipped.
+
+Invariant: a failed API call never stops the plugin; an unwritten verdict still differs next round
+and is retried. Only this node's Node object and the pods kubelet says hold our cards are written.
+After a restart every pod holding a card is written once again (what was written is not persisted).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kubernetes.client import CoreV1Api, CoreV1Event
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from kunlun_device.faults.quarantine import (
+    FailureWindow,
+    QuarantinePolicy,
+    format_quarantine,
+    parse_quarantine,
+    write_quarantine_file,
+)
+from kunlun_device.faults.taint import build_taints, has_taint, taint_needed
+from kunlun_device.faults.verdicts import (
+    CardStatus,
+    PodRef,
+    PodVerdict,
+    build_event,
+    build_status_patch,
+    events_due,
+    pod_verdicts,
+    verdicts_to_write,
+)
+from kunlun_device.labels import QUARANTINE_ANNOTATION
+from kunlun_device.podresources import PodResourcesClient
+from kunlun_device.xpu.health_tracker import HealthState
+from kunlun_device.xpu.model import XpuDevice
+from kunlun_device.xpu.monitor import HealthSnapshot
+
+logger = logging.getLogger(__name__)
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+API_ERRORS = (ApiException, HTTPError)
+REQUEST_TIMEOUT_SECONDS = 5.0
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class FaultResponder:
+    """The fault response of one node. Not thread-safe: call `observe` and `act` from one thread."""
+
+    def __init__(
+        self,
+        devices: tuple[XpuDevice, ...],
+        node_name: str,
+        api: CoreV1Api,
+        pod_resources: PodResourcesClient,
+        policy: QuarantinePolicy | None = None,
+        *,
+        taint: bool = False,
+        node_sync_seconds: float = 30.0,
+        quarantine_file: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], datetime.datetime] = _utcnow,
+    ) -> None:
+        self.node_name = node_name
+        self.api = api
+        self.pod_resources = pod_resources
+        self.taint = taint
+        self.node_sync_seconds = node_sync_seconds
+        self.quarantine_file = quarantine_file
+        self._devices = {d.uuid: d for d in devices}
+        self._window = FailureWindow(policy or QuarantinePolicy())
+        self._clock, self._wall_clock = clock, wall_clock
+        self._tracker: dict[str, HealthState] = dict.fromkeys(self._devices, HealthState.HEALTHY)
+        self._details: dict[str, str] = {}  # the last transition's reason, per card
+        self._quarantine_details: dict[str, str] = {}  # why a quarantined card is quarantined
+        self._quarantined: frozenset[str] = frozenset()
+        self._unwritten: frozenset[str] = frozenset()  # quarantined here, not yet on the Node
+        self._reported = dict.fromkeys(self._devices, True)  # health of each card as last decided
+        self._flipped: set[str] = set()  # cards whose flip is not yet turned into due Events
+        self._written: dict[PodRef, tuple[PodVerdict, datetime.datetime]] = {}  # verdict, transition time
+        self._events_due: set[tuple[PodRef, str]] = set()
+        self._taint_on_node: bool | None = None
+        self._next_sync = 0.0
+        self._written_file: frozenset[str] | None = None
+        self.pod_patches = 0
+        self.events = 0
+
+    @property
+    def quarantined(self) -> frozenset[str]:
+        """UUIDs of this node's quarantined cards."""
+        return self._quarantined
+
+    def observe(self, snapshot: HealthSnapshot) -> dict[int, HealthState]:
+        """Take one health round; returns the states to report to kubelet (quarantine applied)."""
+        now = self._clock()
+        self._tracker = {d.uuid: snapshot.states[d.index] for d in self._devices.values()}
+        for t in snapshot.transitions:
+            self._details[t.uuid] = t.reason
+            if t.after is not HealthState.UNHEALTHY or not self._window.record(t.uuid, now):
+                continue
+            if t.uuid not in self._quarantined:
+                self._quarantine(t.uuid, t.reason)
+        return self._states()
+
+    def act(self) -> dict[int, HealthState]:
+        """Write what the last rounds decided: the Node (when due) and the pods of changed cards.
+
+        Returns the states for kubelet again: reading the Node may have re-admitted a card.
+        """
+        now = self._clock()
+        taint_due = (
+            self.taint and taint_needed(self._healthy(u) for u in self._devices) != self._taint_on_node
+        )
+        if self._unwritten or taint_due or now >= self._next_sync:
+            self._sync_node(now)
+        self._write_file()
+        for uuid in self._devices:
+            healthy = self._healthy(uuid)
+            if healthy != self._reported[uuid]:
+                self._reported[uuid] = healthy
+                self._flipped.add(uuid)
+        self._tell_pods()
+        return self._states()
+
+    # --- decisions on in-memory state ----------------------------------------------------------------
+
+    def _states(self) -> dict[int, HealthState]:
+        return {
+            d.index: HealthState.HEALTHY if self._healthy(d.uuid) else HealthState.UNHEALTHY
+            for d in self._devices.values()
+        }
+
+    def _healthy(self, uuid: str) -> bool:
+        return self._tracker[uuid] is HealthState.HEALTHY and uuid not in self._quarantined
+
+    def _status(self, uuid: str) -> CardStatus:
+        device = self._devices[uuid]
+        if uuid in self._quarantined:
+            detail = self._quarantine_details.get(uuid, f"quarantined ({QUARANTINE_ANNOTATION})")
+        else:
+            detail = self._details.get(uuid, "healthy")
+        return CardStatus(device.index, uuid, self._healthy(uuid), uuid in self._quarantined, detail)
+
+    def _quarantine(self, uuid: str, reason: str) -> None:
+        policy = self._window.policy
+        failures = self._window.count(uuid)
+        self._quarantined |= {uuid}
+        self._unwritten |= {uuid}
+        self._quarantine_details[uuid] = (
+            f"quarantined after {failures} failures within {policy.window_seconds:g}s (last: {reason}); "
+            f"re-admit by removing {uuid} from the node annotation {QUARANTINE_ANNOTATION}"
+        )
+        logger.warning(
+            "xpu%d (%s) quarantined: %d failures within %gs",
+            self._devices[uuid].index,
+            uuid,
+            failures,
+            policy.window_seconds,
+        )
+
+    # --- I/O -----------------------------------------------------------------------------------------
+
+    def _sync_node(self, now: float) -> None:
+        """Read the Node: take re-admissions and hand-made quarantines; write ours and the taint."""
+        try:
+            node = self.api.read_node(self.node_name, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        except API_ERRORS as exc:
+            logger.warning("node %s: reading the quarantine failed: %s", self.node_name, exc)
+            return
+        self._next_sync = now + self.node_sync_seconds
+        annotations = (node.metadata.annotations if node.metadata else None) or {}
+        on_node = parse_quarantine(annotations.get(QUARANTINE_ANNOTATION))
+        ours = frozenset(self._devices)
+        for uuid in sorted(self._quarantined - self._unwritten - on_node):
+            self._window.forget(uuid)
+            if self._tracker[uuid] is HealthState.HEALTHY:
+                self._details[uuid] = (
+                    f"re-admitted (removed from the node annotation {QUARANTINE_ANNOTATION})"
+                )
+            logger.info("xpu%d (%s) re-admitted from quarantine", self._devices[uuid].index, uuid)
+        for uuid in sorted((on_node & ours) - self._quarantined):
+            self._quarantine_details[uuid] = f"quarantined by the node annotation {QUARANTINE_ANNOTATION}"
+        self._quarantined = (on_node & ours) | self._unwritten
+        patch: dict[str, Any] = {}
+        wanted = on_node | self._unwritten
+        if wanted != on_node:
+            patch["metadata"] = {"annotations": {QUARANTINE_ANNOTATION: format_quarantine(wanted)}}
+        taints = self.api.api_client.sanitize_for_serialization(node.spec.taints if node.spec else None) or []
+        self._taint_on_node = has_taint(taints)
+        if self.taint:
+            new_taints = build_taints(taints, taint_needed(self._healthy(u) for u in self._devices))
+            if new_taints is not None:
+                patch["spec"] = {"taints": new_taints}
+        if patch:
+            self._patch_node(patch, node.metadata.resource_version if node.metadata else None)
+
+    def _patch_node(self, patch: dict[str, Any], resource_version: str | None) -> None:
+        # the resourceVersion guards against a concurrent re-admission: a conflict is retried next round
+        patch.setdefault("metadata", {})["resourceVersion"] = resource_version
+        try:
+            self.api.patch_node(
+                self.node_name, patch, _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
+        except API_ERRORS as exc:
+            self._next_sync = 0.0
+            logger.warning("node %s: writing quarantine/taint failed, retrying: %s", self.node_name, exc)
+            return
+        self._unwritten = frozenset()
+        if "spec" in patch:
+            self._taint_on_node = bool(patch["spec"]["taints"]) and has_taint(patch["spec"]["taints"])
+        logger.info("node %s patched: %s", self.node_name, patch)
+
+    def _write_file(self) -> None:
+        if self.quarantine_file is None or self._written_file == self._quarantined:
+            return
+        try:
+            write_quarantine_file(self.quarantine_file, self._quarantined)
+        except OSError as exc:
+            logger.warning("quarantine file %s: %s", self.quarantine_file, exc)
+            return
+        self._written_file = self._quarantined
+
+    def _tell_pods(self) -> None:
+        errors_before = self.pod_resources.errors_total
+        holders = self.pod_resources.holders()
+        if self.pod_resources.errors_total != errors_before:
+            return  # kubelet could not be asked: retry next round
+        self._events_due |= events_due(holders, self._flipped)
+        self._flipped.clear()
+        cards = {uuid: self._status(uuid) for uuid in self._devices}
+        verdicts = pod_verdicts(holders, cards, self.node_name)
+        present = {v.pod for v in verdicts}
+        self._written = {pod: w for pod, w in self._written.items() if pod in present}
+        self._events_due = {(pod, uuid) for pod, uuid in self._events_due if pod in present}
+        written = {pod: verdict for pod, (verdict, _) in self._written.items()}
+        unwritten: set[PodRef] = set()
+        for verdict in verdicts_to_write(verdicts, written):
+            previous = self._written.get(verdict.pod)
+            same_status = previous is not None and previous[0].healthy == verdict.healthy
+            since = previous[1] if previous is not None and same_status else self._wall_clock()
+            delivered, uid = self._patch_pod(verdict.pod, build_status_patch(verdict, since))
+            if not delivered:
+                unwritten.add(verdict.pod)  # retried next round, its Events with it
+                continue
+            self._written[verdict.pod] = (verdict, since)
+            if uid is None:
+                continue  # the pod is gone
+            status = "True" if verdict.healthy else "False"
+            logger.info(
+                "pod %s/%s: %s (%s)", verdict.pod.namespace, verdict.pod.name, status, verdict.message
+            )
+            for pod, uuid in sorted(self._events_due, key=lambda e: (e[0], cards[e[1]].index)):
+                if pod == verdict.pod:
+                    self._post_event(build_event(pod, uid, cards[uuid], self.node_name, self._wall_clock()))
+                    self._events_due.discard((pod, uuid))
+        self._events_due = {(pod, uuid) for pod, uuid in self._events_due if pod in unwritten}
+
+    def _patch_pod(self, pod: PodRef, patch: dict[str, Any]) -> tuple[bool, str | None]:
+        """(delivered, the pod's uid); a pod that is gone counts as delivered, with no uid."""
+        try:
+            result = self.api.patch_namespaced_pod_status(
+                pod.name,
+                pod.namespace,
+                patch,
+                _content_type=STRATEGIC_MERGE_PATCH,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return True, None
+            logger.warning("pod %s/%s: condition not written, retrying: %s", pod.namespace, pod.name, exc)
+            return False, None
+        except HTTPError as exc:
+            logger.warning("pod %s/%s: condition not written, retrying: %s", pod.namespace, pod.name, exc)
+            return False, None
+        self.pod_patches += 1
+        metadata = getattr(result, "metadata", None)
+        uid = getattr(metadata, "uid", None)
+        return True, uid if isinstance(uid, str) else None
+
+    def _post_event(self, event: dict[str, Any]) -> None:
+        namespace = event["metadata"]["namespace"]
+        try:
+            body = CoreV1Event.from_dict(event)
+            assert body is not None
+            self.api.create_namespaced_event(namespace, body, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        except API_ERRORS as exc:
+            logger.warning("event %s in %s not posted: %s", event["reason"], namespace, exc)
+            return
+        self.events += 1

@@ -1,0 +1,193 @@
+"""`FaultResponder` round by round against an in-memory API and PodResources (no sockets, no HTTP):
+what it writes when, what it retries, what it leaves alone."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import kubernetes
+from kubernetes.client import V1Node, V1NodeSpec, V1ObjectMeta, V1Pod
+from kubernetes.client.exceptions import ApiException
+
+from kunlun_device.faults import FaultResponder, QuarantinePolicy
+from kunlun_device.podresources import Holder
+from kunlun_device.xpu.health_tracker import HealthState, Transition
+from kunlun_device.xpu.model import XpuDevice
+from kunlun_device.xpu.monitor import HealthSnapshot
+
+H, U = HealthState.HEALTHY, HealthState.UNHEALTHY
+DEVICES = tuple(XpuDevice(i, f"GPU-{i}", "P800 OAM", 1, f"bus{i}", 0, f"/dev/xpu{i}", None) for i in range(2))
+
+
+@dataclass
+class FakeApi:
+    """The CoreV1Api calls the responder makes, recorded; `fail_pods` answers that many pod patches with 500."""
+
+    annotations: dict[str, str] = field(default_factory=dict)
+    taints: list[dict[str, Any]] = field(default_factory=list)
+    gone: set[str] = field(default_factory=set)
+    fail_pods: int = 0
+    pod_patches: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    node_patches: list[dict[str, Any]] = field(default_factory=list)
+    events: list[tuple[str, str]] = field(default_factory=list)
+    api_client: Any = field(default_factory=kubernetes.client.ApiClient)
+
+    def read_node(self, name: str, **_: Any) -> V1Node:
+        spec = V1NodeSpec(taints=[kubernetes.client.V1Taint(**t) for t in self.taints] or None)
+        return V1Node(
+            metadata=V1ObjectMeta(name=name, annotations=dict(self.annotations), resource_version="7"),
+            spec=spec,
+        )
+
+    def patch_node(self, name: str, body: dict[str, Any], **_: Any) -> None:
+        self.node_patches.append(body)
+        for key, value in body.get("metadata", {}).get("annotations", {}).items():
+            if value is None:
+                self.annotations.pop(key, None)
+            else:
+                self.annotations[key] = value
+        if "spec" in body:
+            self.taints = body["spec"]["taints"]
+
+    def patch_namespaced_pod_status(self, name: str, namespace: str, body: dict[str, Any], **_: Any) -> V1Pod:
+        if self.fail_pods:
+            self.fail_pods -= 1
+            raise ApiException(status=500)
+        if name in self.gone:
+            raise ApiException(status=404)
+        self.pod_patches.append((name, body["status"]["conditions"][0]))
+        return V1Pod(metadata=V1ObjectMeta(name=name, uid=f"uid-{name}"))
+
+    def create_namespaced_event(self, namespace: str, body: Any, **_: Any) -> None:
+        self.events.append((body.involved_object.name, body.reason))
+
+
+@dataclass
+class FakePods:
+    holders_now: dict[str, Holder] = field(default_factory=dict)
+    down: bool = False
+    errors_total: int = 0
+
+    def holders(self) -> dict[str, Holder]:
+        if self.down:
+            self.errors_total += 1
+            return {}
+        return dict(self.holders_now)
+
+
+class Clocks:
+    def __init__(self) -> None:
+        self.monotonic = 0.0
+        self.wall = datetime.datetime(2026, 12, 1, 3, 0, 0, tzinfo=datetime.UTC)
+
+    def tick(self, seconds: float) -> None:
+        self.monotonic += seconds
+        self.wall += datetime.timedelta(seconds=seconds)
+
+
+def make_responder(api: FakeApi, pods: FakePods, clocks: Clocks, **kwargs: Any) -> FaultResponder:
+    return FaultResponder(
+        DEVICES,
+        "n1",
+        api,  # type: ignore[arg-type]
+        pods,  # type: ignore[arg-type]
+        QuarantinePolicy(2, 600),
+        node_sync_seconds=30,
+        clock=lambda: clocks.monotonic,
+        wall_clock=lambda: clocks.wall,
+        **kwargs,
+    )
+
+
+def snapshot(states: tuple[HealthState, HealthState], *transitions: Transition) -> HealthSnapshot:
+    return HealthSnapshot(None, None, {}, dict(enumerate(states)), tuple(transitions))
+
+
+def fail(index: int, reason: str = "ecc") -> Transition:
+    return Transition(index, f"GPU-{index}", H, U, reason)
+
+
+def heal(index: int) -> Transition:
+    return Transition(index, f"GPU-{index}", U, H, "no fault for 60s")
+
+
+def round_(responder: FaultResponder, snap: HealthSnapshot) -> dict[int, HealthState]:
+    responder.observe(snap)
+    return responder.act()
+
+
+def test_status_time_is_kept_when_only_the_message_changes() -> None:
+    api, pods, clocks = (
+        FakeApi(),
+        FakePods({"GPU-0": Holder("ml", "a", "r"), "GPU-1": Holder("ml", "a", "r")}),
+        Clocks(),
+    )
+    responder = make_responder(api, pods, clocks)
+    round_(responder, snapshot((H, H)))
+    clocks.tick(10)
+    round_(responder, snapshot((U, H), fail(0)))
+    clocks.tick(10)
+    round_(responder, snapshot((U, U), fail(1)))
+    clocks.tick(10)
+    round_(responder, snapshot((U, U)))  # nothing new: nothing written
+    assert [(c["status"], c["lastTransitionTime"], c["message"]) for _, c in api.pod_patches] == [
+        ("True", "2026-12-01T03:00:00Z", "node n1: healthy: xpu0 (GPU-0), xpu1 (GPU-1)"),
+        ("False", "2026-12-01T03:00:10Z", "node n1: xpu0 (GPU-0): ecc"),
+        ("False", "2026-12-01T03:00:10Z", "node n1: xpu0 (GPU-0): ecc; xpu1 (GPU-1): ecc"),
+    ]
+    assert api.events == [("a", "XpuUnhealthy"), ("a", "XpuUnhealthy")]
+
+
+def test_unreachable_kubelet_or_api_is_retried_and_a_gone_pod_is_not() -> None:
+    api, pods, clocks = (
+        FakeApi(gone={"b"}),
+        FakePods({"GPU-0": Holder("ml", "a", "r"), "GPU-1": Holder("ml", "b", "r")}),
+        Clocks(),
+    )
+    pods.down = True
+    responder = make_responder(api, pods, clocks)
+    round_(responder, snapshot((H, H)))
+    assert api.pod_patches == []
+    pods.down = False
+    api.fail_pods = 1
+    round_(responder, snapshot((U, H), fail(0)))  # a failed, b gone (404)
+    assert api.pod_patches == [] and api.events == []
+    round_(responder, snapshot((U, H)))
+    round_(responder, snapshot((U, H)))
+    assert [(name, c["status"]) for name, c in api.pod_patches] == [("a", "False")]  # once, b never again
+    assert api.events == [("a", "XpuUnhealthy")]
+
+
+def test_quarantine_survives_recovery_and_a_restart_reads_it_back() -> None:
+    api, pods, clocks = FakeApi(annotations={"team": "ml"}), FakePods(), Clocks()
+    responder = make_responder(api, pods, clocks)
+    round_(responder, snapshot((H, H)))
+    round_(responder, snapshot((U, H), fail(0)))
+    round_(responder, snapshot((H, H), heal(0)))
+    assert round_(responder, snapshot((U, H), fail(0))) == {0: U, 1: H}
+    assert api.annotations == {"team": "ml", "kunlun.dev/xpu-quarantine": "GPU-0"}
+    assert api.node_patches[-1]["metadata"]["resourceVersion"] == "7"
+    assert round_(responder, snapshot((H, H), heal(0))) == {0: U, 1: H}  # checks pass, still out
+
+    restarted = make_responder(api, pods, Clocks())
+    assert round_(restarted, snapshot((H, H))) == {0: U, 1: H}
+    del api.annotations["kunlun.dev/xpu-quarantine"]  # the operator re-admits it
+    clocks.tick(30)
+    assert round_(responder, snapshot((H, H))) == {0: H, 1: H}
+
+
+def test_taint_follows_the_last_healthy_card_and_keeps_other_taints() -> None:
+    other = {"key": "gpu", "effect": "NoSchedule"}
+    api, pods, clocks = FakeApi(taints=[other]), FakePods(), Clocks()
+    responder = make_responder(api, pods, clocks, taint=True)
+    round_(responder, snapshot((H, H)))
+    round_(responder, snapshot((U, H), fail(0)))
+    assert api.node_patches == []
+    round_(responder, snapshot((U, U), fail(1)))
+    assert api.taints == [other, {"key": "kunlun.dev/xpu-unhealthy", "value": "true", "effect": "NoSchedule"}]
+    round_(responder, snapshot((U, U)))
+    assert len(api.node_patches) == 1  # not written again
+    round_(responder, snapshot((U, H), heal(1)))
+    assert api.taints == [other]
