@@ -5,7 +5,9 @@ Loads ``tokenizer.json`` with the ``tokenizers`` library and the chat template f
 environment the way HF's ``apply_chat_template`` renders it, then tokenized without extra
 special tokens. Incremental detokenization lives in ``detokenizer``. A long text is encoded through
 the library's batch call, which releases the GIL, so encoding it on a worker thread does not stall
-the server's event loop (the single-text call holds the GIL throughout).
+the server's event loop (the single-text call holds the GIL throughout). ``renders_tools`` says
+whether the template uses the ``tools`` variable at all: the server writes tools into the prompt
+itself for a template that does not.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
@@ -63,6 +65,11 @@ class Tokenizer:
         self._env.globals["raise_exception"] = _raise
         self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._compiled = self._env.from_string(template) if template else None
+        # Whether the template reads ``tools`` (HF's apply_chat_template variable), e.g. Qwen2.5's
+        # and Llama 3.1's do and SmolLM2's does not.
+        self.renders_tools = isinstance(template, str) and "tools" in meta.find_undeclared_variables(
+            self._env.parse(template)
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) >= GIL_FREE_ENCODE_MIN_CHARS:
@@ -79,11 +86,19 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **extra: Any,
     ) -> str:
-        """The prompt text for ``messages``; raises InvalidRequestError for a template error."""
+        """The prompt text for ``messages``; ``tools`` (``[{"type": "function", "function": {...}}]``,
+        as HF passes them) reach the template as its ``tools`` variable. Raises
+        InvalidRequestError for a template error."""
         if self._compiled is None:
             raise InvalidRequestError("messages: this model has no chat template", field="messages")
+        if tools is not None:
+            extra["tools"] = tools
         try:
             return self._compiled.render(
                 messages=messages,

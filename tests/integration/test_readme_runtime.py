@@ -25,4 +25,3 @@ def test_offline_api_snippet_runs_as_written(capsys):
     record = namespace["llm"].generate("A user record as JSON:", namespace["json_params"])[0].outputs[0]
     assert record.finish_reason == "stop" and isinstance(json.loads(record.text)["name"], str)
     assert record.text in printed  # greedy: the same text the snippet printed
-

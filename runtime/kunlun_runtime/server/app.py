@@ -62,15 +62,20 @@ def create_app(
     max_waiting_share: float = DEFAULT_MAX_WAITING_SHARE,
     metrics_token: str | None = None,
     lifecycle: Lifecycle | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The application. ``tenants`` (else the one ``api_key``, else an open server) says who may
     call; ``max_waiting_share`` bounds each tenant's part of the waiting queue when there are
-    several; ``lifecycle`` (built from the other arguments when omitted) owns the engine."""
+    several; ``tool_call_parser`` and ``enable_auto_tool_choice`` are vLLM's tool-calling flags;
+    ``lifecycle`` (built from the other arguments when omitted) owns the engine."""
     tenants = tenants or Tenants({DEFAULT_TENANT: api_key} if api_key else None)
     life = lifecycle or Lifecycle(
         engine_factory,
         max_queue_len=max_queue_len,
         max_waiting_share=tenants.queue_share(max_waiting_share),
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
     )
 
     @asynccontextmanager

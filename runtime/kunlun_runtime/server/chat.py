@@ -1,14 +1,21 @@
-"""``POST /v1/chat/completions``: the model's own chat template, n choices, SSE streaming.
+"""``POST /v1/chat/completions``: the model's own chat template, n choices, SSE streaming, tools.
 
 The conversation is rendered with the model's jinja2 chat template and tokenized once, off the
 event loop (``ServedModel.encode_chat``); the engine gets token ids. Streaming sends OpenAI's
 chunks: the role first, then content deltas, then the finish reason, an optional usage chunk
 (``stream_options.include_usage``) and ``data: [DONE]``.
+
+With ``tools`` (``tool_calls.plan_tools``), a named function or ``tool_choice="required"`` is a
+constraint the grammar engine enforces, and each choice's output is read by a tool-call reader
+(``tool_parsers``) into content and ``tool_calls``; a stream sends the calls as
+``delta.tool_calls`` pieces as they are read. Every call gets its id here (``call_<hex>``).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from starlette.responses import Response
@@ -27,7 +34,11 @@ from kunlun_runtime.server.responses import (
     ChatLogprobs,
     ChatMessageOut,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
@@ -44,6 +55,15 @@ from kunlun_runtime.server.serving import (
     sse,
     token_text,
 )
+from kunlun_runtime.server.tool_calls import ToolPlan, build_prompt, constrain, plan_tools
+from kunlun_runtime.server.tool_parsers import CallDelta, ReadsToolCalls
+
+# Template variables the request may not set through chat_template_kwargs: the server sets them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex}"
 
 
 def _top(served: ServedModel, token_id: int, logprob: float) -> TopLogprob:
@@ -73,14 +93,23 @@ async def create_chat_completion(
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
-    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
-    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in reserved}
+    plan = plan_tools(
+        body,
+        tool_call_parser=served.tool_call_parser,
+        enable_auto_tool_choice=served.enable_auto_tool_choice,
+    )
+    params = constrain(params, plan)  # add_prepared compiles it, off the event loop
+    conversation, tool_kwargs = build_prompt(
+        body.messages, plan, renders_tools=served.tokenizer.renders_tools
+    )
+    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+    kwargs.update(tool_kwargs)
     request_id = new_id("chatcmpl")
     tenant = tenant_of(request)
     prompt_ids: list[int] = []
 
     async def prepare() -> list[EngineRequest]:
-        prompt_ids.extend(await served.encode_chat(body.conversation(), body.add_generation_prompt, **kwargs))
+        prompt_ids.extend(await served.encode_chat(conversation, body.add_generation_prompt, **kwargs))
         return children(request_id, {"prompt_token_ids": prompt_ids}, params, body, tenant)
 
     stream = await add_prepared(served, params.n, tenant, prepare)
@@ -88,19 +117,20 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream_events(
-            stream, served, request_id, index_of, len(prompt_ids), body.logprobs, include_usage
+            stream, served, request_id, index_of, len(prompt_ids), body.logprobs, include_usage, plan
         )
         return EngineStreamingResponse(guard_stream(events), stream)
     finals = await collect(stream, request)
     choices = []
     for engine_id, index in index_of.items():
         completion = finals[engine_id].outputs[0]
+        message, finish_reason = _message(plan, completion.text, completion.finish_reason)
         choices.append(
             ChatChoice(
                 index=index,
-                message=ChatMessageOut(content=completion.text),
+                message=message,
                 logprobs=chat_logprobs(served, completion.logprobs or []) if body.logprobs else None,
-                finish_reason=completion.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=completion.stop_reason,
             )
         )
@@ -115,6 +145,40 @@ async def create_chat_completion(
     return Response(response.model_dump_json(), media_type="application/json")
 
 
+def _message(plan: ToolPlan, text: str, engine_reason: str | None) -> tuple[ChatMessageOut, str | None]:
+    """One choice's whole message and finish reason: its text read for tool calls, if any."""
+    reader = plan.new_reader()
+    if reader is None:
+        return ChatMessageOut(content=text), engine_reason
+    read, end = reader.feed(text), reader.finish()
+    pieces = [piece for piece in (*read.calls, *end.calls) if plan.keeps(piece)]
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for piece in pieces:  # a named call comes in pieces; the others whole
+        if piece.name is not None:
+            names[piece.index] = piece.name
+        arguments[piece.index] = arguments.get(piece.index, "") + piece.arguments
+    tool_calls = [
+        ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=names[i], arguments=arguments[i]))
+        for i in sorted(names)
+    ]
+    content = read.content + end.content
+    message = ChatMessageOut(
+        content=content if content.strip() or not tool_calls else None, tool_calls=tool_calls or None
+    )
+    return message, plan.finish_reason(engine_reason, len(tool_calls))
+
+
+@dataclass(slots=True)
+class _ChoiceStream:
+    """What one choice of a stream has sent so far."""
+
+    reader: ReadsToolCalls | None  # None: the text is plain content
+    num_chars: int = 0
+    num_logprobs: int = 0
+    call_ids: dict[int, str] = field(default_factory=dict)  # a call's index → its id
+
+
 async def _stream_events(
     stream: RequestStream,
     served: ServedModel,
@@ -123,6 +187,7 @@ async def _stream_events(
     num_prompt_tokens: int,
     want_logprobs: bool,
     include_usage: bool,
+    plan: ToolPlan,
 ) -> AsyncIterator[str]:
     created = now_seconds()
 
@@ -135,11 +200,11 @@ async def _stream_events(
 
     for index in index_of.values():
         yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-    sent_text = dict.fromkeys(index_of.values(), 0)
-    sent_tokens = dict.fromkeys(index_of.values(), 0)
+    sent = {index: _ChoiceStream(plan.new_reader()) for index in index_of.values()}
     num_generated = 0
     async for output in stream:
-        yield_chunk = _delta(output, index_of, sent_text, sent_tokens, served, want_logprobs)
+        index = index_of[output.request_id]
+        yield_chunk = _delta(output, index, sent[index], served, want_logprobs, plan)
         if yield_chunk is not None:
             yield chunk([yield_chunk])
         if output.finished:
@@ -150,24 +215,49 @@ async def _stream_events(
 
 def _delta(
     output: RequestOutput,
-    index_of: dict[str, int],
-    sent_text: dict[int, int],
-    sent_tokens: dict[int, int],
+    index: int,
+    sent: _ChoiceStream,
     served: ServedModel,
     want_logprobs: bool,
+    plan: ToolPlan,
 ) -> ChatChunkChoice | None:
     """The chunk for what ``output`` adds to its choice; None when it adds nothing visible."""
-    index = index_of[output.request_id]
     completion = output.outputs[0]
-    text = completion.text[sent_text[index] :]
-    new_logprobs = (completion.logprobs or [])[sent_tokens[index] :] if want_logprobs else []
-    if not text and not new_logprobs and not output.finished:
+    text = completion.text[sent.num_chars :]
+    new_logprobs = (completion.logprobs or [])[sent.num_logprobs :] if want_logprobs else []
+    sent.num_chars = len(completion.text)
+    sent.num_logprobs = len(completion.logprobs or [])
+    if sent.reader is None:
+        delta = DeltaMessage(content=text)
+        visible = bool(text)
+        finish_reason = completion.finish_reason
+    else:
+        steps = [sent.reader.feed(text)]
+        if output.finished:
+            steps.append(sent.reader.finish())
+        pieces = [_piece(p, sent) for step in steps for p in step.calls if plan.keeps(p)]
+        content = "".join(step.content for step in steps)
+        delta = DeltaMessage(content=content or None, tool_calls=pieces or None)
+        visible = bool(content or pieces)
+        finish_reason = plan.finish_reason(completion.finish_reason, len(sent.call_ids))
+    if not visible and not new_logprobs and not output.finished:
         return None
-    sent_text[index] = len(completion.text)
-    sent_tokens[index] = len(completion.logprobs or [])
     return ChatChunkChoice(
         index=index,
-        delta=DeltaMessage(content=text),
+        delta=delta,
         logprobs=chat_logprobs(served, new_logprobs) if want_logprobs else None,
-        finish_reason=completion.finish_reason,
+        finish_reason=finish_reason,
+    )
+
+
+def _piece(piece: CallDelta, sent: _ChoiceStream) -> DeltaToolCall:
+    """A call piece as OpenAI streams it: id, type and name on the first piece of a call only."""
+    if piece.name is None:
+        return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
+    sent.call_ids[piece.index] = call_id = new_call_id()
+    return DeltaToolCall(
+        index=piece.index,
+        id=call_id,
+        type="function",
+        function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments),
     )

@@ -26,6 +26,8 @@ from kunlun_runtime.server.door import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kunlun_runtime.server.fair_share import DEFAULT_MAX_WAITING_SHARE
 from kunlun_runtime.server.lifecycle import Lifecycle
 from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS
+from kunlun_runtime.server.tool_calls import validate_tool_flags
+from kunlun_runtime.server.tool_parsers import TOOL_CALL_PARSERS
 from kunlun_runtime.server.watchdog import (
     DEFAULT_ENGINE_STALL_GRACE_SECONDS,
     DEFAULT_ENGINE_STALL_TIMEOUT_SECONDS,
@@ -133,6 +135,18 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ENGINE_STALL_GRACE_SECONDS,
         help="after a stall is detected, seconds until the process exits 1 to be restarted",
     )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        default=None,
+        help="how tool calls are read from the model's output for tool_choice 'auto' (the model "
+        "family: hermes for Qwen2.5/3 and Hermes, llama3_json for Llama 3.1/3.2, smollm2)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="serve tool_choice 'auto' (the default when a request has tools); needs --tool-call-parser",
+    )
     group.add_argument("--uvicorn-log-level", default="info")
 
 
@@ -154,6 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "--engine-stall-grace-seconds not negative"
         )
     try:
+        validate_tool_flags(args.tool_call_parser, args.enable_auto_tool_choice)
         tenants = build_tenants(args.api_key, args.api_keys_file)
         max_waiting_share = tenants.queue_share(args.max_waiting_share)
     except ConfigError as error:
@@ -166,6 +181,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_prompt_chars=args.max_prompt_chars,
         engine_stall_timeout_seconds=args.engine_stall_timeout_seconds,
         engine_stall_grace_seconds=args.engine_stall_grace_seconds,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     app = create_app(
         lambda: LLMEngine(config),

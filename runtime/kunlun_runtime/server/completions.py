@@ -3,6 +3,9 @@
 Each prompt becomes n engine requests; choice ``index`` is ``prompt_index * n + i``, as OpenAI and
 vLLM number them. ``usage`` counts every prompt once and every generated token. Text prompts are
 tokenized here, off the event loop (``ServedModel.encode``), so the engine gets token ids.
+Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) constrain every
+choice of every prompt; the constraint is compiled once, off the event loop, before the group is
+queued (``add_prepared``). ``suffix`` is refused, as vLLM refuses it.
 """
 
 from __future__ import annotations
@@ -81,8 +84,8 @@ def completion_logprobs(
 
 async def create_completion(body: CompletionRequest, served: ServedModel, request: Request) -> Response:
     served.check_model(body.model)
-    if body.suffix:
-        raise InvalidRequestError("suffix: is not supported", field="suffix")
+    if body.suffix is not None:  # vLLM's message, word for word
+        raise InvalidRequestError("suffix is not currently supported", field="suffix")
     prompts = _prompts(body.prompt)
     echo_logprobs = body.logprobs if body.echo else None
     prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else echo_logprobs

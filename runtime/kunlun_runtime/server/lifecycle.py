@@ -30,6 +30,7 @@ from kunlun_runtime.server.async_engine import AsyncEngine
 from kunlun_runtime.server.errors import unavailable
 from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS, ServedModel
 from kunlun_runtime.server.stats import StatsRecorder
+from kunlun_runtime.server.tool_calls import validate_tool_flags
 from kunlun_runtime.server.watchdog import (
     DEFAULT_ENGINE_STALL_GRACE_SECONDS,
     DEFAULT_ENGINE_STALL_TIMEOUT_SECONDS,
@@ -81,7 +82,10 @@ class Lifecycle:
         max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
         engine_stall_timeout_seconds: float = DEFAULT_ENGINE_STALL_TIMEOUT_SECONDS,
         engine_stall_grace_seconds: float = DEFAULT_ENGINE_STALL_GRACE_SECONDS,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
+        validate_tool_flags(tool_call_parser, enable_auto_tool_choice)
         self._factory = engine_factory
         self.max_queue_len = max_queue_len
         self.max_waiting_share = max_waiting_share  # a tenant's share of the queue; None = no limit
@@ -91,6 +95,8 @@ class Lifecycle:
         self.max_prompt_chars = max_prompt_chars
         self.engine_stall_timeout_seconds = engine_stall_timeout_seconds
         self.engine_stall_grace_seconds = engine_stall_grace_seconds
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" output
+        self.enable_auto_tool_choice = enable_auto_tool_choice  # --enable-auto-tool-choice
         self._watchdog: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.state = ServerState.LOADING
@@ -147,6 +153,8 @@ class Lifecycle:
         )
         async_engine.start(asyncio.get_running_loop())
         self.served = ServedModel.of(async_engine, max_prompt_chars=self.max_prompt_chars)
+        self.served.tool_call_parser = self.tool_call_parser
+        self.served.enable_auto_tool_choice = self.enable_auto_tool_choice
         self._watchdog = asyncio.ensure_future(
             watch_engine(async_engine, self.engine_stall_timeout_seconds, self._engine_stalled)
         )

@@ -2,7 +2,10 @@
 
 Field names and nesting are OpenAI's; ``usage`` counts are exact token counts (the prompt once,
 completions summed over choices). Logprobs come in the two OpenAI dialects: the legacy
-completions one (parallel lists) and the chat one (a list of per-token objects).
+completions one (parallel lists) and the chat one (a list of per-token objects). Tool calls come
+whole in a message (``message.tool_calls``) and in pieces in a stream (``delta.tool_calls``: the
+first piece of a call has its ``id``, ``type`` and ``function.name``, later ones only more
+``function.arguments``); a field that is absent from OpenAI's pieces is left out, not null.
 """
 
 from __future__ import annotations
@@ -64,9 +67,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+def _absent_if_none(value: object) -> bool:
+    return value is None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is tool calls only
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=_absent_if_none)
 
 
 class ChatChoice(BaseModel):
@@ -86,9 +105,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_absent_if_none)
+    arguments: str | None = Field(default=None, exclude_if=_absent_if_none)
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = Field(default=None, exclude_if=_absent_if_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_absent_if_none)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_absent_if_none)
 
 
 class ChatChunkChoice(BaseModel):

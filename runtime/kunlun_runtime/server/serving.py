@@ -9,6 +9,9 @@ one (``INLINE_TOKENIZE_MAX_CHARS`` on) on a small thread pool, not on the event 
 gets token ids, and a huge prompt delays neither /health nor other requests' steps. Their size is
 checked first (``max_prompt_chars``) and their queue places are taken before the work
 (``add_prepared``), so a full queue is answered at once and the work is bounded before it starts.
+A structured-output constraint (JSON Schema, regex, grammar) is compiled in the same step, on the
+same pool (``prepare_structured_outputs``): a slow compile stalls neither /health nor the engine
+thread, whose own compile of the constraint is then a cache hit.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from kunlun_runtime.server.async_engine import AsyncEngine, EngineRequest, Reque
 from kunlun_runtime.server.auth import scoped_cache_salt
 from kunlun_runtime.server.errors import ERROR_TYPES, APIError
 from kunlun_runtime.server.protocol import SamplingFields
+from kunlun_runtime.server.structured_outputs import parse_structured_outputs
+from kunlun_runtime.structured.params import StructuredOutputsParams
 
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000
 NUM_TOKENIZER_THREADS = 2  # tokenization is CPU work: more threads would only take cores from steps
@@ -53,6 +58,8 @@ class ServedModel:
     root: str
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # longer prompts are refused before any work
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None  # None: asyncio's default
+    tool_call_parser: str | None = None  # --tool-call-parser: how tool calls are read from output
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is served
 
     @classmethod
     def of(
@@ -136,7 +143,8 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """The engine's SamplingParams for ``body``; raises InvalidRequestError naming the field."""
+    """The engine's SamplingParams for ``body``, its structured-output constraint included (not
+    yet compiled: ``add_prepared`` does that); raises InvalidRequestError naming the field."""
     for token_id in body.stop_token_ids or []:
         if token_id >= served.vocab_size:
             raise InvalidRequestError(
@@ -166,6 +174,7 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=parse_structured_outputs(body),
         **{name: value for name, value in fields.items() if value is not None},
     )
 
@@ -194,16 +203,43 @@ async def add_prepared(
     tenant: str | None,
     prepare: Callable[[], Awaitable[list[EngineRequest]]],
 ) -> RequestStream:
-    """Take ``count`` queue places, then ``prepare`` the group (tokenize) and queue it, so a full
-    queue is answered at once, before the prompt is tokenized, and the places are held in the
-    order requests arrived. The places are given back when preparing fails."""
+    """Take ``count`` queue places, then ``prepare`` the group (tokenize), compile its
+    structured-output constraints and queue it, so a full queue is answered at once, before the
+    prompt is tokenized, and the places are held in the order requests arrived. The places are
+    given back when preparing fails (an invalid schema or regex: InvalidRequestError, 400)."""
     served.engine.reserve(count, tenant)
     try:
         requests = await prepare()
+        await prepare_structured_outputs(served, requests)
     except BaseException:
         served.engine.release(count, tenant)
         raise
     return await served.engine.add(requests, reserved=True)
+
+
+async def prepare_structured_outputs(served: ServedModel, requests: list[EngineRequest]) -> None:
+    """Compile the constraint of every request of ``requests`` that has one, on the tokenizer
+    pool: a schema can take long to compile, and neither the event loop (/health, other
+    requests) nor the engine thread (every running request's next token) should wait for it.
+    The engine caches compiled constraints, so its own compile in ``add_request`` is a hit.
+
+    Called by ``add_prepared``; a route that queues requests another way calls it before.
+
+    Raises:
+        InvalidRequestError: a schema, regex or grammar the grammar engine refuses (400, the
+            field is the constraint's ``source``).
+    """
+    constraints: dict[int, StructuredOutputsParams] = {}
+    for request in requests:
+        constraint = request.params.structured_outputs
+        if constraint is not None:  # n > 1 children share one constraint object: compiled once
+            constraints.setdefault(id(constraint), constraint)
+    if not constraints:
+        return
+    compiler = served.engine.engine.structured
+    loop = asyncio.get_running_loop()
+    for constraint in constraints.values():
+        await loop.run_in_executor(served.tokenizer_pool, compiler.compile, constraint)
 
 
 async def _wait_disconnect(receive: Callable) -> None:

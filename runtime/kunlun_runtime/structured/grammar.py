@@ -159,6 +159,8 @@ class GrammarCompiler:
         began = time.perf_counter()
         try:
             text = grammar_text(params)
+        except InvalidRequestError:  # already names the field (it is a ValueError too)
+            raise
         except ValueError as error:  # llguidance's own conversions raise ValueError
             raise _invalid(params, str(error)) from None
         matcher = llguidance.LLMatcher(vocabulary, text, log_level=0)

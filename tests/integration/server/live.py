@@ -90,7 +90,7 @@ def serve_in_thread(
     """``app_options`` go to ``create_app`` (tenants, limits), ``lifecycle_options`` to its
     ``Lifecycle`` (prompt limit, watchdog), ``engine_options`` to EngineConfig."""
     config = EngineConfig(
-        model=str(model_dir), dtype="float32", kv_cache_memory_bytes=16 << 20, **engine_options
+        **{"model": str(model_dir), "dtype": "float32", "kv_cache_memory_bytes": 16 << 20, **engine_options}
     )
 
     def factory() -> LLMEngine:
