@@ -6,6 +6,8 @@ only together with the operator and the chart.
 
 from __future__ import annotations
 
+import re
+
 #: The extended resource that the device plugin advertises to kubelet.
 RESOURCE_NAME = "kunlunxin.com/xpu"
 
@@ -39,6 +41,17 @@ CONTROL_DEVICE = "/dev/xpuctrl"
 #: Unhealthy or quarantined, "True" again when they all are Healthy. Runtime pods carry a readiness
 #: gate on it (the operator), so a pod on a failed card leaves its Service at once.
 XPU_HEALTHY_CONDITION = "kunlun.dev/xpu-healthy"
+
+#: `message` of that condition (and of the Events): "node <node>: " then each failed card as
+#: `xpu_card_name` gives it, with its failed checks. The operator reads the card indices back with
+#: `XPU_CARD_IN_MESSAGE` to name the card in its status and Events.
+XPU_CARD_IN_MESSAGE = re.compile(r"\bxpu(\d+) \(")
+
+
+def xpu_card_name(index: int, uuid: str) -> str:
+    """A card as condition messages and Events name it: ``xpu5 (GPU-...)``."""
+    return f"xpu{index} ({uuid})"
+
 
 #: `reason` of that condition and of the Events posted on the pod.
 REASON_XPU_UNHEALTHY = "XpuUnhealthy"

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kunlun_device.labels import XPU_CARD_IN_MESSAGE
 from kunlun_operator import names
 from kunlun_operator.status import Condition
 
@@ -32,7 +33,6 @@ CONDITION_TYPE = "ReplicasHealthy"
 EVICTION_RETRY_SECONDS = 5.0
 #: ``reason`` of a fault seen only in allocatedResourcesStatus (it has no reason of its own).
 REASON_DEVICE_UNHEALTHY = "DeviceUnhealthy"
-_CARD_IN_MESSAGE = re.compile(r"\bcard\s+([^\s,:;()]+)")
 _REASON = re.compile(r"^[A-Za-z][A-Za-z0-9]{0,62}$")  # CamelCase: safe as a metric label value
 
 
@@ -127,8 +127,7 @@ def card_fault(pod: Mapping[str, Any]) -> CardFault | None:
         reason = reason or REASON_DEVICE_UNHEALTHY
     else:
         source = "condition"
-        match = _CARD_IN_MESSAGE.search(message)
-        card = match.group(1) if match else "unknown"
+        card = ",".join(XPU_CARD_IN_MESSAGE.findall(message)) or "unknown"
     return CardFault(
         pod=str(meta.get("name")),
         uid=str(meta.get("uid") or meta.get("name")),

@@ -27,9 +27,20 @@ discovery from the declared resources. This layer keeps the objects and adds wha
 name, 409 on a stale ``metadata.resourceVersion`` in a patch or PUT, merge patches (strategic-merge
 is treated as a JSON merge patch: lists are replaced) and JSON patches (a failed ``test`` is 422),
 status-subresource isolation, finalizers and ``deletionTimestamp``, equality-based label selectors,
-and watches that honour ``resourceVersion`` and ``timeoutSeconds``. Not emulated: controllers
-(Deployments get no status unless a test writes it), garbage collection by owner reference,
-server-side apply, CRD schema validation and defaulting, field selectors, admission webhooks.
+and watches that honour ``resourceVersion`` and ``timeoutSeconds``.
+
+Evictions (``POST .../pods/NAME/eviction``, ``policy/v1``) are served as the API server does, minus
+the disruption controller: a ``deleteOptions.preconditions.uid`` that no longer names the pod is
+409; a PodDisruptionBudget of the pod's namespace whose ``spec.selector.matchLabels`` select the pod
+and whose ``status.disruptionsAllowed`` is 0 answers 429 (``TooManyRequests``, the pod stays);
+otherwise each such budget's ``disruptionsAllowed`` goes down by one, the pod is deleted (a pod with
+finalizers only gets its ``deletionTimestamp``: a test plays kubelet's graceful termination by
+removing them) and the answer is 201. A budget without ``status.disruptionsAllowed`` allows every
+eviction: nothing computes it, a test that wants a blocking budget writes that status itself.
+
+Not emulated: controllers (Deployments get no status unless a test writes it, PodDisruptionBudgets
+none unless a test writes it), garbage collection by owner reference, server-side apply, CRD schema
+validation and defaulting, field selectors, admission webhooks.
 """
 
 from __future__ import annotations
@@ -167,6 +178,12 @@ def _matches_selector(labels: Mapping[str, str], selector: str | None) -> bool:
         elif term not in labels:
             return False
     return True
+
+
+def _selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """A label selector's ``matchLabels`` (``matchExpressions`` are not emulated); an empty one selects all."""
+    match_labels = (selector or {}).get("matchLabels") or {}
+    return all(labels.get(k) == v for k, v in match_labels.items())
 
 
 @dataclass
@@ -336,6 +353,8 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
                     "items": items,
                     "metadata": {"resourceVersion": str(self.store.resource_version)},
                 }
+            if verb == "create" and (target.kind.plural, target.subresource) == ("pods", "eviction"):
+                return 201, self._evict(target, request.data)
             if verb == "create":
                 return 201, self._create(key, target, request.data)
             obj = self.store.objects.get((key, target.namespace, target.name or ""))
@@ -444,6 +463,40 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
         meta["resourceVersion"] = self.store.bump()
         self.store.record(key, "DELETED", obj)
         return copy.deepcopy(obj)
+
+    def _evict(self, target: Target, body: Any) -> dict[str, Any]:
+        """The Eviction subresource: the budgets selecting the pod decide (see the module docstring)."""
+        pod = self.store.objects.get(("/pods", target.namespace, target.name or ""))
+        if pod is None:
+            raise ApiStatusError(404, "NotFound", f'pods "{target.name}" not found')
+        options = (body.get("deleteOptions") if isinstance(body, Mapping) else None) or {}
+        wanted_uid = (options.get("preconditions") or {}).get("uid")
+        if wanted_uid is not None and wanted_uid != pod["metadata"]["uid"]:
+            raise ApiStatusError(
+                409,
+                "Conflict",
+                f"Precondition failed: UID in precondition: {wanted_uid}, "
+                f"UID in object meta: {pod['metadata']['uid']}",
+            )
+        labels = pod["metadata"].get("labels") or {}
+        budgets = [
+            pdb
+            for (k, ns, _), pdb in sorted(self.store.objects.items())
+            if k == "policy/poddisruptionbudgets"
+            and ns == target.namespace
+            and "disruptionsAllowed" in (pdb.get("status") or {})
+            and _selects((pdb.get("spec") or {}).get("selector"), labels)
+        ]
+        if any(pdb["status"]["disruptionsAllowed"] <= 0 for pdb in budgets):
+            raise ApiStatusError(
+                429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget."
+            )
+        for pdb in budgets:
+            pdb["status"]["disruptionsAllowed"] -= 1
+            pdb["metadata"]["resourceVersion"] = self.store.bump()
+            self.store.record("policy/poddisruptionbudgets", "MODIFIED", pdb)
+        self._delete("/pods", target, pod)
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
     # --- watches -----------------------------------------------------------------------------------
 

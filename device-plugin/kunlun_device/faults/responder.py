@@ -120,10 +120,12 @@ class FaultResponder:
                 self._quarantine(t.uuid, t.reason)
         return self._states()
 
-    def act(self) -> dict[int, HealthState]:
+    def act(self, publish: Callable[[dict[int, HealthState]], None]) -> dict[int, HealthState]:
         """Write what the last rounds decided: the Node (when due) and the pods of changed cards.
 
-        Returns the states for kubelet again: reading the Node may have re-admitted a card.
+        ``publish`` gets the states for kubelet after the Node is read and before any pod is
+        written: reading the Node may have re-admitted a card, and kubelet must offer it again
+        before its pods hear that it is healthy. Returns the same states.
         """
         now = self._clock()
         taint_due = (
@@ -131,6 +133,8 @@ class FaultResponder:
         )
         if self._unwritten or taint_due or now >= self._next_sync:
             self._sync_node(now)
+        states = self._states()
+        publish(states)
         self._write_file()
         for uuid in self._devices:
             healthy = self._healthy(uuid)
@@ -138,7 +142,7 @@ class FaultResponder:
                 self._reported[uuid] = healthy
                 self._flipped.add(uuid)
         self._tell_pods()
-        return self._states()
+        return states
 
     # --- decisions on in-memory state ----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from kunlun_device.labels import (
     REASON_XPU_QUARANTINED,
     REASON_XPU_UNHEALTHY,
     XPU_HEALTHY_CONDITION,
+    xpu_card_name,
 )
 from kunlun_device.podresources import Holder
 
@@ -48,7 +49,7 @@ class CardStatus:
 
     @property
     def name(self) -> str:
-        return f"xpu{self.index} ({self.uuid})"
+        return xpu_card_name(self.index, self.uuid)
 
     @property
     def reason(self) -> str:

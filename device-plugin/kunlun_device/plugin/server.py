@@ -50,7 +50,7 @@ class RoundHook(Protocol):
 
     def observe(self, snapshot: HealthSnapshot) -> dict[int, HealthState]: ...
 
-    def act(self) -> dict[int, HealthState]: ...
+    def act(self, publish: Callable[[dict[int, HealthState]], None]) -> dict[int, HealthState]: ...
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -107,7 +107,7 @@ class PluginServer:
         self.hook = self.fault_response(devices) if self.fault_response is not None else None
         self.states = DeviceStates(self._observe(self.monitor.poll()))
         if self.hook is not None:
-            self.states.publish(self.hook.act())
+            self.hook.act(self.states.publish)
         logger.info("discovered %d cards: %s", len(devices), [d.uuid for d in devices])
         self._serve()
         self._kubelet_identity = _identity(self.kubelet_dir / KUBELET_SOCKET)
@@ -173,7 +173,7 @@ class PluginServer:
         while not self._stop.wait(self.health_interval_seconds):
             self.states.publish(self._observe(self.monitor.poll()))
             if self.hook is not None:
-                self.states.publish(self.hook.act())  # a re-admission read from the Node counts at once
+                self.hook.act(self.states.publish)  # a re-admission read from the Node counts at once
 
     def _observe(self, snapshot: HealthSnapshot) -> dict[int, HealthState]:
         return snapshot.states if self.hook is None else self.hook.observe(snapshot)

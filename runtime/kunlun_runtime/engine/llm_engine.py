@@ -6,10 +6,12 @@ when a request finishes or is aborted. It is single-threaded; ``AsyncEngine`` dr
 server.
 
 A request with a structured-output constraint gets its own grammar state at ``add_request``. Each
-step, the allowed-token masks of the constrained requests about to sample are computed on a
-worker thread while the model's forward runs (the grammar engine releases the GIL), applied
-before sampling, and each chosen token advances its request's grammar; a grammar that is complete
-ends its request with ``stop``.
+step, the allowed-token masks of the constrained requests about to sample are computed on the
+host, applied before sampling, and each chosen token advances its request's grammar; a grammar
+that is complete ends its request with ``stop``. When the forward runs on an accelerator, the
+host is idle meanwhile, so the masks are computed on a worker thread during the forward (the
+grammar engine releases the GIL); on the CPU platform the forward already keeps every core busy,
+and a worker thread would only compete with it, so they are computed in line.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class LLMEngine:
         self.structured = GrammarCompiler(
             (self.model_dir / "tokenizer.json").read_text(), model_config.vocab_size, self.eos_token_ids
         )
+        self.overlap_masks = self.device.type != "cpu"  # compute masks during the forward
         self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None  # started on first use
         self._tracked: dict[str, _Tracked] = {}
         self.num_generation_tokens_total = 0
@@ -357,6 +360,10 @@ class LLMEngine:
             row += 1
         if not matchers:
             return None
+        if not self.overlap_masks:
+            done: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+            done.set_result(self.structured.fill_bitmask(matchers))
+            return _PendingMasks(tuple(rows), done)
         if self._mask_pool is None:
             self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         return _PendingMasks(tuple(rows), self._mask_pool.submit(self.structured.fill_bitmask, matchers))

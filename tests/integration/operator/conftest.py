@@ -23,7 +23,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from tests.support import kubeapi, waiting
+from tests.support import waiting
 from tests.support.kubeapi import RunningKubeAPI, running_fake_api
 
 GROUP, VERSION, PLURAL = "serving.kunlun.dev", "v1alpha1", "kunluninferenceservices"
@@ -236,28 +236,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "monitoring: the fake API also serves monitoring.coreos.com/v1")
 
 
-@pytest.fixture
-def evictions_delete_pods(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Teach the fake API the Eviction subresource: an accepted eviction deletes the pod (201)."""
-    serve = kubeapi.FakeKubeAPI._serve
-
-    def serve_with_evictions(
-        self: kubeapi.FakeKubeAPI, verb: str, target: kubeapi.Target, request: Any
-    ) -> tuple[int, Any]:
-        if (verb, target.kind.plural, target.subresource) != ("create", "pods", "eviction"):
-            return serve(self, verb, target, request)
-        with self.lock:
-            key = ("/pods", target.namespace, target.name or "")
-            pod = self.store.objects.get(key)
-            if pod is None:
-                raise kubeapi.ApiStatusError(404, "NotFound", f'pods "{target.name}" not found')
-            self._delete("/pods", target, pod)
-        return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
-
-    monkeypatch.setattr(kubeapi.FakeKubeAPI, "_serve", serve_with_evictions)
-    yield
-
-
 def add_failed_pod(cluster: Cluster, name: str = "qwen-7d9f-abcde") -> None:
     """A runtime pod on xpu-1 whose card 5 the node agent has just declared unhealthy."""
     pod = {
@@ -270,7 +248,7 @@ def add_failed_pod(cluster: Cluster, name: str = "qwen-7d9f-abcde") -> None:
         "type": "kunlun.dev/xpu-healthy",
         "status": "False",
         "reason": "XpuUnhealthy",
-        "message": "card 5 (uuid KL-0005) on node xpu-1: uncorrectable ECC error",
+        "message": "node xpu-1: xpu5 (KL-0005): ecc-uncorrectable: 3 uncorrectable ECC errors",
         "lastTransitionTime": now,
     }
     cluster.core.patch_namespaced_pod_status(name, NAMESPACE, {"status": {"conditions": [condition]}})

@@ -18,7 +18,7 @@ import yaml
 from tests.integration.operator.conftest import NAMESPACE, Cluster, add_failed_pod, wait_for
 from tests.integration.operator.test_admission import _accepts, review
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("evictions_delete_pods")]
+pytestmark = pytest.mark.slow
 SPEC = {
     "model": {"name": "qwen", "source": {"pvc": {"claimName": "models", "path": "qwen"}}},
     "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": "Warn"},

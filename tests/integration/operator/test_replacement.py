@@ -14,7 +14,7 @@ import pytest
 
 from tests.integration.operator.conftest import NAMESPACE, Cluster, add_failed_pod, free_port, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("evictions_delete_pods")]
+pytestmark = pytest.mark.slow
 SPEC = {
     "model": {"name": "qwen", "source": {"hostPath": {"path": "/data/qwen"}}},
     "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"},

@@ -115,7 +115,10 @@ def heal(index: int) -> Transition:
 
 def round_(responder: FaultResponder, snap: HealthSnapshot) -> dict[int, HealthState]:
     responder.observe(snap)
-    return responder.act()
+    published: list[dict[int, HealthState]] = []
+    states = responder.act(published.append)
+    assert published == [states]  # kubelet hears the states once, before any pod is written
+    return states
 
 
 def test_status_time_is_kept_when_only_the_message_changes() -> None:

@@ -50,7 +50,7 @@ def make_pod(
 ECC = {
     "status": "False",
     "reason": "XpuUnhealthy",
-    "message": "card 5 (uuid 0005) on node xpu-1: uncorrectable ECC",
+    "message": "node xpu-1: xpu5 (GPU-0005): ecc-uncorrectable: 3 uncorrectable ECC errors",
     "lastTransitionTime": "2026-01-01T00:00:00Z",
 }
 
@@ -76,7 +76,7 @@ def test_our_condition_gives_card_reason_and_the_time_the_fault_started() -> Non
         node="xpu-1",
         card="5",
         reason="XpuUnhealthy",
-        message="card 5 (uuid 0005) on node xpu-1: uncorrectable ECC",
+        message="node xpu-1: xpu5 (GPU-0005): ecc-uncorrectable: 3 uncorrectable ECC errors",
         source="condition",
         since=T0,
     )
