@@ -120,7 +120,7 @@ class FaultResponder:
                 self._quarantine(t.uuid, t.reason)
         return self._states()
 
-    def act(self, publish: Callable[[dict[int, HealthState]], None]) -> dict[int, HealthState]:
+    def act(self, publish: Callable[[dict[int, HealthState]], object]) -> dict[int, HealthState]:
         """Write what the last rounds decided: the Node (when due) and the pods of changed cards.
 
         ``publish`` gets the states for kubelet after the Node is read and before any pod is
