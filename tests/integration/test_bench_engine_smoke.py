@@ -240,7 +240,8 @@ def test_bench_structured_quick_run_measures_both_sides_side_by_side(tmp_path, m
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
     out = tmp_path / "structured.json"
     monkeypatch.setattr(
-        "sys.argv", ["bench_structured", "--quick", "--model", str(model_dir), "--json", str(out)]
+        "sys.argv",
+        ["bench_structured", "--quick", "--compare-overlap", "--model", str(model_dir), "--json", str(out)],
     )
     load("bench_structured").main()
     results = json.loads(out.read_text())
@@ -248,5 +249,5 @@ def test_bench_structured_quick_run_measures_both_sides_side_by_side(tmp_path, m
     for row in results["batches"].values():
         assert row["free_tok_s"] > 0 and row["constrained_tok_s"] > 0
         assert row["ratio"] == row["constrained_tok_s"] / row["free_tok_s"]
-        assert row["mask_us_per_token"] > 0
+        assert row["mask_us_per_token"] > 0 and row["other_overlap_tok_s"] > 0
     assert "JSON schema" in capsys.readouterr().out
