@@ -89,6 +89,10 @@ class _Tracked:
     grammar: GrammarMatcher | None = None  # the request's place in its structured-output grammar
 
 
+class _GrammarFailed(Exception):
+    """A structured-output grammar refused the token its own mask allowed."""
+
+
 @dataclass(slots=True)
 class _PendingMasks:
     """The allowed-token masks of a step's constrained rows, being computed during the forward."""
@@ -429,8 +433,12 @@ class LLMEngine:
     def _check_stop(self, tracked: _Tracked, token_id: int) -> RequestStatus | None:
         request, params = tracked.request, tracked.request.params
         num_out = len(request.output_token_ids)
-        if tracked.grammar is not None and self._grammar_complete(tracked.grammar, token_id):
-            return RequestStatus.FINISHED_STOPPED
+        if tracked.grammar is not None:
+            try:
+                if self._grammar_complete(tracked.grammar, token_id):
+                    return RequestStatus.FINISHED_STOPPED
+            except _GrammarFailed:  # not a valid completion: say so rather than "stop"
+                return RequestStatus.FINISHED_ABORTED
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -453,12 +461,13 @@ class LLMEngine:
         return None
 
     def _grammar_complete(self, grammar: GrammarMatcher, token_id: int) -> bool:
-        """Advance ``grammar`` by the chosen token; True when the constrained text is complete
-        (or the grammar cannot go on: the mask never offers a token it refuses, so that is a bug
-        in the grammar engine, logged, and the request ends rather than generating past it)."""
+        """Advance ``grammar`` by the chosen token; True when the constrained text is complete.
+        Raises _GrammarFailed when the grammar refuses the token: its mask offers no token it
+        refuses, so that is a grammar in an error state (an engine limit reached), logged, and
+        the request ends as aborted rather than generating past it."""
         if not grammar.accept(token_id):
             logger.error("structured output: the grammar refused token %d (%s)", token_id, grammar.error)
-            return True
+            raise _GrammarFailed
         return grammar.is_finished
 
     def _finish(

@@ -1,10 +1,11 @@
 """Token selection: penalties, temperature, top-k, top-p, min-p, seeded sampling, logprobs.
 
 Each request samples from its own ``torch.Generator`` (seeded by its ``seed`` when given), so its
-tokens do not depend on which other requests share the batch. Logprobs are those of the model's
-raw distribution (before temperature, truncation and any structured-output mask), as vLLM reports
-them. A structured-output request's row is masked to the tokens its grammar allows after the
-penalties and before any choice; its grammar, not ``min_tokens``, decides when its text may end.
+tokens do not depend on which other requests share the batch. A structured-output request's row is first
+masked to the tokens its grammar allows; its grammar, not ``min_tokens``, decides when its text may
+end. Logprobs are those of the model's distribution before penalties, temperature and truncation,
+after that mask, as vLLM reports them (its model runner masks the logits before its sampler
+sees them).
 """
 
 from __future__ import annotations
@@ -122,13 +123,14 @@ class Sampler:
     ) -> list[tuple[int, TokenLogprob | None]]:
         """Pick one token per row of FP32 ``logits`` [S, V] among the ``allowed`` ones of the
         constrained rows; returns (token id, logprob or None)."""
+        logits = logits.clone()
+        if allowed is not None:
+            self._mask(logits, allowed)
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties(logits.clone(), requests)
+        logits = apply_penalties(logits, requests)
         suppress_stop_tokens(logits, requests, self.eos_token_ids)
-        if allowed is not None:
-            self._mask(logits, allowed)
         greedy_ids = self.argmax(logits).tolist()
         results = []
         for row, request in enumerate(requests):
@@ -149,7 +151,10 @@ class Sampler:
         """Mask the constrained rows. A row left with no token (a grammar in an error state) gets
         EOS, so the request ends instead of the sampler failing."""
         apply_token_bitmask(logits, allowed.bitmask, allowed.rows)
-        rows = torch.tensor(allowed.rows, dtype=torch.long, device=logits.device)
-        dead = rows[torch.isneginf(logits.index_select(0, rows)).all(dim=-1)]
-        if dead.numel() and self.eos_token_ids:
-            logits[dead, self.eos_token_ids[0]] = 0.0
+        if self.eos_token_ids:  # without a host sync: a dead row's EOS logit becomes 0, others stay
+            rows = torch.tensor(allowed.rows, dtype=torch.long, device=logits.device)
+            dead = torch.isneginf(logits.index_select(0, rows)).all(dim=-1)
+            eos = self.eos_token_ids[0]
+            logits[rows, eos] = torch.where(
+                dead, torch.zeros_like(dead, dtype=logits.dtype), logits[rows, eos]
+            )

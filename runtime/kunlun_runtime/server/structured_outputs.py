@@ -79,7 +79,7 @@ def _from_structured_outputs(field: StructuredOutputsField | None) -> Structured
     """vLLM's object; ``source`` is its one key's path (the object's when it has none or two)."""
     if field is None:
         return None
-    json_object = bool(field.json_object)  # false asks for nothing, as if left out
+    json_object = bool(field.json_object)  # false counts as not given (alone: a 400, no constraint)
     given = [
         key
         for key, value in zip(

@@ -245,6 +245,8 @@ def _message(message: ChatMessage, index: int, prompt_format: str, renders_tools
             arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
         except json.JSONDecodeError as error:
             raise InvalidRequestError(f"{field}: not JSON ({error})", field=field) from error
+        except RecursionError:
+            raise InvalidRequestError(f"{field}: nested too deeply", field=field) from None
         function = {"name": call.function.name, "arguments": arguments}
         calls.append({"id": call.id, "type": "function", "function": function})
     if renders_tools:

@@ -49,7 +49,7 @@ def call_of(payload: Any, argument_keys: tuple[str, ...] = ("arguments",)) -> tu
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nesting deeper than Python's stack: not a call
             return None
     if not isinstance(arguments, dict):
         return None
@@ -154,7 +154,7 @@ class TaggedParser(ToolCallParser):
         payload, consumed = (text, len(text)) if end < 0 else (text[:end], end + len(self.end_marker))
         try:
             return self._calls(json.loads(payload)), consumed
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nesting deeper than Python's stack: not a call
             return [], consumed
 
     def _calls(self, payload: Any) -> list[tuple[str, str]]:
@@ -214,7 +214,7 @@ class Llama3JsonParser(ToolCallParser):
     def _read(self, text: str, final: bool) -> tuple[list[tuple[str, str]], int] | None:
         try:
             payload, end = _DECODER.raw_decode(text)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nesting deeper than Python's stack: not a call
             return ([], len(text)) if final else None
         call = call_of(payload, ("parameters", "arguments"))
         return ([call], end) if call is not None else ([], end)
@@ -279,7 +279,7 @@ class RequiredCallsParser:
                 break
             try:
                 payload, end = _DECODER.raw_decode(self._text, pos)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # nesting deeper than Python's stack: not a call
                 break  # not complete yet
             call = call_of(payload, ("parameters", "arguments"))
             if call is None:

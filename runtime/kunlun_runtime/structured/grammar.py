@@ -14,7 +14,8 @@ gets a copy of it.
 
 JSON is generated with Python's separators (``", "`` and ``": "``) and no other whitespace: a
 free choice of whitespace lets a small model fill its tokens with newlines and never close the
-object, and one canonical form keeps outputs byte-comparable.
+object, and one canonical form keeps outputs byte-comparable. These options override a schema's
+own ``x-guidance`` settings, so a client cannot turn them off.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
+            except RecursionError:
+                raise InvalidRequestError(
+                    f"{params.source}: the JSON schema is nested too deeply", field=params.source
+                ) from None
             except ValueError as error:
                 raise InvalidRequestError(
                     f"{params.source}: the JSON schema is not valid JSON ({error})", field=params.source
@@ -63,9 +68,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 f"{params.source}: a JSON schema must be an object, got {type(schema).__name__}",
                 field=params.source,
             )
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     if params.json_object:
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:

@@ -101,11 +101,12 @@ class StructuredOutputsParams:
 
 
 def _canonical_json(schema: str | dict[str, Any]) -> str:
-    """One text per schema, however its keys are ordered or spaced (invalid JSON stays as sent:
-    compiling it fails anyway)."""
+    """One text per schema however it is spaced, with its keys in their order: the grammar writes
+    an object's properties in the schema's order, so two orders are two constraints. Invalid JSON
+    stays as sent (compiling it fails anyway)."""
     if isinstance(schema, str):
         try:
-            return json.dumps(json.loads(schema), sort_keys=True)
-        except ValueError:
+            return json.dumps(json.loads(schema))
+        except (ValueError, RecursionError):
             return schema
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)

@@ -3,6 +3,7 @@ masks hold every sampled token to the grammar, constrained and free requests sha
 without changing the free ones' tokens, and nothing leaks when a request ends early."""
 
 import json
+import math
 import re
 
 import jsonschema
@@ -12,7 +13,7 @@ import torch
 
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.structured.bitmask import apply_token_bitmask
+from kunlun_runtime.structured.bitmask import apply_token_bitmask, disallowed_from_words
 from kunlun_runtime.structured.grammar import GrammarCompiler
 from kunlun_runtime.structured.params import StructuredOutputsParams
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
@@ -124,10 +125,9 @@ def test_params_need_exactly_one_bounded_constraint():
         StructuredOutputsParams(choice=[], source="guided_choice")
     with pytest.raises(InvalidRequestError, match="at most 262144 are accepted"):
         StructuredOutputsParams(regex="a" * 300_000)
-    assert (
-        StructuredOutputsParams(json={"b": 1, "a": 2}).key()
-        == StructuredOutputsParams(json={"a": 2, "b": 1}).key()
-    )
+    spaced = StructuredOutputsParams(json='{"b":1,  "a": 2}').key()
+    assert spaced == StructuredOutputsParams(json={"b": 1, "a": 2}).key()  # spacing does not matter
+    assert spaced != StructuredOutputsParams(json={"a": 2, "b": 1}).key()  # key order does
 
 
 def test_free_requests_get_the_same_tokens_alone_and_beside_constrained_ones(llm):
@@ -154,9 +154,9 @@ def test_compiled_grammars_are_cached_by_constraint_and_counted(llm):
     schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
     hits, json_requests = compiler.cache_hits_total, compiler.requests_total["json"]
     compiler.compile(StructuredOutputsParams(json=schema))  # the server compiles while preparing
-    llm.generate("a", constrained(json=json.dumps(schema)))  # the same schema as text: a cache hit
-    llm.generate("b", constrained(json=dict(reversed(list(schema.items())))))
-    assert compiler.cache_hits_total - hits == 2
+    llm.generate("a", constrained(json=json.dumps(schema, indent=2)))  # the same schema spaced: a hit
+    llm.generate("b", constrained(json=dict(reversed(list(schema.items())))))  # keys of the schema itself
+    assert compiler.cache_hits_total - hits == 1
     assert compiler.requests_total["json"] - json_requests == 2
     assert compiler.mask_seconds_total > 0
 
@@ -210,3 +210,62 @@ def test_abort_mid_constrained_generation_returns_every_block(llm):
     engine.step()
     assert engine.abort_request("abort-me") is not None
     assert all_free(llm)
+
+
+def test_property_order_is_part_of_the_constraint(llm):
+    ab = {"type": "object", "properties": {"b": {"enum": [1]}, "a": {"enum": [2]}}, "required": ["b", "a"]}
+    ba = {"type": "object", "properties": {"a": {"enum": [2]}, "b": {"enum": [1]}}, "required": ["a", "b"]}
+    first = llm.generate("p", constrained(json=ab))[0].outputs[0].text
+    second = llm.generate("p", constrained(json=ba))[0].outputs[0].text
+    assert (first, second) == ('{"b": 1, "a": 2}', '{"a": 2, "b": 1}')
+
+
+def test_a_schemas_own_x_guidance_cannot_turn_the_json_form_off(llm):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1]}},
+        "x-guidance": {"whitespace_flexible": True},
+    }
+    matcher = llm.engine.structured.new_matcher(StructuredOutputsParams(json=schema))
+    tokens = llm.engine.tokenizer.encode('{\n  "a"', add_special_tokens=False)
+    assert not all(matcher.accept(t) for t in tokens)
+
+
+def test_masks_computed_during_the_forward_give_the_same_tokens_as_in_line(llm):
+    prompts = ["one", "two two", "three"]
+    params = [
+        constrained(json=PERSON),
+        SamplingParams(temperature=0, max_tokens=12),
+        constrained(regex="[a-z]{9}"),
+    ]
+    llm.engine.overlap_masks = False
+    in_line = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.engine.overlap_masks = True
+    try:
+        overlapped = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.overlap_masks = False
+    assert overlapped == in_line
+
+
+def test_logprobs_of_a_constrained_request_are_those_after_its_mask(llm):
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=4,
+        logprobs=5,
+        structured_outputs=StructuredOutputsParams(choice=["ab", "cd"]),
+    )
+    out = llm.generate("q", params)[0].outputs[0]
+    first = out.logprobs[0]  # the first token can only be "a" or "c": the others have no mass
+    finite = {token for token, entry in first.items() if entry.logprob > float("-inf")}
+    allowed = {llm.engine.tokenizer.token_to_id("a"), llm.engine.tokenizer.token_to_id("c")}
+    assert finite <= allowed and next(iter(first.values())).rank == 1
+    assert abs(sum(math.exp(first[t].logprob) for t in finite) - 1.0) < 1e-5
+
+
+def test_accelerator_unpacking_with_shifts_agrees_with_the_cpu_path():
+    generator = np.random.default_rng(3)
+    bitmask = generator.integers(-(2**31), 2**31 - 1, size=(3, 11), dtype=np.int64).astype(np.int32)
+    logits = torch.zeros(3, 345)
+    apply_token_bitmask(logits, bitmask, (0, 1, 2))
+    assert torch.equal(disallowed_from_words(torch.from_numpy(bitmask), 345), torch.isneginf(logits))

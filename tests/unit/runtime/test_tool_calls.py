@@ -378,3 +378,24 @@ def test_bad_tool_flags_stop_the_server_from_being_built(
     assert caught.value.field == field
     validate_tool_flags("hermes", True)
     validate_tool_flags(None, False)
+
+
+def test_arguments_nested_beyond_the_stack_are_a_400_naming_them_not_a_500() -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+                    ],
+                },
+            ]
+        }
+    )
+    plan = plan_tools(body, tool_call_parser=None, enable_auto_tool_choice=False)
+    with pytest.raises(InvalidRequestError, match="nested too deeply") as error:
+        build_prompt(body.messages, plan, renders_tools=True)
+    assert error.value.field == "messages.1.tool_calls.0.function.arguments"

@@ -239,3 +239,15 @@ def test_the_registry_names_the_parsers_and_refuses_an_unknown_one() -> None:
         ValueError, match=r"unknown tool call parser 'mistral' \(choices: hermes, llama3_json, smollm2\)"
     ):
         make_tool_call_parser("mistral")
+
+
+@pytest.mark.parametrize("name", ["hermes", "smollm2", "llama3_json"])
+def test_output_nested_beyond_the_stack_is_content_not_a_crash(name: str) -> None:
+    deep = '{"name": "f", "arguments": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    text = {"hermes": f"<tool_call>{deep}</tool_call>", "smollm2": f"<tool_call>[{deep}]</tool_call>"}.get(
+        name, deep
+    )
+    parser = make_tool_call_parser(name)
+    steps = [parser.feed(text), parser.finish()]
+    assert not any(step.calls for step in steps)
+    assert "".join(step.content for step in steps) == text
