@@ -173,21 +173,25 @@ def _stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(signum, handler)
 
 
-def _api_client(kubeconfig: str | None) -> ApiClient:
-    """An explicit ApiClient: the library's process-wide default configuration is left untouched."""
+def _api_client(kubeconfig: str | None, *, retries: bool = True) -> ApiClient:
+    """An explicit ApiClient: the library's process-wide default configuration is left untouched.
+
+    ``retries=False`` turns off urllib3's default Retry(3) (with it, one call to an unreachable API
+    server takes ~20 s): for callers on a loop that must not stall and retry next round anyway.
+    """
     from kubernetes import client, config
 
-    api_client: ApiClient
+    configuration = client.Configuration()
     if kubeconfig:
-        api_client = config.new_client_from_config(config_file=kubeconfig)
-        return api_client
-    try:
-        in_cluster = client.Configuration()
-        config.load_incluster_config(client_configuration=in_cluster)
-        return client.ApiClient(in_cluster)
-    except config.ConfigException:
-        api_client = config.new_client_from_config()
-        return api_client
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+    if not retries:
+        configuration.retries = False
+    return client.ApiClient(configuration)
 
 
 def _fault_response(args: argparse.Namespace) -> Callable[[tuple[XpuDevice, ...]], RoundHook] | None:
@@ -202,7 +206,7 @@ def _fault_response(args: argparse.Namespace) -> Callable[[tuple[XpuDevice, ...]
     if not args.node_name:
         raise ConfigError("--node-name", "required with --respond-to-faults (or set NODE_NAME)")
     policy = QuarantinePolicy(args.quarantine_failures, args.quarantine_window_seconds)
-    api = client.CoreV1Api(_api_client(args.kubeconfig))
+    api = client.CoreV1Api(_api_client(args.kubeconfig, retries=False))  # on the health thread
     pods = PodResourcesClient(args.pod_resources_socket)
     quarantine_file = Path(args.quarantine_file) if args.quarantine_file else None
 

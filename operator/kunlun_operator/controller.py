@@ -43,6 +43,7 @@ from kunlun_operator.replicas import (
     card_fault,
     parse_time,
     plan_replacements,
+    replacement_message,
 )
 from kunlun_operator.spec import ServiceRef, parse_service_ref, parse_spec
 from kunlun_operator.status import DeploymentFacts
@@ -184,7 +185,7 @@ class Controller:
         previous = body.get("status") or {}
         now = self.clock()
         facts = self.read_facts(ref, spec, nodes)
-        facts = dataclasses.replace(facts, replacements=self.replace_replicas(ref, spec, facts.pods, now))
+        facts = dataclasses.replace(facts, replacements=self.replace_replicas(ref, body, facts.pods, now))
         plan = reconcile(ref, spec, previous, facts, now=now)
         existed_before = (
             previous.get("observedGeneration") == ref.generation and previous.get("phase") != "Failed"
@@ -229,16 +230,18 @@ class Controller:
         return plan
 
     def replace_replicas(
-        self, ref: ServiceRef, raw_spec: Mapping[str, Any], pods: Iterable[PodFacts], now: str
+        self, ref: ServiceRef, body: Mapping[str, Any], pods: Iterable[PodFacts], now: str
     ) -> ReplacementOutcome:
         """Evict the replicas whose card has been unhealthy for ``spec.faultTolerance.replaceAfter``.
 
         Evictions go through the Eviction API, so the PodDisruptionBudget decides: a 429 (no
         budget left) leaves the pod in place and the pass asks again after
-        ``EVICTION_RETRY_SECONDS``. An invalid spec replaces nothing (its phase is Failed anyway).
+        ``EVICTION_RETRY_SECONDS``. Each accepted eviction gets its ``ReplacingReplica`` event on
+        ``body`` at once (the rest of the pass may still fail). An invalid spec replaces nothing
+        (its phase is Failed anyway).
         """
         try:
-            replace_after = parse_spec(raw_spec).fault_tolerance.replace_after_seconds
+            replace_after = parse_spec(body.get("spec") or {}).fault_tolerance.replace_after_seconds
         except SpecError:
             return ReplacementOutcome()
         key = (ref.namespace, ref.name)
@@ -248,9 +251,8 @@ class Controller:
         first_seen = self._first_seen.setdefault(key, {})
         for uid in set(first_seen) - {f.uid for f in faults}:
             del first_seen[uid]  # healthy again (or gone): a new fault starts a new wait
-        for fault in faults:
-            if fault.since is None:
-                first_seen.setdefault(fault.uid, current)
+        for fault in faults:  # dated ones too: a node agent's restart may date its fault anew
+            first_seen.setdefault(fault.uid, current)
         evicted = self._evicted.setdefault(key, set())
         evicted &= {p.uid for p in pods}  # forget pods that are gone
         plan = plan_replacements(
@@ -282,6 +284,7 @@ class Controller:
                 continue
             evicted.add(fault.uid)
             done.append(fault)
+            self.post_event(body, "Warning", "ReplacingReplica", replacement_message(fault, replace_after))
             self.metrics.replica_replacements.labels(reason=fault.reason).inc()
             logger.warning(
                 "evicted %s of %s/%s: card unhealthy for %gs or more (%s)",

@@ -179,16 +179,12 @@ def _replacement_status(outcome: ReplacementOutcome, previous: Mapping[str, Any]
 
 
 def _replacement_events(outcome: ReplacementOutcome, previous: Mapping[str, Any]) -> tuple[Event, ...]:
-    """One event per eviction; one when a card fault is first seen or the PDB starts blocking."""
-    events = [
-        Event(
-            "Warning",
-            "ReplacingReplica",
-            f"evicting {f.describe()}: the card has been unhealthy for "
-            f"{outcome.replace_after_seconds:g}s or more ({f.reason}{': ' + f.message if f.message else ''})",
-        )
-        for f in outcome.evicted
-    ]
+    """One event when a card fault is first seen or the PDB starts blocking.
+
+    The ``ReplacingReplica`` event of an eviction is not here: the controller posts it as soon as
+    the API accepts the eviction, so a pass that fails afterwards (apply, status) cannot lose it.
+    """
+    events: list[Event] = []
     cond = replicas_condition(outcome)
     before: Mapping[str, Any] = next(
         (c for c in previous.get("conditions") or [] if c.get("type") == cond.type), {}

@@ -12,6 +12,10 @@ Health sources, best first:
    It carries no time, so the operator uses the time it first saw the card unhealthy.
 2. Our pod condition ``kunlun.dev/xpu-healthy`` (the device plugin's node agent): ``False`` with a
    reason and a message naming node and card; its ``lastTransitionTime`` is the start of the fault.
+
+A fault counts from the earlier of its ``lastTransitionTime`` and the time the operator first saw
+it: a node agent restarting mid-fault may write the condition again with a later time, which must
+not restart the ``replaceAfter`` countdown (a crashlooping agent would postpone replacement forever).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class ReplacementOutcome:
     evicted: tuple[CardFault, ...] = ()  # the API accepted the eviction in this pass
     blocked: tuple[CardFault, ...] = ()  # 429: the PodDisruptionBudget has no budget left
     failed: tuple[tuple[CardFault, str], ...] = ()  # any other API error, with its text
-    replace_after_seconds: float = 30.0
+    replace_after_seconds: float = 120.0
     recheck_after_seconds: float | None = None  # when the loop should look again (None: on events)
 
 
@@ -157,7 +161,8 @@ def plan_replacements(
         replace_after_seconds: ``spec.faultTolerance.replaceAfter``.
         evicted_uids: pods whose eviction the API already accepted (a stale listing may still
             show them without ``deletionTimestamp``): never evicted twice.
-        first_seen: per pod uid, when the operator first saw a fault that carries no time.
+        first_seen: per pod uid, when the operator first saw its current fault (dated or not); a
+            fault counts from the earlier of this and its own ``since``.
     Returns:
         The pods to evict now, those still waiting, those already on their way out, and in how
         many seconds the first waiting one becomes due.
@@ -169,7 +174,8 @@ def plan_replacements(
         if fault.terminating or fault.uid in evicted_uids:
             in_flight.append(fault)
             continue
-        since = fault.since or seen.get(fault.uid, now)
+        dates = [t for t in (fault.since, seen.get(fault.uid)) if t is not None]
+        since = min(dates) if dates else now
         remaining = replace_after_seconds - (now - since).total_seconds()
         if remaining <= 0:
             evict.append(fault)
@@ -177,6 +183,15 @@ def plan_replacements(
             waiting.append(fault)
             recheck = remaining if recheck is None else min(recheck, remaining)
     return ReplacementPlan(tuple(evict), tuple(waiting), tuple(in_flight), recheck)
+
+
+def replacement_message(fault: CardFault, replace_after_seconds: float) -> str:
+    """The text of the ``ReplacingReplica`` event, posted as soon as the API accepts an eviction."""
+    detail = f"{fault.reason}: {fault.message}" if fault.message else fault.reason
+    return (
+        f"evicting {fault.describe()}: the card has been unhealthy for "
+        f"{replace_after_seconds:g}s or more ({detail})"
+    )
 
 
 def replicas_condition(outcome: ReplacementOutcome) -> Condition:

@@ -51,7 +51,9 @@ _VERSION = re.compile(r"^[0-9A-Za-z]([0-9A-Za-z._-]{0,61}[0-9A-Za-z])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 _INTERVAL = re.compile(r"^[0-9]+(ms|s|m|h)$")
 _DURATION = re.compile(r"^(?=[0-9])(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?$")  # 1h, 2m30s, 45s
-DEFAULT_REPLACE_AFTER = "30s"
+#: Longer than the device plugin's recovery period (60 s by default): a transient fault that clears
+#: within it readmits the pod through the readiness gate instead of costing a model load.
+DEFAULT_REPLACE_AFTER = "2m"
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS-1123 subdomain
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 
@@ -163,7 +165,7 @@ class MonitoringSpec:
 class FaultToleranceSpec:
     """What happens to a replica whose card fails (docs/operator.md, "Replicas on a failed card")."""
 
-    replace_after_seconds: float = 30.0  # unhealthy this long → evicted (PDB respected)
+    replace_after_seconds: float = 120.0  # unhealthy this long → evicted (PDB respected)
 
 
 @dataclass(frozen=True, slots=True)

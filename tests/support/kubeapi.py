@@ -29,14 +29,23 @@ is treated as a JSON merge patch: lists are replaced) and JSON patches (a failed
 status-subresource isolation, finalizers and ``deletionTimestamp``, equality-based label selectors,
 and watches that honour ``resourceVersion`` and ``timeoutSeconds``.
 
-Evictions (``POST .../pods/NAME/eviction``, ``policy/v1``) are served as the API server does, minus
-the disruption controller: a ``deleteOptions.preconditions.uid`` that no longer names the pod is
-409; a PodDisruptionBudget of the pod's namespace whose ``spec.selector.matchLabels`` select the pod
-and whose ``status.disruptionsAllowed`` is 0 answers 429 (``TooManyRequests``, the pod stays);
-otherwise each such budget's ``disruptionsAllowed`` goes down by one, the pod is deleted (a pod with
-finalizers only gets its ``deletionTimestamp``: a test plays kubelet's graceful termination by
-removing them) and the answer is 201. A budget without ``status.disruptionsAllowed`` allows every
-eviction: nothing computes it, a test that wants a blocking budget writes that status itself.
+Evictions (``POST .../pods/NAME/eviction``, ``policy/v1``) are decided as the API server decides
+them, minus the disruption controller (a test writes a budget's ``status`` itself; a budget without
+``status.disruptionsAllowed`` allows every eviction, as nothing computes it). A
+``deleteOptions.preconditions.uid`` that no longer names the pod is 409. Each PodDisruptionBudget of
+the pod's namespace whose ``spec.selector.matchLabels`` select the pod then decides, by the pod's
+health (healthy: its ``Ready`` condition is ``True``):
+
+- a healthy pod needs ``status.disruptionsAllowed > 0``, and the eviction takes one from it;
+- a pod that is not healthy, under ``spec.unhealthyPodEvictionPolicy: AlwaysAllow``, is evicted
+  whatever the budget, taking nothing from it;
+- a pod that is not healthy, under ``IfHealthyBudget`` (the default), is evicted taking nothing while
+  ``status.currentHealthy >= status.desiredHealthy`` and ``desiredHealthy > 0`` (absent counts as 0),
+  else it needs ``disruptionsAllowed > 0`` like a healthy pod.
+
+A budget that refuses answers 429 (``TooManyRequests``, the pod stays). Otherwise the pod is deleted
+(a pod with finalizers only gets its ``deletionTimestamp``: a test plays kubelet's graceful
+termination by removing them) and the answer is 201.
 
 Not emulated: controllers (Deployments get no status unless a test writes it, PodDisruptionBudgets
 none unless a test writes it), garbage collection by owner reference, server-side apply, CRD schema
@@ -184,6 +193,28 @@ def _selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> b
     """A label selector's ``matchLabels`` (``matchExpressions`` are not emulated); an empty one selects all."""
     match_labels = (selector or {}).get("matchLabels") or {}
     return all(labels.get(k) == v for k, v in match_labels.items())
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    """The disruption controller's "healthy": the pod's ``Ready`` condition is ``True``."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _eviction_charges(pdb: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    """Whether evicting ``pod`` needs (and takes) one of ``pdb``'s ``disruptionsAllowed``.
+
+    The API server's rule: a pod that is not Ready does not count as healthy, so
+    ``AlwaysAllow`` lets it go at once, and ``IfHealthyBudget`` (the default) lets it go while the
+    budget's healthy pods are enough without it; every other eviction is charged.
+    """
+    if _pod_ready(pod):
+        return True
+    if (pdb.get("spec") or {}).get("unhealthyPodEvictionPolicy") == "AlwaysAllow":
+        return False
+    status = pdb.get("status") or {}
+    desired = int(status.get("desiredHealthy") or 0)
+    return not (int(status.get("currentHealthy") or 0) >= desired and desired > 0)
 
 
 @dataclass
@@ -487,11 +518,12 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
             and "disruptionsAllowed" in (pdb.get("status") or {})
             and _selects((pdb.get("spec") or {}).get("selector"), labels)
         ]
-        if any(pdb["status"]["disruptionsAllowed"] <= 0 for pdb in budgets):
+        charged = [pdb for pdb in budgets if _eviction_charges(pdb, pod)]
+        if any(pdb["status"]["disruptionsAllowed"] <= 0 for pdb in charged):
             raise ApiStatusError(
                 429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget."
             )
-        for pdb in budgets:
+        for pdb in charged:
             pdb["status"]["disruptionsAllowed"] -= 1
             pdb["metadata"]["resourceVersion"] = self.store.bump()
             self.store.record("policy/poddisruptionbudgets", "MODIFIED", pdb)

@@ -55,7 +55,9 @@ logger = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 API_ERRORS = (ApiException, HTTPError)
-REQUEST_TIMEOUT_SECONDS = 5.0
+#: (connect, read): with the client's retries off (cli), one call to an unreachable API server costs
+#: at most a few seconds of the health thread; an unwritten verdict is retried next round anyway.
+REQUEST_TIMEOUT_SECONDS = (2.0, 5.0)
 
 
 def _utcnow() -> datetime.datetime:
@@ -128,9 +130,10 @@ class FaultResponder:
         before its pods hear that it is healthy. Returns the same states.
         """
         now = self._clock()
-        taint_due = (
-            self.taint and taint_needed(self._healthy(u) for u in self._devices) != self._taint_on_node
-        )
+        # Our taint goes whenever it is not wanted, also with the flag off: a node tainted before the
+        # flag was turned off must not stay NoSchedule forever.
+        wanted = self.taint and taint_needed(self._healthy(u) for u in self._devices)
+        taint_due = wanted != self._taint_on_node if self.taint else bool(self._taint_on_node)
         if self._unwritten or taint_due or now >= self._next_sync:
             self._sync_node(now)
         states = self._states()
@@ -209,10 +212,11 @@ class FaultResponder:
             patch["metadata"] = {"annotations": {QUARANTINE_ANNOTATION: format_quarantine(wanted)}}
         taints = self.api.api_client.sanitize_for_serialization(node.spec.taints if node.spec else None) or []
         self._taint_on_node = has_taint(taints)
-        if self.taint:
-            new_taints = build_taints(taints, taint_needed(self._healthy(u) for u in self._devices))
-            if new_taints is not None:
-                patch["spec"] = {"taints": new_taints}
+        new_taints = build_taints(
+            taints, self.taint and taint_needed(self._healthy(u) for u in self._devices)
+        )
+        if new_taints is not None:
+            patch["spec"] = {"taints": new_taints}
         if patch:
             self._patch_node(patch, node.metadata.resource_version if node.metadata else None)
 

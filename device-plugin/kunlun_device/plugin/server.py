@@ -8,7 +8,10 @@ cards lose the XPU Link preference and, when sysfs lacks it too, their NUMA node
   (which wakes every open `ListAndWatch`); with a fault responder (`kunlun_device.faults`), the
   states pass through its `observe` first (a quarantined card stays Unhealthy) and its `act` (pod
   conditions, Events, the Node) runs after the publication, so kubelet never waits for the API;
-  what `act` returns (a card re-admitted on the Node) is published before the next round;
+  `act` publishes what it read from the Node (a card re-admitted or quarantined there) before it
+  writes any pod. The first `act` runs on this thread right after registration (never before:
+  registration must not wait for the API), and an exception from `act` is logged and the loop goes
+  on (a bug in the fault response must not stop the withdrawal of failing cards);
 - kubelet watch: when `kubelet.sock` is recreated (kubelet restarted) or the plugin's own socket
   vanished, the gRPC server is restarted on a fresh socket and registration is repeated; a failed
   registration is retried on the next tick.
@@ -106,8 +109,6 @@ class PluginServer:
         self.monitor = HealthMonitor(self.source, devices, self.policy)
         self.hook = self.fault_response(devices) if self.fault_response is not None else None
         self.states = DeviceStates(self._observe(self.monitor.poll()))
-        if self.hook is not None:
-            self.hook.act(self.states.publish)
         logger.info("discovered %d cards: %s", len(devices), [d.uuid for d in devices])
         self._serve()
         self._kubelet_identity = _identity(self.kubelet_dir / KUBELET_SOCKET)
@@ -170,10 +171,20 @@ class PluginServer:
         return True
 
     def _health_loop(self) -> None:
+        self._act()  # at once after registration: a quarantine on the Node counts from the start
         while not self._stop.wait(self.health_interval_seconds):
             self.states.publish(self._observe(self.monitor.poll()))
-            if self.hook is not None:
-                self.hook.act(self.states.publish)  # a re-admission read from the Node counts at once
+            self._act()
+
+    def _act(self) -> None:
+        if self.hook is None:
+            return
+        try:
+            self.hook.act(self.states.publish)  # a re-admission read from the Node counts at once
+        except Exception:
+            logger.exception(
+                "fault response failed this round (cards are still withdrawn); retrying next round"
+            )
 
     def _observe(self, snapshot: HealthSnapshot) -> dict[int, HealthState]:
         return snapshot.states if self.hook is None else self.hook.observe(snapshot)

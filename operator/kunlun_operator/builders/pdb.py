@@ -1,4 +1,11 @@
-"""The PodDisruptionBudget: node drains take at most ``spec.disruption.maxUnavailable`` replicas."""
+"""The PodDisruptionBudget: node drains take at most ``spec.disruption.maxUnavailable`` replicas.
+
+``unhealthyPodEvictionPolicy: AlwaysAllow``: a pod that is not Ready (e.g. held NotReady by the
+``kunlun.dev/xpu-healthy`` readiness gate because its card failed) serves nothing, so evicting it
+costs no availability. Under the default (IfHealthyBudget) the API server evicts a NotReady pod only
+while the budget is otherwise satisfied and ``desiredHealthy > 0``: with one replica, or when every
+replica's card failed, each eviction would be refused (429) forever.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ def build_pdb(ref: ServiceRef, spec: InferenceSpec) -> dict[str, Any]:
         "metadata": build_metadata(ref, names.PDB),
         "spec": {
             "maxUnavailable": spec.disruption_max_unavailable,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
             "selector": {"matchLabels": names.selector_labels(ref.name)},
         },
     }

@@ -194,3 +194,14 @@ def test_taint_follows_the_last_healthy_card_and_keeps_other_taints() -> None:
     assert len(api.node_patches) == 1  # not written again
     round_(responder, snapshot((U, H), heal(1)))
     assert api.taints == [other]
+
+
+def test_our_taint_is_removed_once_the_flag_is_off_and_others_are_kept() -> None:
+    other = {"key": "gpu", "effect": "NoSchedule"}
+    ours = {"key": "kunlun.dev/xpu-unhealthy", "value": "true", "effect": "NoSchedule"}
+    api, pods, clocks = FakeApi(taints=[other, ours]), FakePods(), Clocks()  # tainted while the flag was on
+    responder = make_responder(api, pods, clocks, taint=False)
+    round_(responder, snapshot((U, U)))  # every card Unhealthy, yet the flag is off: the taint goes
+    assert api.taints == [other]
+    round_(responder, snapshot((U, U)))
+    assert len(api.node_patches) == 1  # not written again

@@ -311,7 +311,11 @@ def test_configmap_service_pdb_are_exactly_these() -> None:
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _meta(),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": SELECTOR}},
+        "spec": {
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": SELECTOR},
+        },
     }
 
 
