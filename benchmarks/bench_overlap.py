@@ -68,7 +68,7 @@ def overlapped_steps(engine, steps: int, pool: ThreadPoolExecutor) -> float:
         forward = pool.submit(engine.runner.execute, sched, engine._block_tables(sched))
         for tracked, token_id in pending:  # the host work that overlaps the forward
             emit(engine, tracked, token_id)
-        sampled = engine._finish_step(sched, forward.result(), began)
+        sampled = engine._finish_step(sched, forward.result(), began, None)  # no constrained requests
         now = time.monotonic()
         pending = []
         for tracked, token_id, logprob in sampled:

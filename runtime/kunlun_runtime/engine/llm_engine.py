@@ -87,10 +87,7 @@ class _Tracked:
     text: str = ""
     finish_reason: str | None = None
     grammar: GrammarMatcher | None = None  # the request's place in its structured-output grammar
-
-
-class _GrammarFailed(Exception):
-    """A structured-output grammar refused the token its own mask allowed."""
+    grammar_end: RequestStatus | None = None  # set when the last token completed or broke the grammar
 
 
 @dataclass(slots=True)
@@ -417,6 +414,8 @@ class LLMEngine:
         if logprob is not None:
             request.output_logprobs.append(logprob)
         self.num_generation_tokens_total += 1
+        if tracked.grammar is not None:  # before the next schedule: its mask needs the new state
+            tracked.grammar_end = self._advance_grammar(tracked.grammar, token_id)
         if tracked.times.first_token is None:
             tracked.times.first_token = now
             self.num_prompt_tokens_total += len(request.prompt_token_ids)
@@ -433,12 +432,8 @@ class LLMEngine:
     def _check_stop(self, tracked: _Tracked, token_id: int) -> RequestStatus | None:
         request, params = tracked.request, tracked.request.params
         num_out = len(request.output_token_ids)
-        if tracked.grammar is not None:
-            try:
-                if self._grammar_complete(tracked.grammar, token_id):
-                    return RequestStatus.FINISHED_STOPPED
-            except _GrammarFailed:  # not a valid completion: say so rather than "stop"
-                return RequestStatus.FINISHED_ABORTED
+        if tracked.grammar_end is not None:
+            return tracked.grammar_end
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -460,15 +455,15 @@ class LLMEngine:
         tracked.text = text[: len(text) - hold] if hold else text
         return None
 
-    def _grammar_complete(self, grammar: GrammarMatcher, token_id: int) -> bool:
-        """Advance ``grammar`` by the chosen token; True when the constrained text is complete.
-        Raises _GrammarFailed when the grammar refuses the token: its mask offers no token it
-        refuses, so that is a grammar in an error state (an engine limit reached), logged, and
-        the request ends as aborted rather than generating past it."""
+    def _advance_grammar(self, grammar: GrammarMatcher, token_id: int) -> RequestStatus | None:
+        """Advance ``grammar`` by the chosen token: ``stop`` when the constrained text is complete,
+        None while it goes on. A grammar that refuses the token (its mask never offers one it
+        refuses, so it is in an error state: an engine limit reached) is logged and ends the
+        request as aborted, not as a valid ``stop``."""
         if not grammar.accept(token_id):
             logger.error("structured output: the grammar refused token %d (%s)", token_id, grammar.error)
-            raise _GrammarFailed
-        return grammar.is_finished
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_finished else None
 
     def _finish(
         self, tracked: _Tracked, status: RequestStatus, new_token_ids: Sequence[int] = ()
