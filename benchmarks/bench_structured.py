@@ -6,9 +6,9 @@ tokens per request (finish reason ``length``). Decode time is measured after eve
 batch has its first token (prefill excluded), at batch 1 and batch 8; the two sides alternate
 ``--reps`` times and the medians and their ratio are reported (this machine is shared and noisy:
 only a ratio from one run means anything). Also reports the engine's own mask time per
-constrained token (computed during the forward on accelerators, in line on the CPU, where the
-forward keeps every core busy; applying them is in line everywhere) and the constraint's compile
-time. Writes JSON with ``--json``.
+constrained token (computed on a worker thread during the forward; applying them is in line) and
+the constraint's compile time. ``--compare-overlap`` adds the constraint with masks computed in
+line, interleaved with the two others. Writes JSON with ``--json``.
 
     .venv/bin/python benchmarks/bench_structured.py                 # the embedded SmolLM2
     .venv/bin/python benchmarks/bench_structured.py --quick --model DIR --json out.json  # smoke run
@@ -134,7 +134,7 @@ def run(
         print(
             f"batch {batch}: free {row['free_tok_s']:.1f} tok/s, JSON schema {row['constrained_tok_s']:.1f} tok/s, "
             f"ratio {row['ratio']:.3f}, mask {mask_us:.0f} us per constrained token "
-            f"({'during the forward' if engine.overlap_masks else 'in line: the forward has every core'})"
+            f"({'during the forward' if engine.overlap_masks else 'in line'})"
         )
         if other:
             where = "in line" if engine.overlap_masks else "on a worker thread during the forward"

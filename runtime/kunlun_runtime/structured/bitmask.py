@@ -22,12 +22,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: Sequenc
     vocab_size = logits.shape[1]
     if logits.device.type == "cpu":
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
-        disallowed = torch.from_numpy(bits == 0)
+        np.bitwise_xor(bits, 1, out=bits)  # 1 = disallowed, in place: no second array
+        disallowed = torch.from_numpy(bits.view(np.bool_))
     else:
         words = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
         disallowed = disallowed_from_words(words, vocab_size)
+    if list(rows) == list(range(logits.shape[0])):  # every row constrained: mask in place
+        logits.masked_fill_(disallowed, float("-inf"))
+        return
     index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    logits[index] = logits.index_select(0, index).masked_fill(disallowed, float("-inf"))
+    logits[index] = logits.index_select(0, index).masked_fill_(disallowed, float("-inf"))
 
 
 def disallowed_from_words(words: torch.Tensor, vocab_size: int) -> torch.Tensor:

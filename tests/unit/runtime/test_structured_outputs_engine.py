@@ -238,13 +238,13 @@ def test_masks_computed_during_the_forward_give_the_same_tokens_as_in_line(llm):
         SamplingParams(temperature=0, max_tokens=12),
         constrained(regex="[a-z]{9}"),
     ]
+    assert llm.engine.overlap_masks  # the default
+    overlapped = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.engine.overlap_masks = False
-    in_line = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    llm.engine.overlap_masks = True
     try:
-        overlapped = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        in_line = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:
-        llm.engine.overlap_masks = False
+        llm.engine.overlap_masks = True
     assert overlapped == in_line
 
 
