@@ -36,14 +36,19 @@ from kunlun_device.faults import FaultResponder, QuarantinePolicy
 from kunlun_device.labels import QUARANTINE_ANNOTATION, XPU_HEALTHY_CONDITION
 from kunlun_device.plugin import PluginServer
 from kunlun_device.podresources import PodResourcesClient
-from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.health_tracker import HealthState
 from kunlun_device.xpu.model import XpuDevice
-from tests.integration.device.fake_kubelet import FakeKubelet, FakePodResources, short_tempdir
-from tests.integration.device.test_fault_response import BOUND_SECONDS, SOCKET, set_table, uuid
+from tests.integration.device.fake_kubelet import FakeKubelet, FakePodResources, fast_plugin, short_tempdir
+from tests.integration.device.test_fault_response import (
+    BOUND_SECONDS,
+    SOCKET,
+    fail_and_recover,
+    set_table,
+    uuid,
+)
 from tests.integration.operator.conftest import NAMESPACE, Cluster, free_port, wait_for
 from tests.support.kubeapi import running_fake_api
-from tests.unit.device.hosts import copy_host, make_source
+from tests.unit.device.hosts import copy_host
 
 pytestmark = pytest.mark.slow
 logger = logging.getLogger(__name__)
@@ -118,15 +123,7 @@ def bench(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Bench]:
                 quarantine_file=tmp_path / "quarantine.json",
             )
 
-        plugin = PluginServer(
-            make_source("p800-8", tmp_path),
-            kubelet_dir,
-            SOCKET,
-            HealthPolicy(recovery_seconds=0),
-            health_interval_seconds=0.05,
-            watch_interval_seconds=0.05,
-            fault_response=respond,
-        )
+        plugin = fast_plugin(tmp_path, kubelet_dir, fault_response=respond)
         plugin.start()
         timeline = Timeline()
         failed_before = request.session.testsfailed
@@ -253,21 +250,6 @@ def finish_termination(bench: Bench, name: str) -> None:
     """Play kubelet: the evicted pod has drained; its card is free and the pod object goes."""
     del bench.pod_resources.assignments[(NAMESPACE, name, "runtime")]
     bench.core.patch_namespaced_pod(name, NAMESPACE, {"metadata": {"finalizers": None}})
-
-
-def fail_and_recover(bench: Bench) -> None:
-    set_table(bench.host, "p800-failing")
-    wait_for(
-        lambda: bench.plugin.monitor.tracker.state(5) is HealthState.UNHEALTHY,
-        timeout_seconds=BOUND_SECONDS,
-        message="card 5 failing",
-    )
-    set_table(bench.host, "p800-8")
-    wait_for(
-        lambda: bench.plugin.monitor.tracker.state(5) is HealthState.HEALTHY,
-        timeout_seconds=BOUND_SECONDS,
-        message="card 5 passing its checks",
-    )
 
 
 # --- the scenario, step by step ----------------------------------------------------------------

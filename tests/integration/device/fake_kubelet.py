@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +22,11 @@ from kunlun_device.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from kunlun_device.api import podresources_v1_pb2 as pr
 from kunlun_device.api import podresources_v1_pb2_grpc as pr_grpc
 from kunlun_device.labels import RESOURCE_NAME
+from kunlun_device.plugin import PluginServer
+from kunlun_device.plugin.server import RoundHook
+from kunlun_device.xpu.health import HealthPolicy
+from kunlun_device.xpu.model import XpuDevice
+from tests.unit.device.hosts import make_source
 
 
 class _Registration(pb_grpc.RegistrationServicer):
@@ -125,3 +130,25 @@ def short_tempdir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+PLUGIN_SOCKET = "kunlun-xpu.sock"
+
+
+def fast_plugin(
+    host_dir: Path,
+    kubelet_dir: Path,
+    fault_response: Callable[[tuple[XpuDevice, ...]], RoundHook] | None = None,
+) -> PluginServer:
+    """The plugin over the fake "p800-8" host in ``host_dir`` (see tests/unit/device/hosts.py),
+    polling every 50 ms and believing a recovery at once, so tests see each change within a
+    fraction of a second."""
+    return PluginServer(
+        make_source("p800-8", host_dir),
+        kubelet_dir,
+        PLUGIN_SOCKET,
+        HealthPolicy(recovery_seconds=0),
+        health_interval_seconds=0.05,
+        watch_interval_seconds=0.05,
+        fault_response=fault_response,
+    )

@@ -26,13 +26,12 @@ from kunlun_device.faults import FaultResponder, QuarantinePolicy, read_quaranti
 from kunlun_device.labels import QUARANTINE_ANNOTATION, UNHEALTHY_TAINT, XPU_HEALTHY_CONDITION
 from kunlun_device.plugin import PluginServer
 from kunlun_device.podresources import PodResourcesClient
-from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.health_tracker import HealthState
 from kunlun_device.xpu.model import XpuDevice
-from tests.integration.device.fake_kubelet import FakeKubelet, FakePodResources, short_tempdir
+from tests.integration.device.fake_kubelet import FakeKubelet, FakePodResources, fast_plugin, short_tempdir
 from tests.support.kubeapi import RunningKubeAPI, running_fake_api
 from tests.support.waiting import wait_for
-from tests.unit.device.hosts import FIXTURES, copy_host, make_source
+from tests.unit.device.hosts import FIXTURES, copy_host
 
 SOCKET = "kunlun-xpu.sock"
 BOUND_SECONDS = 10.0  # a change must reach the API within this (rounds are 0.05 s apart)
@@ -100,15 +99,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
                 quarantine_file=quarantine_file,
             )
 
-        plugin = PluginServer(
-            make_source("p800-8", tmp_path),
-            kubelet_dir,
-            SOCKET,
-            HealthPolicy(recovery_seconds=0),
-            health_interval_seconds=0.05,
-            watch_interval_seconds=0.05,
-            fault_response=respond,
-        )
+        plugin = fast_plugin(tmp_path, kubelet_dir, fault_response=respond)
         plugin.start()
         try:
             yield Node(host, kube, kubelet, plugin, quarantine_file)
@@ -147,7 +138,9 @@ def list_and_watch(node: Node) -> dict[int, str]:
     return {int(d.ID[-2:], 16): d.health for d in first.devices}
 
 
-def fail_and_recover(node: Node) -> None:
+def fail_and_recover(node: Node | Any) -> None:
+    """Card 5 of ``node``'s host (anything with ``host`` and ``plugin``) fails its checks, then
+    passes them again, each seen by the plugin's tracker."""
     set_table(node.host, "p800-failing")
     wait_for(
         lambda: node.plugin.monitor.tracker.state(5) is HealthState.UNHEALTHY,

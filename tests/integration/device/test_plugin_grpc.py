@@ -12,10 +12,9 @@ import pytest
 from kunlun_device.api import deviceplugin_v1beta1_pb2 as pb
 from kunlun_device.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from kunlun_device.plugin import PluginServer
-from kunlun_device.xpu.health import HealthPolicy
-from tests.integration.device.fake_kubelet import FakeKubelet, short_tempdir
+from tests.integration.device.fake_kubelet import FakeKubelet, fast_plugin, short_tempdir
 from tests.support.waiting import wait_for
-from tests.unit.device.hosts import copy_host, make_source, use_outputs
+from tests.unit.device.hosts import copy_host, use_outputs
 
 SOCKET = "kunlun-xpu.sock"
 logger = logging.getLogger(__name__)
@@ -53,14 +52,7 @@ def node(tmp_path: Path) -> Iterator[tuple[Path, FakeKubelet, PluginServer]]:
     with short_tempdir() as kubelet_dir:
         kubelet = FakeKubelet(kubelet_dir)
         kubelet.start()
-        plugin = PluginServer(
-            make_source("p800-8", tmp_path),
-            kubelet_dir,
-            SOCKET,
-            HealthPolicy(recovery_seconds=0),
-            health_interval_seconds=0.05,
-            watch_interval_seconds=0.05,
-        )
+        plugin = fast_plugin(tmp_path, kubelet_dir)
         plugin.start()
         try:
             yield host, kubelet, plugin

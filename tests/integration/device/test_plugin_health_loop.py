@@ -16,14 +16,13 @@ from kunlun_device.api import deviceplugin_v1beta1_pb2 as pb
 from kunlun_device.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from kunlun_device.cli import _api_client
 from kunlun_device.plugin import PluginServer
-from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.health_tracker import HealthState
 from kunlun_device.xpu.model import XpuDevice
 from kunlun_device.xpu.monitor import HealthSnapshot
-from tests.integration.device.fake_kubelet import FakeKubelet, short_tempdir
+from tests.integration.device.fake_kubelet import FakeKubelet, fast_plugin, short_tempdir
 from tests.integration.device.test_fault_response import BOUND_SECONDS, SOCKET, set_table
 from tests.support.waiting import wait_for
-from tests.unit.device.hosts import copy_host, make_source
+from tests.unit.device.hosts import copy_host
 
 
 class BrokenResponder:
@@ -66,15 +65,7 @@ def test_a_responder_that_raises_neither_delays_registration_nor_stops_the_healt
     with short_tempdir() as kubelet_dir:
         kubelet = FakeKubelet(kubelet_dir)
         kubelet.start()
-        plugin = PluginServer(
-            make_source("p800-8", tmp_path),
-            kubelet_dir,
-            SOCKET,
-            HealthPolicy(recovery_seconds=0),
-            health_interval_seconds=0.05,
-            watch_interval_seconds=0.05,
-            fault_response=respond,
-        )
+        plugin = fast_plugin(tmp_path, kubelet_dir, fault_response=respond)
         try:
             plugin.start()
             assert plugin.registrations == 1
