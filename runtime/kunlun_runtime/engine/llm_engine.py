@@ -501,4 +501,5 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_prompt_tokens,
             times=tracked.times,
             new_token_ids=new_token_ids,
+            max_tokens=request.max_total_tokens - len(request.prompt_token_ids),
         )

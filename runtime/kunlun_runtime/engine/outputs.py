@@ -44,3 +44,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     times: RequestTimes | None = None
     new_token_ids: list[int] = field(default_factory=list)  # generated in the step that produced this
+    max_tokens: int | None = None  # the effective output budget: as asked, or what the context left

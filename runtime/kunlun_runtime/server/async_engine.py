@@ -325,6 +325,8 @@ class AsyncEngine:
                 self._shares.forget(request_id)
             command.done.set_exception(error)
             return []
+        if self._stats is not None:
+            self._stats.expect(added)
         command.done.set_result(None)
         return []
 

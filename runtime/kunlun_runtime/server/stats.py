@@ -5,17 +5,15 @@ changes) and feeds ``kunlun_runtime.metrics.EngineMetrics``. Counters are the di
 engine's running totals since the previous call, so a warm-up run before ``reset`` is not counted.
 
 A finished request also reports its parameters, as vLLM observes them: its effective
-``max_tokens`` (as asked, or what the context leaves), and, once per API request, its ``n``. The
-n engine requests of one API request are named ``<parent>-<index>`` and added together before a
-step (``serving.children``), so the first record that sees any of them sees them all: waiting or
-running in the scheduler, or finished in that step. A request is learnt there; one that finishes
-in its very first step is learnt from its output, where ``max_tokens`` is known only when it
-ended by ``length`` (then it is the number of tokens generated) or from a sibling.
+``max_tokens`` (as asked, or what the context leaves: ``RequestOutput.max_tokens``), and, once per
+prompt, its ``n``. The n engine requests of one prompt are named ``<parent>-<index>``
+(``serving.children``) and the engine thread announces each group it adds (``expect``); the last
+of a parent's requests to finish reports their number.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
@@ -44,11 +42,10 @@ def parent_id(request_id: str) -> str:
 
 @dataclass(slots=True)
 class _Parent:
-    """The engine requests of one API request seen so far."""
+    """The engine requests of one prompt (its n choices)."""
 
-    num_requests: int = 0  # its n, once all are seen (they are, the first time any is)
+    num_requests: int = 0
     num_unfinished: int = 0
-    max_tokens: int | None = None  # the same for every one of them: their params are shared
 
 
 def finished_stats(
@@ -83,7 +80,6 @@ class StatsRecorder:
         self._last_totals = _totals(engine)
         self._last_structured = _structured_totals(engine)
         self._last_token_time: dict[str, float] = {}
-        self._max_tokens: dict[str, int | None] = {}  # unfinished requests seen -> their max_tokens
         self._parents: dict[str, _Parent] = {}
 
     def reset(self, engine: LLMEngine) -> None:
@@ -91,7 +87,6 @@ class StatsRecorder:
         self._last_totals = _totals(engine)
         self._last_structured = _structured_totals(engine)
         self._last_token_time.clear()
-        self._max_tokens.clear()
         self._parents.clear()
 
     def record(self, engine: LLMEngine, outputs: list[RequestOutput], *, ran_step: bool) -> None:
@@ -99,7 +94,6 @@ class StatsRecorder:
         delta = [now - before for now, before in zip(totals, self._last_totals, strict=True)]
         self._last_totals = totals
         mask_seconds, structured_requests = self._structured_delta(engine)
-        self._learn(engine, outputs)
         ttfts, itls = [], []
         for output in outputs:
             times = output.times
@@ -141,33 +135,22 @@ class StatsRecorder:
         gained = {kind: count - last_requests.get(kind, 0) for kind, count in requests.items()}
         return seconds - last_seconds, {kind: count for kind, count in gained.items() if count}
 
-    def _learn(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """Note the requests seen for the first time: their effective max_tokens, their parent."""
-        for request in itertools.chain(engine.scheduler.running, engine.scheduler.waiting):
-            if request.request_id not in self._max_tokens:
-                self._learn_one(request.request_id, request.max_total_tokens - len(request.prompt_token_ids))
-        for output in outputs:
-            if output.request_id not in self._max_tokens:
-                completion = output.outputs[0]
-                ran_out = completion.finish_reason == "length"
-                self._learn_one(output.request_id, len(completion.token_ids) if ran_out else None)
-
-    def _learn_one(self, request_id: str, max_tokens: int | None) -> None:
-        self._max_tokens[request_id] = max_tokens
-        parent = self._parents.setdefault(parent_id(request_id), _Parent())
-        parent.num_requests += 1
-        parent.num_unfinished += 1
-        if max_tokens is not None:
-            parent.max_tokens = max_tokens
+    def expect(self, request_ids: Iterable[str]) -> None:
+        """Note engine requests just added (a group of one API request), to report each prompt's
+        n when its last request finishes. Requests never announced report no n."""
+        for request_id in request_ids:
+            parent = self._parents.setdefault(parent_id(request_id), _Parent())
+            parent.num_requests += 1
+            parent.num_unfinished += 1
 
     def _finished(self, output: RequestOutput) -> FinishedRequestStats:
         """The stats of a finished request; the last of its parent's requests also gives n."""
         key = parent_id(output.request_id)
-        parent = self._parents[key]
-        max_tokens = self._max_tokens.pop(output.request_id)
-        parent.num_unfinished -= 1
+        parent = self._parents.get(key)
         n = None
-        if parent.num_unfinished == 0:
-            n = parent.num_requests
-            del self._parents[key]
-        return finished_stats(output, max_tokens if max_tokens is not None else parent.max_tokens, n)
+        if parent is not None:
+            parent.num_unfinished -= 1
+            if parent.num_unfinished == 0:
+                n = parent.num_requests
+                del self._parents[key]
+        return finished_stats(output, output.max_tokens, n)

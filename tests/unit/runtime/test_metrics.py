@@ -212,6 +212,9 @@ def test_finished_requests_report_n_once_and_their_effective_max_tokens(engine) 
     engine.add_request("cmpl-b-0", prompt, SamplingParams(max_tokens=None, ignore_eos=True))  # 32 - 6 left
     engine.add_request("cmpl-c-0", prompt, SamplingParams(max_tokens=1))  # ends in its first step
     engine.add_request("cmpl-d-0", prompt, SamplingParams(max_tokens=8, ignore_eos=True))  # aborted
+    stats.expect([f"cmpl-a-{index}" for index in range(3)])  # as the engine thread announces groups
+    for request_id in ("cmpl-b-0", "cmpl-c-0", "cmpl-d-0"):
+        stats.expect([request_id])
     run_until_done(engine, stats, abort_second="cmpl-d-0")
     _, values = scrape(registry)
     success = {
