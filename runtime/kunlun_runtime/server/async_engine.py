@@ -9,7 +9,8 @@ disconnect, cancellation) aborts its requests, which returns their KV blocks.
 Backpressure: at most ``max_queue_len`` requests may wait (in the scheduler or in the inbox); more
 raises ``QueueFullError`` at once instead of growing an unbounded queue, and so does a tenant
 holding more than its share of those places (``fair_share``). A group larger than
-``max_queue_len`` could never be admitted: it is a 400 naming ``n``, not a 429. If a step raises,
+``max_queue_len``, or than its tenant's share of it, could never be admitted: it is a 400 naming
+``n``, not a 429. If a step raises,
 the engine is dead: every open stream gets ``EngineDeadError`` and so does every later call.
 
 Liveness: the engine thread stamps when it last made progress and how long recent steps took;
@@ -213,6 +214,14 @@ class AsyncEngine:
             raise InvalidRequestError(
                 f"n: this request needs {count} places in the queue, more than it ever has "
                 f"({self.max_queue_len}, --max-queue-len); lower n or the number of prompts",
+                field="n",
+            )
+        share = self._shares.limit if tenant is not None else None
+        if share is not None and count > share:
+            raise InvalidRequestError(
+                f"n: this request needs {count} places in the queue, more than one API key may ever "
+                f"hold ({share} of {self.max_queue_len}, --max-waiting-share "
+                f"{self._shares.max_waiting_share}); lower n or the number of prompts",
                 field="n",
             )
         with self._cond:

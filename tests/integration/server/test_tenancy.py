@@ -80,3 +80,18 @@ async def test_one_tenant_cannot_fill_the_waiting_queue(tenant_server: LiveServe
         error = response.json()["error"]
         assert error["type"] == "RateLimitError"
         assert "--max-waiting-share 0.5" in error["message"]
+
+
+def test_a_group_larger_than_a_tenants_share_is_a_400_naming_n(tenant_server: LiveServer) -> None:
+    # Alice's share is two of the four places: a group of three could never be admitted, so
+    # "retry later" would be a lie; a group of two fits and is served.
+    body = {"model": tenant_server.model_name, "prompt": "go", "max_tokens": 2}
+    url = f"{tenant_server.base_url}/v1/completions"
+    too_many = httpx.post(url, json={**body, "n": 3}, headers=bearer(KEYS["alice"]), timeout=60)
+    assert too_many.status_code == 400, too_many.text
+    error = too_many.json()["error"]
+    assert error["param"] == "n"
+    assert "--max-waiting-share 0.5" in error["message"]
+    fits = httpx.post(url, json={**body, "n": 2}, headers=bearer(KEYS["alice"]), timeout=60)
+    assert fits.status_code == 200, fits.text
+    assert len(fits.json()["choices"]) == 2
