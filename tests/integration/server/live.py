@@ -127,13 +127,14 @@ SERVE_MAIN = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
 
 
 def start_serve_process(
-    model_dir: Path, *extra_args: str, stdout: int | None = subprocess.DEVNULL
+    model_dir: Path, *extra_args: str, stdout: int | None = subprocess.DEVNULL, main: str = SERVE_MAIN
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A real ``kunlun-runtime serve`` process on a free loopback port, once /health answers 200;
-    returns it and its base URL. The caller stops it; a server that never gets ready is killed."""
+    returns it and its base URL. The caller stops it; a server that never gets ready is killed.
+    ``main``: the ``python -c`` program that runs the CLI (a test may prepare the process first)."""
     port = free_port()
     command = [
-        sys.executable, "-c", SERVE_MAIN, "serve", "--model", str(model_dir), "--dtype", "float32",
+        sys.executable, "-c", main, "serve", "--model", str(model_dir), "--dtype", "float32",
         "--kv-cache-memory", "16MiB", "--host", "127.0.0.1", "--port", str(port), *extra_args,
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT, env=os.environ.copy())

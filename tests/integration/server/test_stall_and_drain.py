@@ -22,7 +22,13 @@ from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.server.lifecycle import Lifecycle
 from kunlun_runtime.server.watchdog import EngineStalledError
-from tests.integration.server.live import LiveServer, health_status, serve_in_thread
+from tests.integration.server.live import (
+    SERVE_MAIN,
+    LiveServer,
+    health_status,
+    serve_in_thread,
+    start_serve_process,
+)
 from tests.support.waiting import wait_for
 
 GATED_MAX_TOKENS = 17
@@ -99,6 +105,44 @@ def test_a_stalled_engine_turns_unhealthy_ends_streams_and_calls_the_exit_hook(
         assert health_status(server.base_url) == 503
         wait_for(lambda: fatal, timeout_seconds=30.0, message="the exit hook")
         assert [type(e) for e in fatal] == [EngineStalledError]
+
+
+# The same stand-in for a hung device call, installed in a real ``kunlun-runtime serve`` process:
+# its step never returns once a request with GATED_MAX_TOKENS is scheduled.
+HUNG_STEP_MAIN = f"""
+import threading
+from kunlun_runtime.engine.llm_engine import LLMEngine
+unblocked_step = LLMEngine.step
+def step(self):
+    if any(r.params.max_tokens == {GATED_MAX_TOKENS} for r in self.scheduler.waiting + self.scheduler.running):
+        threading.Event().wait()
+    return unblocked_step(self)
+LLMEngine.step = step
+{SERVE_MAIN}
+"""
+
+
+def test_a_serve_process_whose_step_hangs_exits_1_after_the_grace_period(tiny_model_dir: Path) -> None:
+    process, base_url = start_serve_process(
+        tiny_model_dir,
+        "--engine-stall-timeout-seconds", str(STALL_TIMEOUT_SECONDS),
+        "--engine-stall-grace-seconds", str(STALL_GRACE_SECONDS),
+        main=HUNG_STEP_MAIN,
+    )  # fmt: skip
+    try:
+        model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "the", "max_tokens": GATED_MAX_TOKENS}
+        stuck = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+        assert stuck.status_code == 500 and "no engine step finished" in stuck.json()["error"]["message"]
+        # Exit 1 although the engine thread is still blocked: Kubernetes restarts the container.
+        assert process.wait(timeout=60) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    with contextlib.suppress(httpx.TransportError):
+        httpx.get(f"{base_url}/health", timeout=2)
+        raise AssertionError("the server still answers after it exited")
 
 
 def post_completion(server: LiveServer, body: dict) -> httpx.Response:
