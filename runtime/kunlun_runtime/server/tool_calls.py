@@ -122,25 +122,27 @@ def plan_tools(
             "tool_choice: `tools` must be set when using tool_choice", field="tool_choice"
         )
     if isinstance(choice, NamedToolChoice):
-        schema = named_schema(tools, choice.function.name)
-        constraint = StructuredOutputsParams(json=schema, source="tool_choice")
+        index = named_tool_index(tools, choice.function.name)
+        schema = copy.deepcopy(tools[index].function.parameters or NO_ARGUMENTS_SCHEMA)
+        # An invalid schema is the tool's fault, not the choice's: errors name its parameters.
+        constraint = StructuredOutputsParams(json=schema, source=f"tools.{index}.function.parameters")
         return ToolPlan("named", function_name=choice.function.name, constraint=constraint, **common)
     if choice == "required":
         schema = required_schema(tools, parallel_tool_calls=body.parallel_tool_calls)
         return ToolPlan(
-            "required", constraint=StructuredOutputsParams(json=schema, source="tool_choice"), **common
+            "required", constraint=StructuredOutputsParams(json=schema, source="tools"), **common
         )
     if not (enable_auto_tool_choice and tool_call_parser):
         raise InvalidRequestError(f"tool_choice: {AUTO_NEEDS_FLAGS}", field="tool_choice")
     return ToolPlan("auto", parser_name=tool_call_parser, **common)
 
 
-def named_schema(tools: Sequence[Tool], name: str) -> dict[str, Any]:
-    """The schema of a named call's output: the function's ``parameters`` (no parameters: an
-    empty object). Raises InvalidRequestError naming ``tool_choice`` when no tool has ``name``."""
-    for tool in tools:
+def named_tool_index(tools: Sequence[Tool], name: str) -> int:
+    """The index of the tool named ``name``, whose ``parameters`` (no parameters: an empty object)
+    a named call's output follows. Raises InvalidRequestError naming ``tool_choice`` when none is."""
+    for index, tool in enumerate(tools):
         if tool.function.name == name:
-            return copy.deepcopy(tool.function.parameters or NO_ARGUMENTS_SCHEMA)
+            return index
     raise InvalidRequestError(
         f"tool_choice: the function `{name}` is not one of the `tools` given", field="tool_choice"
     )

@@ -278,3 +278,18 @@ def test_auto_on_a_server_without_the_flags_is_a_400_naming_them(
         served.enable_auto_tool_choice = True
     assert caught.value.param == "tool_choice"
     assert "--enable-auto-tool-choice and --tool-call-parser" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "field"),
+    [({"type": "function", "function": {"name": "broken"}}, "tools.2.function.parameters"), ("required", "tools")],
+    ids=["named", "required"],
+)
+def test_an_invalid_parameters_schema_is_a_400_naming_the_tools_not_the_choice(
+    client: openai.OpenAI, tool_choice: Any, field: str
+) -> None:
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, tools=[*TOOLS, broken], tool_choice=tool_choice)
+    assert caught.value.body["param"] == field  # the SDK's body is the "error" object
+    assert caught.value.body["message"].startswith(f"{field}: ")

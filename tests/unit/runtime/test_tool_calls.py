@@ -80,14 +80,16 @@ def test_a_named_function_is_enforced_by_its_parameters_schema() -> None:
         tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}}
     )
     assert plan.kind == "named" and plan.function_name == "get_weather"
-    assert plan.constraint == StructuredOutputsParams(json=WEATHER_PARAMETERS, source="tool_choice")
+    assert plan.constraint == StructuredOutputsParams(
+        json=WEATHER_PARAMETERS, source="tools.0.function.parameters"
+    )
     assert isinstance(plan.new_reader(), NamedCallParser)
 
 
 def test_a_named_function_without_parameters_is_an_empty_object() -> None:
     plan = make_plan(tools=[CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert plan.constraint == StructuredOutputsParams(
-        json={"type": "object", "properties": {}}, source="tool_choice"
+        json={"type": "object", "properties": {}}, source="tools.0.function.parameters"
     )
 
 
