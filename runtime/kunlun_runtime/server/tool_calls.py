@@ -129,9 +129,7 @@ def plan_tools(
         return ToolPlan("named", function_name=choice.function.name, constraint=constraint, **common)
     if choice == "required":
         schema = required_schema(tools, parallel_tool_calls=body.parallel_tool_calls)
-        return ToolPlan(
-            "required", constraint=StructuredOutputsParams(json=schema, source="tools"), **common
-        )
+        return ToolPlan("required", constraint=StructuredOutputsParams(json=schema, source="tools"), **common)
     if not (enable_auto_tool_choice and tool_call_parser):
         raise InvalidRequestError(f"tool_choice: {AUTO_NEEDS_FLAGS}", field="tool_choice")
     return ToolPlan("auto", parser_name=tool_call_parser, **common)

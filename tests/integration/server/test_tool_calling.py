@@ -282,7 +282,10 @@ def test_auto_on_a_server_without_the_flags_is_a_400_naming_them(
 
 @pytest.mark.parametrize(
     ("tool_choice", "field"),
-    [({"type": "function", "function": {"name": "broken"}}, "tools.2.function.parameters"), ("required", "tools")],
+    [
+        ({"type": "function", "function": {"name": "broken"}}, "tools.2.function.parameters"),
+        ("required", "tools"),
+    ],
     ids=["named", "required"],
 )
 def test_an_invalid_parameters_schema_is_a_400_naming_the_tools_not_the_choice(
