@@ -22,7 +22,7 @@ from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.platforms.cpu_features import cpu_capabilities
 from kunlun_runtime.server.auth import DEFAULT_TENANT, Tenants
-from kunlun_runtime.server.chat import create_chat_completion
+from kunlun_runtime.server.chat import chat_prompt, create_chat_completion
 from kunlun_runtime.server.completions import create_completion
 from kunlun_runtime.server.door import DEFAULT_MAX_REQUEST_BODY_BYTES, Door
 from kunlun_runtime.server.errors import install_error_handlers, unavailable
@@ -44,6 +44,7 @@ from kunlun_runtime.server.responses import (
     TokenizeResponse,
 )
 from kunlun_runtime.server.serving import ServedModel, now_seconds
+from kunlun_runtime.server.tool_calls import DEFAULT_PROMPT_FORMAT, ToolPlan
 from kunlun_runtime.version import __version__
 
 # FastAPI's type for ``responses=`` (the keys may also be "4XX" or "default").
@@ -146,9 +147,15 @@ def create_app(
         model.check_model(body.model)
         # The same path as generation: the character cap first, long texts off the event loop.
         if body.messages is not None:
-            tokens = await model.encode_chat(
-                [{"role": m.role, "content": m.text()} for m in body.messages], body.add_generation_prompt
+            # The prompt a chat request with these messages and tools renders; which tool_choice
+            # does not change the prompt, only how the output is constrained and read.
+            plan = ToolPlan(
+                "none",
+                tools=tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ()),
+                prompt_format=model.tool_call_parser or DEFAULT_PROMPT_FORMAT,
             )
+            conversation, kwargs = chat_prompt(model, body.messages, plan, body.chat_template_kwargs)
+            tokens = await model.encode_chat(conversation, body.add_generation_prompt, **kwargs)
         elif body.prompt is not None:
             tokens = await model.encode(
                 body.prompt, field="prompt", add_special_tokens=body.add_special_tokens

@@ -14,8 +14,9 @@ constraint the grammar engine enforces, and each choice's output is read by a to
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from starlette.responses import Response
@@ -25,7 +26,7 @@ from kunlun_runtime.engine.request import TokenLogprob
 from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.server.async_engine import EngineRequest, RequestStream
 from kunlun_runtime.server.door import tenant_of
-from kunlun_runtime.server.protocol import ChatCompletionRequest
+from kunlun_runtime.server.protocol import ChatCompletionRequest, ChatMessage
 from kunlun_runtime.server.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -81,6 +82,21 @@ def chat_logprobs(served: ServedModel, logprobs: list[TokenLogprob]) -> ChatLogp
     return ChatLogprobs(content=content)
 
 
+def chat_prompt(
+    served: ServedModel,
+    messages: Sequence[ChatMessage],
+    plan: ToolPlan,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The conversation and template variables a chat request renders (``/tokenize`` renders the
+    same, so that its count is the prompt's). The request's own template variables cannot replace
+    the ones the server sets (``RESERVED_TEMPLATE_KWARGS``)."""
+    conversation, tool_kwargs = build_prompt(messages, plan, renders_tools=served.tokenizer.renders_tools)
+    kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+    kwargs.update(tool_kwargs)
+    return conversation, kwargs
+
+
 async def create_chat_completion(
     body: ChatCompletionRequest, served: ServedModel, request: Request
 ) -> Response:
@@ -99,11 +115,7 @@ async def create_chat_completion(
         enable_auto_tool_choice=served.enable_auto_tool_choice,
     )
     params = constrain(params, plan)  # add_prepared compiles it, off the event loop
-    conversation, tool_kwargs = build_prompt(
-        body.messages, plan, renders_tools=served.tokenizer.renders_tools
-    )
-    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
-    kwargs.update(tool_kwargs)
+    conversation, kwargs = chat_prompt(served, body.messages, plan, body.chat_template_kwargs)
     request_id = new_id("chatcmpl")
     tenant = tenant_of(request)
     prompt_ids: list[int] = []

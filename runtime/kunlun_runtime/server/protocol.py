@@ -209,6 +209,9 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With messages: rendered as a chat request with these would be, so the count is its prompt's.
+    tools: list[Tool] | None = Field(None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

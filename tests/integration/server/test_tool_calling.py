@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -296,3 +297,19 @@ def test_an_invalid_parameters_schema_is_a_400_naming_the_tools_not_the_choice(
         chat(client, tools=[*TOOLS, broken], tool_choice=tool_choice)
     assert caught.value.body["param"] == field  # the SDK's body is the "error" object
     assert caught.value.body["message"].startswith(f"{field}: ")
+
+
+def test_tokenize_counts_the_prompt_a_chat_with_tools_renders(
+    client: openai.OpenAI, server: LiveServer
+) -> None:
+    asked = chat(client, tool_choice="none", max_tokens=1)
+
+    def count(**fields: Any) -> int:
+        response = httpx.post(
+            f"{server.base_url}/tokenize", json={"messages": QUESTION, **fields}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        return response.json()["count"]
+
+    assert count(tools=TOOLS) == asked.usage.prompt_tokens
+    assert count() < asked.usage.prompt_tokens  # the tools are part of the prompt
