@@ -65,10 +65,12 @@ def create_app(
     lifecycle: Lifecycle | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The application. ``tenants`` (else the one ``api_key``, else an open server) says who may
     call; ``max_waiting_share`` bounds each tenant's part of the waiting queue when there are
-    several; ``tool_call_parser`` and ``enable_auto_tool_choice`` are vLLM's tool-calling flags;
+    several; ``tool_call_parser`` and ``enable_auto_tool_choice`` are vLLM's tool-calling flags,
+    ``enable_prompt_tokens_details`` its flag for counting cached prompt tokens in ``usage``;
     ``lifecycle`` (built from the other arguments when omitted) owns the engine."""
     tenants = tenants or Tenants({DEFAULT_TENANT: api_key} if api_key else None)
     life = lifecycle or Lifecycle(
@@ -77,6 +79,7 @@ def create_app(
         max_waiting_share=tenants.queue_share(max_waiting_share),
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
 
     @asynccontextmanager

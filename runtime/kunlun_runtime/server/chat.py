@@ -147,12 +147,14 @@ async def create_chat_completion(
             )
         )
     num_generated = sum(len(finals[engine_id].outputs[0].token_ids) for engine_id in index_of)
+    first = finals[f"{request_id}-0"]
+    cached = first.num_cached_tokens if served.enable_prompt_tokens_details else None
     response = ChatCompletionResponse(
         id=request_id,
         created=now_seconds(),
         model=served.name,
         choices=choices,
-        usage=UsageInfo.of(len(prompt_ids), num_generated),
+        usage=UsageInfo.of(len(prompt_ids), num_generated, cached),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
@@ -214,6 +216,7 @@ async def _stream_events(
         yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
     sent = {index: _ChoiceStream(plan.new_reader()) for index in index_of.values()}
     num_generated = 0
+    num_cached: int | None = None
     async for output in stream:
         index = index_of[output.request_id]
         yield_chunk = _delta(output, index, sent[index], served, want_logprobs, plan)
@@ -221,8 +224,10 @@ async def _stream_events(
             yield chunk([yield_chunk])
         if output.finished:
             num_generated += len(output.outputs[0].token_ids)
+            if index == 0 and served.enable_prompt_tokens_details:
+                num_cached = output.num_cached_tokens
     if include_usage:
-        yield chunk([], UsageInfo.of(num_prompt_tokens, num_generated))
+        yield chunk([], UsageInfo.of(num_prompt_tokens, num_generated, num_cached))
 
 
 def _delta(

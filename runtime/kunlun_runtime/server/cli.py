@@ -147,6 +147,11 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve tool_choice 'auto' (the default when a request has tools); needs --tool-call-parser",
     )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache",
+    )
     group.add_argument("--uvicorn-log-level", default="info")
 
 
@@ -183,6 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_stall_grace_seconds=args.engine_stall_grace_seconds,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     app = create_app(
         lambda: LLMEngine(config),

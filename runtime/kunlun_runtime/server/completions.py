@@ -111,14 +111,18 @@ async def create_completion(body: CompletionRequest, served: ServedModel, reques
         return EngineStreamingResponse(guard_stream(events), stream)
     finals = await collect(stream, request)
     choices = [_choice(finals[engine_id], index, served, body) for engine_id, index in index_of.items()]
-    num_prompt = sum(len(finals[f"{request_id}-{p}-0"].prompt_token_ids) for p in range(len(prompts)))
+    firsts = [finals[f"{request_id}-{p}-0"] for p in range(len(prompts))]  # one child per prompt
+    num_prompt = sum(len(first.prompt_token_ids) for first in firsts)
+    num_cached = sum(first.num_cached_tokens for first in firsts)
     num_generated = sum(len(out.outputs[0].token_ids) for out in finals.values())
     response = CompletionResponse(
         id=request_id,
         created=now_seconds(),
         model=served.name,
         choices=choices,
-        usage=UsageInfo.of(num_prompt, num_generated),
+        usage=UsageInfo.of(
+            num_prompt, num_generated, num_cached if served.enable_prompt_tokens_details else None
+        ),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
@@ -161,7 +165,7 @@ async def _stream_events(
     created = now_seconds()
     sent_text = dict.fromkeys(index_of.values(), 0)
     sent_tokens = dict.fromkeys(index_of.values(), 0)
-    num_prompt = num_generated = 0
+    num_prompt = num_cached = num_generated = 0
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         return sse(
@@ -196,5 +200,7 @@ async def _stream_events(
             num_generated += len(completion.token_ids)
             if output.request_id.rsplit("-", 1)[1] == "0":
                 num_prompt += len(output.prompt_token_ids)
+                num_cached += output.num_cached_tokens
     if include_usage:
-        yield chunk([], UsageInfo.of(num_prompt, num_generated))
+        cached = num_cached if served.enable_prompt_tokens_details else None
+        yield chunk([], UsageInfo.of(num_prompt, num_generated, cached))

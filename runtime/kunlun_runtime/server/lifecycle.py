@@ -84,6 +84,7 @@ class Lifecycle:
         engine_stall_grace_seconds: float = DEFAULT_ENGINE_STALL_GRACE_SECONDS,
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         validate_tool_flags(tool_call_parser, enable_auto_tool_choice)
         self._factory = engine_factory
@@ -97,6 +98,7 @@ class Lifecycle:
         self.engine_stall_grace_seconds = engine_stall_grace_seconds
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" output
         self.enable_auto_tool_choice = enable_auto_tool_choice  # --enable-auto-tool-choice
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details  # usage.prompt_tokens_details
         self._watchdog: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.state = ServerState.LOADING
@@ -155,6 +157,7 @@ class Lifecycle:
         self.served = ServedModel.of(async_engine, max_prompt_chars=self.max_prompt_chars)
         self.served.tool_call_parser = self.tool_call_parser
         self.served.enable_auto_tool_choice = self.enable_auto_tool_choice
+        self.served.enable_prompt_tokens_details = self.enable_prompt_tokens_details
         self._watchdog = asyncio.ensure_future(
             watch_engine(async_engine, self.engine_stall_timeout_seconds, self._engine_stalled)
         )

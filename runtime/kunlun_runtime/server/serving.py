@@ -60,6 +60,7 @@ class ServedModel:
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None  # None: asyncio's default
     tool_call_parser: str | None = None  # --tool-call-parser: how tool calls are read from output
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is served
+    enable_prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage counts cached tokens
 
     @classmethod
     def of(
