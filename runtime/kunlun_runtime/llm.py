@@ -99,11 +99,37 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) and
+        ``chat_template_kwargs`` reach the template as its variables, as in vLLM. A template that
+        does not use ``tools`` would silently drop them: that is a ValueError instead (the server's
+        ``--tool-call-parser`` writes tools into the prompt for such models).
+        """
+        tokenizer = self.engine.tokenizer
+        if tools is not None and not tokenizer.renders_tools:
+            raise ValueError(
+                "tools: this model's chat template does not use tools; serve it with "
+                "--tool-call-parser, which writes them into the system prompt"
+            )
         conversations = [messages] if _is_one_conversation(messages) else list(messages)
-        prompts = [{"prompt_token_ids": self.engine.tokenizer.encode_chat(c)} for c in conversations]
+        variables = dict(chat_template_kwargs or {})
+        if tools is not None:
+            variables["tools"] = tools
+        prompts = [
+            {
+                "prompt_token_ids": tokenizer.encode(
+                    tokenizer.render_chat(c, add_generation_prompt, **variables), add_special_tokens=False
+                )
+            }
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def _per_prompt(self, params, count: int) -> list[SamplingParams]:

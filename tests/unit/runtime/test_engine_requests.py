@@ -1,11 +1,13 @@
 """Engine request handling: bad input is refused with the field named and leaks nothing; stop
 conditions, n > 1, seeds, chat templates and aborts behave."""
 
+import json
+
 import pytest
 
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
-from tests.support.tiny_models import TINY_SPECS, make_tiny_model
+from tests.support.tiny_models import CHATML, TINY_SPECS, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +142,31 @@ def test_a_request_that_cannot_fit_the_context_is_refused_not_cut_short(llm, par
     assert all_free(llm)
     out = llm.generate({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}{% for tool in tools %}{{ tool['function']['name'] + '\\n' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}" + CHATML
+)
+
+
+def test_chat_passes_tools_and_template_variables_to_a_template_that_uses_them(llm, tmp_path):
+    model_dir = make_tiny_model(tmp_path / "tools", TINY_SPECS["llama-gqa"])
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TOOLS_TEMPLATE + "{% if greeting %}{{ greeting }}{% endif %}"
+    config_path.write_text(json.dumps(config))
+    with_tools = LLM(str(model_dir), dtype="float32", max_model_len=64, kv_cache_memory="4MiB")
+    tool = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    out = with_tools.chat(
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(max_tokens=1),
+        tools=[tool],
+        chat_template_kwargs={"greeting": "yo"},
+    )[0]
+    expected = (
+        "<|im_start|>system\nclock\n<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo"
+    )
+    assert out.prompt_token_ids == with_tools.tokenizer.encode(expected, add_special_tokens=False)
+    with pytest.raises(ValueError, match="does not use tools"):  # the plain template would drop them
+        llm.chat([{"role": "user", "content": "hi"}], tools=[tool])
