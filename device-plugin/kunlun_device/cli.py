@@ -1,7 +1,10 @@
 """Console entry point `kunlun-device-plugin plugin|labeler|exporter` (see docs/device-plugin.md).
 
-Parses flags, builds the `XpuSource` and the component, runs it until SIGTERM/SIGINT.
-Exit status: 0 after a clean stop, 1 when the hardware or the API failed at start, 2 on bad flags.
+Parses flags, builds the source (`XpuSource`, or for the labeler and the exporter with
+`--source snapshot:PATH` a `SnapshotSource` over the plugin's node snapshot) and the component, runs
+it until SIGTERM/SIGINT. Exit status: 0 after a clean stop, 1 when the hardware or the API failed at
+start, 2 on bad flags. From a snapshot the exporter waits for a usable one instead of exiting 1 (the
+plugin, in the same pod, may not have written it yet).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import TYPE_CHECKING
 
 from kunlun_device.errors import ConfigError, XpuError
 from kunlun_device.xpu.health import HealthPolicy, parse_severities
+from kunlun_device.xpu.reader import XpuReader
+from kunlun_device.xpu.snapshot_source import SnapshotSource
 from kunlun_device.xpu.source import DEFAULT_KML_VERSION_FILE, XpuSource
 
 if TYPE_CHECKING:
@@ -30,6 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kunlun_device")
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+SNAPSHOT_PREFIX = "snapshot:"
+SNAPSHOT_RETRY_SECONDS = 2.0
 
 
 def _positive(text: str) -> float:
@@ -77,6 +84,24 @@ def _common(health: bool) -> argparse.ArgumentParser:
     return parent
 
 
+def _reading() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--source",
+        default="xpu-smi",
+        metavar="xpu-smi|snapshot:PATH",
+        help="run xpu-smi (needs the device nodes) or read the plugin's node snapshot",
+    )
+    parent.add_argument(
+        "--snapshot-max-age",
+        type=_positive,
+        default=None,
+        metavar="SECONDS",
+        help="oldest usable snapshot (default: 3 plugin health intervals, at least 30)",
+    )
+    return parent
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kunlun-device-plugin", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -115,7 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--taint-when-all-unhealthy", action="store_true", help="NoSchedule taint on dead nodes"
     )
     faults.add_argument("--quarantine-file", default="", metavar="PATH", help="where the exporter reads it")
-    labeler = commands.add_parser("labeler", parents=[_common(False)], help="node labeler")
+    plugin.add_argument(
+        "--snapshot-file",
+        default="",
+        metavar="PATH",
+        help="write the node snapshot here every round (read by labeler/exporter --source snapshot:PATH)",
+    )
+    labeler = commands.add_parser("labeler", parents=[_common(False), _reading()], help="node labeler")
     labeler.add_argument(
         "--interval", type=_positive, default=300.0, metavar="SECONDS", help="re-check period"
     )
@@ -126,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     labeler.add_argument(
         "--max-backoff-seconds", type=_positive, default=300.0, metavar="SECONDS", help="retry backoff cap"
     )
-    exporter = commands.add_parser("exporter", parents=[_common(True)], help="Prometheus exporter")
+    exporter = commands.add_parser(
+        "exporter", parents=[_common(True), _reading()], help="Prometheus exporter"
+    )
     exporter.add_argument("--listen-address", default="0.0.0.0", metavar="ADDR")
     exporter.add_argument("--port", type=int, default=9400, help="HTTP port of /metrics")
     exporter.add_argument(
@@ -144,6 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
 def _source(args: argparse.Namespace) -> XpuSource:
     kml = args.kml_version_file or None
     return XpuSource(args.xpu_smi, args.dev_root, kml_version_file=kml, timeout_seconds=args.xpu_smi_timeout)
+
+
+def _reader(args: argparse.Namespace) -> XpuReader:
+    """The labeler's or the exporter's source, from `--source`."""
+    if args.source == "xpu-smi":
+        return _source(args)
+    path = args.source.removeprefix(SNAPSHOT_PREFIX)
+    if not args.source.startswith(SNAPSHOT_PREFIX) or not path:
+        raise ConfigError("--source", f"expected xpu-smi or snapshot:PATH, got {args.source!r}")
+    return SnapshotSource(path, args.snapshot_max_age)
+
+
+def _start_when_ready(start: Callable[[], object], stop: threading.Event) -> bool:
+    """Call `start` until the node snapshot it reads is usable; False when stopped first."""
+    while True:
+        try:
+            start()
+            return True
+        except XpuError as exc:
+            logger.warning("waiting for the device plugin's node snapshot (retrying): %s", exc)
+        if stop.wait(SNAPSHOT_RETRY_SECONDS):
+            return False
 
 
 def _policy(args: argparse.Namespace) -> HealthPolicy:
@@ -235,6 +290,7 @@ def run_plugin(args: argparse.Namespace) -> int:
         _policy(args),
         args.health_interval,
         fault_response=_fault_response(args),
+        snapshot_file=args.snapshot_file or None,
     )
     with _stop_on_signals() as stop:
         server.start()
@@ -247,8 +303,9 @@ def run_exporter(args: argparse.Namespace) -> int:
     from kunlun_device.exporter import Exporter
 
     node = args.node_name or socket.gethostname()
+    source = _reader(args)
     exporter = Exporter(
-        _source(args),
+        source,
         node,
         _policy(args),
         args.health_interval,
@@ -256,7 +313,10 @@ def run_exporter(args: argparse.Namespace) -> int:
         quarantine_file=Path(args.quarantine_file) if args.quarantine_file else None,
     )
     with _stop_on_signals() as stop:
-        exporter.start()
+        if not isinstance(source, SnapshotSource):
+            exporter.start()
+        elif not _start_when_ready(exporter.start, stop):
+            return 0
         exporter.serve(args.listen_address, args.port)
         stop.wait()
         exporter.stop()
@@ -270,7 +330,7 @@ def run_labeler(args: argparse.Namespace) -> int:
 
     if not args.node_name:
         raise ConfigError("--node-name", "required (or set NODE_NAME)")
-    labeler = NodeLabeler(client.CoreV1Api(_api_client(args.kubeconfig)), args.node_name, _source(args))
+    labeler = NodeLabeler(client.CoreV1Api(_api_client(args.kubeconfig)), args.node_name, _reader(args))
     if args.once:
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError

@@ -65,3 +65,29 @@ class ConfigError(XpuError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+class SnapshotError(XpuError):
+    """The device plugin's node snapshot cannot be used (see `kunlun_device.xpu.snapshot`).
+
+    Attributes:
+        path: the snapshot file.
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"node snapshot {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class SnapshotMissingError(SnapshotError):
+    """No snapshot file (the plugin has not written one yet, or does not run with --snapshot-file)."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """A snapshot file that is not the JSON document the plugin writes."""
+
+
+class SnapshotStaleError(SnapshotError):
+    """A snapshot older than the reader's bound: the plugin stopped polling."""

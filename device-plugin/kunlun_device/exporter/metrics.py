@@ -49,8 +49,8 @@ _READINGS: tuple[tuple[str, str, Callable[[CardTelemetry], float | None]], ...] 
 )
 
 
-def build_metrics(state: ExporterState) -> list[Metric]:
-    """All metric families of one scrape."""
+def build_metrics(state: ExporterState, snapshot_age_seconds: float | None = None) -> list[Metric]:
+    """All metric families of one scrape; `snapshot_age_seconds` only when reading a node snapshot."""
     ids = {d.index: [f"xpu{d.index}", d.uuid, state.node] for d in state.devices}
     labels = {}
     for d in state.devices:
@@ -84,6 +84,14 @@ def build_metrics(state: ExporterState) -> list[Metric]:
     for d in sorted(state.devices, key=lambda d: d.index):
         quarantined.add_metric(labels[d.index], 1.0 if d.uuid in state.quarantined else 0.0)
     families += [ecc, healthy, quarantined, *_node_families(state, ids)]
+    if snapshot_age_seconds is not None:
+        age = GaugeMetricFamily(
+            "kunlun_xpu_snapshot_age_seconds",
+            "Age of the device plugin's node snapshot the readings come from",
+            labels=["node"],
+        )
+        age.add_metric([state.node], snapshot_age_seconds)
+        families.append(age)
     return families
 
 
@@ -121,18 +129,30 @@ def _node_families(state: ExporterState, ids: dict[int, list[str]]) -> Iterator[
         for f in found:
             finding.add_metric([*ids[index], str(f.check), str(f.severity)], 1)
     yield finding
-    tool = CounterMetricFamily("kunlun_xpu_tool_errors", "Failed xpu-smi calls", labels=["node"])
+    tool = CounterMetricFamily(
+        "kunlun_xpu_tool_errors", "Failed xpu-smi calls (or unusable node snapshots)", labels=["node"]
+    )
     tool.add_metric([state.node], state.tool_errors_total)
     yield tool
 
 
 class StateCollector(Collector):
-    """A prometheus_client collector reporting whatever state `current()` returns (None: nothing)."""
+    """A prometheus_client collector reporting whatever state `current()` returns (None: nothing).
 
-    def __init__(self, current: Callable[[], ExporterState | None]) -> None:
+    `snapshot_age()`, when given, is asked at each scrape (so the age keeps growing while the
+    plugin is silent); it returns None until a snapshot was read.
+    """
+
+    def __init__(
+        self,
+        current: Callable[[], ExporterState | None],
+        snapshot_age: Callable[[], float | None] | None = None,
+    ) -> None:
         self._current = current
+        self._snapshot_age = snapshot_age
 
     def collect(self) -> Iterator[Metric]:
         state = self._current()
         if state is not None:
-            yield from build_metrics(state)
+            age = self._snapshot_age() if self._snapshot_age is not None else None
+            yield from build_metrics(state, age)

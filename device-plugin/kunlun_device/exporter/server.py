@@ -5,6 +5,11 @@ The polling thread refreshes one immutable `ExporterState`; scrapes only read it
 versions are re-read from each round's table, the KML version from its file; firmware comes from
 discovery at start.
 
+The source is any `XpuReader`: `xpu-smi` itself, or the device plugin's node snapshot
+(`SnapshotSource`), which the exporter reads without privileges. From a snapshot the metrics are
+the same, plus `kunlun_xpu_snapshot_age_seconds`; a missing, stale or corrupt snapshot counts like a
+failed `xpu-smi` call (readings left out, a tool error, `tool-error` findings), never stale values.
+
 Invariant: `refresh()` never raises an `XpuError`; failures show up as metrics (tool errors,
 findings) and logs.
 """
@@ -25,7 +30,8 @@ from kunlun_device.faults.quarantine import read_quarantine_file
 from kunlun_device.podresources import PodResourcesClient
 from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.monitor import HealthMonitor
-from kunlun_device.xpu.source import XpuSource
+from kunlun_device.xpu.reader import XpuReader
+from kunlun_device.xpu.snapshot_source import SnapshotSource
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +41,7 @@ class Exporter:
 
     def __init__(
         self,
-        source: XpuSource,
+        source: XpuReader,
         node: str,
         policy: HealthPolicy | None = None,
         interval_seconds: float = 10.0,
@@ -48,7 +54,8 @@ class Exporter:
         self.pod_resources = PodResourcesClient(pod_resources_socket) if pod_resources_socket else None
         self.quarantine_file = quarantine_file  # written by the plugin's fault responder
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StateCollector(lambda: self._state))
+        age = source.age_seconds if isinstance(source, SnapshotSource) else None
+        self.registry.register(StateCollector(lambda: self._state, age))
         self._policy = policy or HealthPolicy()
         self._state: ExporterState | None = None
         self._stop = threading.Event()

@@ -1,9 +1,10 @@
 """`NodeLabeler`: keeps this node's `kunlun.dev/xpu.*` labels true, through the Kubernetes API.
 
-One round reads the cards and versions, GETs the Node, and PATCHes (JSON merge patch) only the
-owned labels that differ — `null` removes one. Rounds repeat every `interval_seconds`; a failed
-round (API error, unreadable `xpu-smi`) is retried after 1, 2, 4 ... seconds, capped at
-`max_backoff_seconds`. A node without `xpu-smi` is labelled as having no card.
+One round reads the cards and versions (from `xpu-smi` or from the device plugin's node snapshot,
+any `XpuReader`), GETs the Node, and PATCHes (JSON merge patch) only the owned labels that differ —
+`null` removes one. Rounds repeat every `interval_seconds`; a failed round (API error, unreadable
+`xpu-smi`, a missing, stale or corrupt snapshot) changes no label and is retried after 1, 2, 4 ...
+seconds, capped at `max_backoff_seconds`. A node without `xpu-smi` is labelled as having no card.
 
 Invariant: no request ever names a label outside `kunlun_device.labels.ALL_LABELS`.
 """
@@ -22,7 +23,7 @@ from kunlun_device.errors import XpuError, XpuToolMissingError
 from kunlun_device.labeler.values import build_labels, label_patch
 from kunlun_device.labels import ALL_LABELS
 from kunlun_device.xpu.model import Versions
-from kunlun_device.xpu.source import XpuSource
+from kunlun_device.xpu.reader import XpuReader
 
 logger = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
@@ -31,7 +32,7 @@ MERGE_PATCH = "application/merge-patch+json"
 class NodeLabeler:
     """Labels one node."""
 
-    def __init__(self, api: CoreV1Api, node_name: str, source: XpuSource) -> None:
+    def __init__(self, api: CoreV1Api, node_name: str, source: XpuReader) -> None:
         self.api = api
         self.node_name = node_name
         self.source = source
@@ -41,7 +42,8 @@ class NodeLabeler:
         """The labels this node should carry now.
 
         Raises:
-            XpuError: `xpu-smi` failed or printed something unreadable (labels are left alone).
+            XpuError: `xpu-smi` failed or printed something unreadable, or the snapshot is unusable
+                (labels are left alone).
         """
         try:
             devices = self.source.list_devices()

@@ -12,6 +12,11 @@ cards lose the XPU Link preference and, when sysfs lacks it too, their NUMA node
   writes any pod. The first `act` runs on this thread right after registration (never before:
   registration must not wait for the API), and an exception from `act` is logged and the loop goes
   on (a bug in the fault response must not stop the withdrawal of failing cards);
+- snapshot: with a `snapshot_file`, every round (the first one at start included) also writes the
+  node snapshot (`kunlun_device.xpu.snapshot`) right after the publication, before the fault
+  response: what this round read and the states kubelet was just told. The labeler and the
+  exporter read it instead of the hardware, so only this container needs the device nodes. A
+  failed write is logged and retried next round; it never stops the health loop;
 - kubelet watch: when `kubelet.sock` is recreated (kubelet restarted) or the plugin's own socket
   vanished, the gRPC server is restarted on a fresh socket and registration is repeated; a failed
   registration is retried on the next tick.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -33,6 +39,7 @@ import grpc
 
 from kunlun_device.api import deviceplugin_v1beta1_pb2 as pb
 from kunlun_device.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from kunlun_device.errors import XpuError
 from kunlun_device.labels import RESOURCE_NAME
 from kunlun_device.plugin.placement import build_placement
 from kunlun_device.plugin.servicer import DevicePluginServicer
@@ -41,6 +48,7 @@ from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.health_tracker import HealthState
 from kunlun_device.xpu.model import XpuDevice
 from kunlun_device.xpu.monitor import HealthMonitor, HealthSnapshot
+from kunlun_device.xpu.snapshot import CardHealth, NodeSnapshot, write_snapshot
 from kunlun_device.xpu.source import XpuSource
 
 logger = logging.getLogger(__name__)
@@ -76,6 +84,7 @@ class PluginServer:
         health_interval_seconds: float = 10.0,
         watch_interval_seconds: float = 1.0,
         fault_response: Callable[[tuple[XpuDevice, ...]], RoundHook] | None = None,
+        snapshot_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self.source = source
         self.kubelet_dir = Path(kubelet_dir)
@@ -85,6 +94,7 @@ class PluginServer:
         self.watch_interval_seconds = watch_interval_seconds
         self.registrations = 0
         self.fault_response = fault_response
+        self.snapshot_file = Path(snapshot_file) if snapshot_file is not None else None
         self.hook: RoundHook | None = None
         self._registered = False
         self._stop = threading.Event()
@@ -108,7 +118,9 @@ class PluginServer:
         self.placement = build_placement(devices, topology)
         self.monitor = HealthMonitor(self.source, devices, self.policy)
         self.hook = self.fault_response(devices) if self.fault_response is not None else None
-        self.states = DeviceStates(self._observe(self.monitor.poll()))
+        first = self.monitor.poll()
+        self.states = DeviceStates(self._observe(first))
+        self._record(first)
         logger.info("discovered %d cards: %s", len(devices), [d.uuid for d in devices])
         self._serve()
         self._kubelet_identity = _identity(self.kubelet_dir / KUBELET_SOCKET)
@@ -173,7 +185,9 @@ class PluginServer:
     def _health_loop(self) -> None:
         self._act()  # at once after registration: a quarantine on the Node counts from the start
         while not self._stop.wait(self.health_interval_seconds):
-            self.states.publish(self._observe(self.monitor.poll()))
+            snapshot = self.monitor.poll()
+            self.states.publish(self._observe(snapshot))
+            self._record(snapshot)
             self._act()
 
     def _act(self) -> None:
@@ -185,6 +199,33 @@ class PluginServer:
             logger.exception(
                 "fault response failed this round (cards are still withdrawn); retrying next round"
             )
+
+    def _record(self, health: HealthSnapshot) -> None:
+        """Write this round's node snapshot, if configured; a failure is logged, never raised."""
+        if self.snapshot_file is None:
+            return
+        try:
+            kml, kml_error = self.source.kml_version(), None
+        except XpuError as exc:
+            kml, kml_error = None, str(exc)
+        _, states = self.states.snapshot()
+        snapshot = NodeSnapshot(
+            written_at=time.time(),
+            interval_seconds=self.health_interval_seconds,
+            devices=self.devices,
+            device_nodes_present=frozenset(
+                d.index for d in self.devices if self.source.device_node_present(d.index)
+            ),
+            table=health.table,
+            tool_error=health.tool_error,
+            kml_version=kml,
+            kml_error=kml_error,
+            health={i: CardHealth(states[i], health.findings.get(i, ())) for i in states},
+        )
+        try:
+            write_snapshot(self.snapshot_file, snapshot)
+        except OSError as exc:
+            logger.warning("node snapshot %s not written (retrying next round): %s", self.snapshot_file, exc)
 
     def _observe(self, snapshot: HealthSnapshot) -> dict[int, HealthState]:
         return snapshot.states if self.hook is None else self.hook.observe(snapshot)

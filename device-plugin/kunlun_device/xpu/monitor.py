@@ -17,7 +17,7 @@ from kunlun_device.errors import XpuError
 from kunlun_device.xpu.health import Finding, HealthPolicy, evaluate
 from kunlun_device.xpu.health_tracker import HealthState, HealthTracker, Transition
 from kunlun_device.xpu.model import SmiTable, XpuDevice
-from kunlun_device.xpu.source import XpuSource
+from kunlun_device.xpu.reader import XpuReader
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +34,11 @@ class HealthSnapshot:
 
 
 class HealthMonitor:
-    """Polls one `XpuSource` for a fixed set of cards."""
+    """Polls one `XpuReader` (`XpuSource` or `SnapshotSource`) for a fixed set of cards."""
 
     def __init__(
         self,
-        source: XpuSource,
+        source: XpuReader,
         devices: tuple[XpuDevice, ...],
         policy: HealthPolicy,
         clock: Callable[[], float] | None = None,
