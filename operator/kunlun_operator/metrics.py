@@ -12,6 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from kunlun_operator.status import PHASES
 
+RECONCILE_RESULTS = ("success", "invalid", "retry", "error")
+ADMISSION_RESULTS = ("allowed", "warned", "denied")
+
 
 @dataclass
 class OperatorMetrics:
@@ -57,6 +60,12 @@ class OperatorMetrics:
         )
         for phase in PHASES:
             self.managed_services.labels(phase=phase).set(0)
+        # Counters start at 0 for every known label value: rate() and increase() need a sample
+        # before the first event, or the first error/denial would never count in an alert.
+        for result in RECONCILE_RESULTS:
+            self.reconcile_total.labels(result=result)
+        for result in ADMISSION_RESULTS:
+            self.admission_reviews.labels(result=result)
 
     def set_phases(self, phases: dict[tuple[str, str], str]) -> None:
         """Publish how many services are in each phase (``phases``: key → phase)."""
