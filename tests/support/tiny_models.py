@@ -118,3 +118,64 @@ def make_tiny_model(directory: Path, spec: TinySpec = TINY_SPECS["llama-gqa"], s
         json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
     )
     return directory
+
+
+def make_tiny_llama_without_transformers(directory: Path, seed: int = 0) -> Path:
+    """A random model of ``TINY_SPECS["llama-gqa"]``'s shape (HF config keys and weight names),
+    written with ``safetensors`` alone: importing ``transformers`` costs many seconds, and a test
+    that only needs some model to serve (not HF's numerics) does not need it."""
+    from safetensors.torch import save_file
+
+    spec = TINY_SPECS["llama-gqa"]
+    tokenizer = build_tokenizer()
+    hidden, head_dim = spec.hidden_size, spec.hidden_size // spec.num_heads
+    intermediate = hidden * 2 + 32
+    config = {
+        "architectures": [spec.architecture],
+        "model_type": "llama",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.token_to_id("<|endoftext|>"),
+        "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
+        "torch_dtype": "float32",
+    }
+    shapes = {"model.embed_tokens.weight": (VOCAB_SIZE, hidden), "model.norm.weight": (hidden,)}
+    shapes["lm_head.weight"] = (VOCAB_SIZE, hidden)
+    for layer in range(spec.num_layers):
+        prefix = f"model.layers.{layer}."
+        shapes |= {
+            prefix + "self_attn.q_proj.weight": (spec.num_heads * head_dim, hidden),
+            prefix + "self_attn.k_proj.weight": (spec.num_kv_heads * head_dim, hidden),
+            prefix + "self_attn.v_proj.weight": (spec.num_kv_heads * head_dim, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, spec.num_heads * head_dim),
+            prefix + "mlp.gate_proj.weight": (intermediate, hidden),
+            prefix + "mlp.up_proj.weight": (intermediate, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, intermediate),
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+        }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {  # the same widened random init as make_tiny_model
+        name: (1.0 + 0.1 * torch.randn(shape, generator=generator))
+        if "norm" in name
+        else 0.15 * torch.randn(shape, generator=generator)
+        for name, shape in shapes.items()
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+    )
+    return directory
