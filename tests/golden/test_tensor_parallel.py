@@ -11,6 +11,8 @@ from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.golden import capture_engine, compare, layer_names
 from kunlun_runtime.golden_tp import capture_tensor_parallel
 from kunlun_runtime.models.loader import load_model
+from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup
+from kunlun_runtime.platforms import CpuPlatform
 
 TOKENS = [(13 * i + 5) % 300 for i in range(40)]
 
@@ -59,3 +61,49 @@ def test_tensor_parallel_size_that_does_not_divide_the_heads_is_refused(tiny_mod
         ConfigError, match=r"tensor_parallel_size: 3 does not divide the model's num_attention_heads \(4\)"
     ):
         LLM(str(tiny_model_dirs["llama-gqa"]), dtype="float32", tensor_parallel_size=3)
+
+
+class BindingPlatform(CpuPlatform):
+    """The CPU platform with per-rank devices, as an accelerator's: ``set_device(r)`` binds device r
+    (pickled to the worker processes like the engine's platform; defined at module level for that)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bound: int | None = None
+
+    def set_device(self, local_rank: int) -> None:
+        self.bound = local_rank
+
+    def current_device_index(self) -> int | None:
+        return self.bound
+
+
+def test_tp2_ranks_each_bind_their_own_device_and_the_preflight_sees_it(tiny_model_dirs):
+    """Rank 0 here and rank 1 in its worker process each bind their device; the collective preflight
+    gathers [0, 1] (a rank that had not bound its own would fail it, naming the rank)."""
+    platform = BindingPlatform()
+    spec = RankSpec(
+        model_dir=str(tiny_model_dirs["llama-gqa"]),
+        dtype=torch.float32,
+        weight_dtype=torch.float32,
+        max_positions=64,
+        num_blocks=8,
+        block_size=16,
+        cache_line_bytes=64,
+        cache_num_sets=4096,
+        kv_block_skew=False,
+        linear_backend="plain",
+        quantization=None,
+        fused_attention=False,
+        native_kernels=False,
+        world=2,
+        backend="gloo",
+        port=TensorParallelGroup.new_port(),
+        platform=platform,
+    )
+    group = TensorParallelGroup(spec)
+    try:
+        assert platform.bound == 0
+        group.wait_ready(torch.device("cpu"))
+    finally:
+        group.close()

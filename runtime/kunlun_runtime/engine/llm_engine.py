@@ -172,7 +172,6 @@ class LLMEngine:
             model_dir=str(self.model_dir),
             dtype=self.dtype,
             weight_dtype=self.weight_dtype,
-            device_type=self.device.type,
             max_positions=self.max_model_len,
             num_blocks=plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, self.max_model_len),
             block_size=config.block_size,
@@ -188,6 +187,7 @@ class LLMEngine:
             world=world,
             backend=self.platform.distributed_backend,
             port=TensorParallelGroup.new_port() if world > 1 else 0,
+            platform=self.platform,
         )
 
     def _utilization_reader(self) -> Callable[[], float | None] | None:

@@ -2,8 +2,10 @@
 
 Rank 0 is the engine process: it schedules, samples and answers requests, and broadcasts each
 step's inputs; the workers hold their weight and KV-cache shards and run the same forward, the
-model's all-reduces joining the partial results. Startup ends with the collective preflight on
-every rank; a worker that fails reports its rank and reason, and the engine refuses to start.
+model's all-reduces joining the partial results. Every rank binds its own device first
+(``Platform.set_device(rank)``: ranks are local, one node), before it joins the group or runs any
+collective. Startup ends with the collective preflight on every rank, which also checks that rank
+r is on device r; a worker that fails reports its rank and reason, and the engine refuses to start.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kunlun_runtime.models.decoder import DecoderLayer, DecoderModel
 from kunlun_runtime.models.forward import StepInputs, run_forward
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.parallel.group import collective_preflight, free_port, init_group
+from kunlun_runtime.platforms import Platform
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_SECONDS = 300.0
@@ -38,7 +41,6 @@ class RankSpec:
     model_dir: str
     dtype: torch.dtype  # activations and KV cache
     weight_dtype: torch.dtype
-    device_type: str
     max_positions: int
     num_blocks: int
     block_size: int
@@ -52,13 +54,12 @@ class RankSpec:
     world: int
     backend: str
     port: int
+    platform: Platform  # the engine's platform (pickled to the workers); binds each rank's device
 
 
 def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.device]:
     """Load rank ``rank``'s model shard and allocate its KV cache."""
-    device = (
-        torch.device(spec.device_type) if spec.device_type == "cpu" else torch.device(spec.device_type, rank)
-    )
+    device = spec.platform.device(rank)
     model, _ = load_model(
         Path(spec.model_dir),
         spec.weight_dtype,
@@ -95,14 +96,17 @@ def threads_per_rank(world: int) -> int:
 def worker_main(spec: RankSpec, rank: int, status: multiprocessing.Queue) -> None:
     """Entry point of worker ``rank``: join, load, preflight, then follow rank 0's steps."""
     torch.set_num_threads(threads_per_rank(spec.world))
+    platform = spec.platform
     try:
+        platform.set_device(rank)  # before any collective: NCCL/XCCL bind to the current device
         init_group(rank, spec.world, spec.port, spec.backend)
         model, cache, device = build_rank(spec, rank)
     except Exception as error:  # reported to rank 0 with the rank, never swallowed
         status.put((rank, f"{type(error).__name__}: {error}"))
         return
     status.put((rank, None))
-    collective_preflight(rank, spec.world, spec.backend, device)  # rank 0 reports a failure
+    # rank 0 reports a failure
+    collective_preflight(rank, spec.world, spec.backend, device, platform.current_device_index())
     while True:
         box: list[StepInputs | None] = [None]
         dist.broadcast_object_list(box, src=0)
@@ -128,6 +132,7 @@ class TensorParallelGroup:
         for worker in self._workers:
             worker.start()
         torch.set_num_threads(threads_per_rank(spec.world))
+        spec.platform.set_device(0)
         init_group(0, spec.world, spec.port, spec.backend)
         self._closed = False
         atexit.register(self.close)
@@ -149,7 +154,9 @@ class TensorParallelGroup:
             if error is not None:
                 self.close()
                 raise EngineDeadError(f"tensor parallel: rank {rank} failed to start: {error}")
-        collective_preflight(0, self.spec.world, self.spec.backend, device)
+        collective_preflight(
+            0, self.spec.world, self.spec.backend, device, self.spec.platform.current_device_index()
+        )
         logger.info("tensor parallel: %d ranks ready (backend %s)", self.spec.world, self.spec.backend)
 
     def broadcast(self, inputs: StepInputs) -> None:

@@ -73,5 +73,17 @@ class Platform:
     def versions(self) -> Versions:
         return Versions()
 
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to the device of ``local_rank`` (its current device from now on).
+
+        Tensor-parallel rank r calls it with r before joining the group or running any
+        collective, so that no two ranks share a device. A no-op where there is no device to
+        choose (CPU).
+        """
+
+    def current_device_index(self) -> int | None:
+        """The device this process is bound to (``set_device``); None where there is none (CPU)."""
+        return None
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""

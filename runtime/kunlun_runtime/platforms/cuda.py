@@ -55,5 +55,11 @@ class CudaPlatform(Platform):
             driver = None
         return Versions(driver=driver, compute_library=f"cuda-{torch.version.cuda}")
 
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
+    def current_device_index(self) -> int | None:
+        return int(torch.cuda.current_device())
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -24,6 +24,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -213,6 +214,20 @@ class KunlunPlatform(Platform):
             firmware=found.firmware,
             compute_library=None if found.kml is None else f"kml-{found.kml}",
         )
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to the card of ``local_rank``: Kunlun's PyTorch build selects it through
+        ``torch.cuda.set_device`` (its cards are ``cuda`` devices); telemetry follows that card."""
+        self._device_module().set_device(local_rank)
+        self.local_index = local_rank
+
+    def current_device_index(self) -> int | None:
+        return int(self._device_module().current_device())
+
+    @staticmethod
+    def _device_module() -> Any:
+        """The torch module of ``torch_device_type()`` (``torch.cuda`` in Kunlun's build)."""
+        return getattr(torch, torch_device_type())
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -28,7 +28,8 @@ def preflight(host: Path | str, *extra: str, **expect: str) -> list[str]:
     root = FIXTURES / host if isinstance(host, str) else host
     args = ["preflight", "--xpu-smi", str(root / "xpu-smi"), "--dev-root", str(root / "root"), *extra]
     for component, version in {**GOOD, **expect}.items():
-        args += [f"--expect-{component}", version]
+        if version:  # "": not expected
+            args += [f"--expect-{component}", version]
     return args
 
 
@@ -98,14 +99,15 @@ def test_only_visible_cards_are_checked(
     [
         (
             "missing-tool",
-            f"xpu-smi not found or not executable: {str(FIXTURES / 'missing-tool' / 'xpu-smi')!r} "
+            "cannot read the driver and firmware versions: xpu-smi not found or not executable: "
+            f"{str(FIXTURES / 'missing-tool' / 'xpu-smi')!r} "
             "(install the Kunlun driver tools or pass --xpu-smi / set KUNLUN_XPU_SMI)",
         ),
         ("no-card", "no Kunlun card: xpu-smi lists none"),
     ],
 )
 def test_no_tool_or_no_card_says_so(capsys: pytest.CaptureFixture[str], host: str, reason: str) -> None:
-    assert run(capsys, preflight(host)) == (1, "", [f"preflight failed: {reason}"])
+    assert run(capsys, preflight(host, kml="")) == (1, "", [f"preflight failed: {reason}"])
 
 
 def test_unreadable_output_fails(capsys: pytest.CaptureFixture[str]) -> None:
@@ -169,14 +171,131 @@ def test_json_reports_everything_found(
     }
 
 
-def test_the_operators_init_container_args_are_accepted(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def copy_host(tmp_path: Path, name: str = "p800-8") -> Path:
+    host = tmp_path / name
+    shutil.copytree(FIXTURES / name, host, symlinks=True)
+    return host
+
+
+def test_a_missing_kml_version_file_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    host = copy_host(tmp_path)
+    (host / "root" / "usr/local/xpu/kml/VERSION").unlink()
+    root = host / "root"
+    assert run(capsys, preflight(host)) == (
+        1,
+        "",
+        [
+            f"preflight failed: cannot read the KML version: {root}/usr/local/xpu/kml/VERSION does not "
+            f"exist (--kml-version-file /usr/local/xpu/kml/VERSION under --dev-root {root})"
+        ],
+    )
+    code, _, err = run(capsys, [*preflight(host), "--kml-version-file", ""])
+    assert (code, err) == (
+        1,
+        [
+            "preflight failed: cannot read the KML version: no KML version file given "
+            "(--kml-version-file is empty)"
+        ],
+    )
+    # not expected, not needed: nothing else depends on it
+    assert run(capsys, preflight(host, kml=""))[0] == 0
+
+
+def test_an_unreadable_kml_version_file_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    host = copy_host(tmp_path)
+    version = host / "root" / "usr/local/xpu/kml/VERSION"
+    version.unlink()
+    version.mkdir()  # a directory where the file should be: unreadable for any user, root included
+    code, _, err = run(capsys, preflight(host))
+    assert code == 1
+    assert err == [
+        f"preflight failed: cannot read the KML version: {version}: Is a directory "
+        f"(--kml-version-file /usr/local/xpu/kml/VERSION under --dev-root {host / 'root'})"
+    ]
+
+
+def test_a_missing_xpu_smi_is_named_with_its_path(capsys: pytest.CaptureFixture[str]) -> None:
+    args = preflight("p800-8")
+    args[args.index("--xpu-smi") + 1] = "/run/kunlun-host/bin/xpu-smi"
+    assert run(capsys, args)[2] == [
+        "preflight failed: cannot read the driver and firmware versions: xpu-smi not found or not "
+        "executable: '/run/kunlun-host/bin/xpu-smi' (install the Kunlun driver tools or pass --xpu-smi / "
+        "set KUNLUN_XPU_SMI)"
+    ]
+
+
+def test_an_allocated_card_without_its_device_node_is_named(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    spec = parse_spec(make_raw_spec(versions={**GOOD, "policy": "Strict"}))
+    host = copy_host(tmp_path)
+    (host / "root" / "dev" / "xpu3").unlink()
+    monkeypatch.setenv("XPU_VISIBLE_DEVICES", "3")
+    assert run(capsys, [*preflight(host), "--require-allocation"])[2] == [
+        "preflight failed: xpu3 unhealthy: device-node-missing: /dev/xpu3 does not exist"
+    ]
+
+
+def test_no_allocation_fails_only_when_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, preflight("p800-8"))[0] == 0  # by hand on a node: every card is checked
+    code, out, err = run(capsys, [*preflight("p800-8"), "--require-allocation", "--json"])
+    reason = (
+        "XPU_VISIBLE_DEVICES is not set: the device plugin allocated no card to this container "
+        "(it must request kunlunxin.com/xpu on a node running the Kunlun device plugin)"
+    )
+    assert (code, err) == (1, [f"preflight failed: {reason}"])
+    assert json.loads(out)["found"] == dict.fromkeys(("driver", "runtime", "firmware", "kml"))
+
+
+def test_a_firmware_version_xpu_smi_does_not_print_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    host = copy_host(tmp_path)
+    query = host / "outputs" / "query-0.txt"
+    query.write_text("\n".join(line for line in query.read_text().splitlines() if "ALL Version" not in line))
+    assert run(capsys, preflight(host))[2] == [
+        "preflight failed: cannot read the firmware version of xpu0: xpu-smi -q printed none"
+    ]
+
+
+def container_root(tmp_path: Path, host: Path, init: dict, volumes: list[dict], visible: str) -> Path:
+    """The preflight container's view of the node: its hostPath mounts and the device nodes kubelet
+    hands it for the cards ``visible`` (the device plugin's Allocate: /dev/xpuN and /dev/xpuctrl)."""
+    root = tmp_path / "container"
+    by_name = {v["name"]: v for v in volumes}
+    for mount in init["volumeMounts"]:
+        volume = by_name[mount["name"]]
+        assert mount["readOnly"] is True and volume["hostPath"]["type"] == "File"
+        target = root / mount["mountPath"].lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(host / "root" / volume["hostPath"]["path"].lstrip("/"), target)
+    (root / "dev").mkdir()
+    for name in [f"xpu{i}" for i in visible.split(",")] + ["xpuctrl"]:
+        (root / "dev" / name).touch()
+    return root
+
+
+def test_the_operators_init_container_runs_on_what_the_pod_mounts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    spec = parse_spec(make_raw_spec(versions={**GOOD, "policy": "Strict"}, resources={"xpus": 2}))
     pod = build_pod_spec(make_ref(), spec, "runtime:test", image_volumes=False)
     init = next(c for c in pod["initContainers"] if c["name"] == "preflight")
     assert init["command"] == ["kunlun-runtime"]
-    # the container finds xpu-smi and the host files through the environment, as an image would set them
-    monkeypatch.setenv("KUNLUN_XPU_SMI", str(FIXTURES / "p800-8" / "xpu-smi"))
-    monkeypatch.setenv("KUNLUN_DEV_ROOT", str(FIXTURES / "p800-8" / "root"))
-    assert run(capsys, init["args"])[0] == 0
+    host = FIXTURES / "p800-8"
+    root = container_root(tmp_path, host, init, pod["volumes"], visible="4,5")
+    monkeypatch.setenv("XPU_VISIBLE_DEVICES", "4,5")
+    monkeypatch.setenv("KUNLUN_XPU_SMI", str(host / "xpu-smi"))  # the image's own xpu-smi
+    args = [*init["args"], "--dev-root", str(root)]  # the container's / is this directory here
+    assert run(capsys, args) == (
+        0,
+        "preflight ok: 2 healthy card(s) (P800 OAM); driver 5.0.21.26, firmware 1.0.2.14.1.54, kml 3.2.0\n",
+        [],
+    )
+    # the pod on a node where the file is not where the operator mounts it from: named exactly
+    (root / "run/kunlun-host/kml/VERSION").unlink()
+    assert run(capsys, args)[2] == [
+        f"preflight failed: cannot read the KML version: {root}/run/kunlun-host/kml/VERSION does not "
+        f"exist (--kml-version-file /run/kunlun-host/kml/VERSION under --dev-root {root})"
+    ]
+    monkeypatch.delenv("XPU_VISIBLE_DEVICES")  # scheduled without the device plugin's Allocate
+    assert run(capsys, args)[2][0].startswith("preflight failed: XPU_VISIBLE_DEVICES is not set")
