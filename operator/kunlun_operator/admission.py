@@ -15,7 +15,7 @@ from typing import Any
 
 from kunlun_operator.errors import SpecError
 from kunlun_operator.feasibility import estimate_memory
-from kunlun_operator.matrix import Matrix, check_versions
+from kunlun_operator.matrix import Matrix, check_versions, select_image
 from kunlun_operator.policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.spec import InferenceSpec, parse_spec
 
@@ -47,7 +47,8 @@ def review(
     strict = spec.versions.policy == "Strict"
     warnings: list[str] = []
     if spec.versions.policy != "Off":
-        problems = check_versions(matrix, spec.runtime.image or default_image, spec.versions)
+        image = spec.runtime.image or select_image(matrix, spec.versions, default_image)
+        problems = check_versions(matrix, image, spec.versions)
         if problems and strict:
             return Review(
                 denial=SpecError(

@@ -15,6 +15,7 @@ from pathlib import Path
 import kopf
 
 from kunlun_operator import names
+from kunlun_operator.builders.deployment import PreflightHost
 from kunlun_operator.controller import Controller, ControllerConfig
 from kunlun_operator.handlers import LoopConfig, build_registry, post_event
 from kunlun_operator.kube import KubeClient, load_config
@@ -54,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAMESPACE/NAME",
         help="the compatibility-matrix ConfigMap (default: the matrix in the package)",
     )
-    run.add_argument("--default-runtime-image", default=names.DEFAULT_RUNTIME_IMAGE)
+    run.add_argument(
+        "--default-runtime-image",
+        default=names.DEFAULT_RUNTIME_IMAGE,
+        help="runtime image of services without spec.runtime.image, used only when no compatibility-matrix "
+        "entry certifying their versions names an image",
+    )
     run.add_argument(
         "--admission-policy",
         default=None,
@@ -77,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="runtime pods get a readiness gate on the node agent's kunlun.dev/xpu-healthy condition; "
         "turn off only where no node agent sets it (it would keep the pods NotReady)",
+    )
+    run.add_argument(
+        "--preflight-kml-version-file",
+        default=names.HOST_KML_VERSION_FILE,
+        metavar="HOST_PATH",
+        help="host path of the node's KML version file, mounted read-only into the Strict preflight",
+    )
+    run.add_argument(
+        "--preflight-xpu-smi",
+        default="",
+        metavar="HOST_PATH",
+        help="host path of the node agent's xpu-smi, mounted read-only into the Strict preflight "
+        "(default: the runtime image's own)",
     )
     run.add_argument(
         "--resync-seconds", type=float, default=300.0, help="periodic reconcile of every service"
@@ -125,6 +144,21 @@ def _admission_policy(path: str | None) -> AdmissionPolicy:
         raise SystemExit(f"kunlun-operator: --admission-policy: {error}") from None
 
 
+def parse_preflight_host(args: argparse.Namespace) -> PreflightHost:
+    """The node files the preflight mounts; host paths must be absolute (a hostPath requires it)."""
+    for flag, value in (
+        ("--preflight-kml-version-file", args.preflight_kml_version_file),
+        ("--preflight-xpu-smi", args.preflight_xpu_smi),
+    ):
+        if value and not value.startswith("/"):
+            raise SystemExit(f"kunlun-operator: {flag} must be an absolute host path, got {value!r}")
+    if not args.preflight_kml_version_file:
+        raise SystemExit("kunlun-operator: --preflight-kml-version-file must not be empty")
+    return PreflightHost(
+        kml_version_file=args.preflight_kml_version_file, xpu_smi=args.preflight_xpu_smi or None
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT, stream=sys.stdout)
     # kopf logs every successful event handler at INFO; our decisions are logged by our modules.
@@ -141,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             image_volumes=args.image_volumes,
             xpu_health_gate=args.xpu_health_gate,
             policy=_admission_policy(args.admission_policy),
+            preflight_host=parse_preflight_host(args),
         ),
         metrics,
         post_event,

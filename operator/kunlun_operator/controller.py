@@ -29,6 +29,7 @@ from kunlun_operator.apply import (
     delete_object,
     removal_patch,
 )
+from kunlun_operator.builders.deployment import DEFAULT_PREFLIGHT_HOST, PreflightHost
 from kunlun_operator.errors import ApiError, OwnershipError, SpecError
 from kunlun_operator.kube import POD, PVC, KubeClient
 from kunlun_operator.matrix import MATRIX_KEY, Matrix, load_default_matrix, merge_cards, parse_matrix
@@ -75,6 +76,9 @@ class ControllerConfig:
     image_volumes: bool = False
     xpu_health_gate: bool = True  # --[no-]xpu-health-gate
     policy: AdmissionPolicy = STRICTEST  # --admission-policy
+    preflight_host: PreflightHost = (
+        DEFAULT_PREFLIGHT_HOST  # --preflight-kml-version-file, --preflight-xpu-smi
+    )
 
 
 class Controller:
@@ -154,6 +158,7 @@ class Controller:
             image_volumes=self.config.image_volumes,
             xpu_health_gate=self.config.xpu_health_gate,
             policy=self.config.policy,
+            preflight_host=self.config.preflight_host,
         )
 
     def reconcile(self, body: Mapping[str, Any], nodes: Iterable[NodeFacts]) -> Plan:

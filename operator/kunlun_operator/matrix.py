@@ -1,13 +1,16 @@
-"""The compatibility matrix: which driver, firmware and KML versions each runtime version supports.
+"""The compatibility matrix: which driver, firmware and KML versions each runtime version supports,
+and the runtime image certified on them.
 
 Owns: the matrix's data format (the chart renders it into a ConfigMap under ``matrix.yaml``; a
-copy ships in this package as ``default_matrix.yaml``), its parsing, and the check of one spec
-against it. Must not talk to the API. Invariant: every problem names the spec field at fault.
+copy ships in this package as ``default_matrix.yaml``), its parsing, the choice of the runtime
+image for a spec without one (``select_image``) and the check of one spec against it. Must not
+talk to the API. Invariant: every problem names the spec field at fault.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -20,6 +23,10 @@ from kunlun_operator.spec import VersionsSpec
 
 MATRIX_KEY = "matrix.yaml"
 _COMPONENTS = ("driver", "firmware", "kml")
+#: Image variants of the runtime (``runtime/Dockerfile``); a tag ``<version>-<variant>`` is the
+#: runtime ``<version>`` built for that platform.
+VARIANTS = ("cpu", "cuda", "kunlun")
+_VARIANT_SUFFIX = re.compile(r"-(?:" + "|".join(VARIANTS) + r")$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +35,16 @@ class MatrixEntry:
     driver: frozenset[str]
     firmware: frozenset[str]
     kml: frozenset[str]
+    #: The runtime image (its ``kunlun`` variant) certified on these versions, a full reference
+    #: (the matrix's ``registry`` already applied); None: the entry names no image.
+    image: str | None = None
+
+    def certifies(self, versions: VersionsSpec) -> bool:
+        """True when every version ``versions`` sets is one this entry lists (unset ones match)."""
+        return all(
+            getattr(versions, key) is None or getattr(versions, key) in getattr(self, key)
+            for key in _COMPONENTS
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +59,38 @@ class Matrix:
                 return entry
         return None
 
+    def entries_for_image(self, image: str) -> tuple[MatrixEntry, ...]:
+        """The entries naming ``image`` itself; when none does, the first entry of its tag's
+        runtime version (empty when neither)."""
+        named = tuple(entry for entry in self.entries if entry.image == image)
+        if named:
+            return named
+        version = runtime_version(image)
+        entry = None if version is None else self.entry_for(version)
+        return () if entry is None else (entry,)
+
+
+def select_image(matrix: Matrix, versions: VersionsSpec, fallback: str) -> str:
+    """The runtime image for a spec without ``spec.runtime.image``.
+
+    The image of the first entry (in matrix order) that certifies ``versions`` and names one;
+    ``fallback`` (the operator's ``--default-runtime-image``) when no such entry names an image
+    (a matrix from before entries carried images, or versions outside the matrix under policy
+    Warn or Off, which ``check_versions`` then reports).
+    """
+    for entry in matrix.entries:
+        if entry.image is not None and entry.certifies(versions):
+            return entry.image
+    return fallback
+
+
+def resolve_image(image: str, registry: str | None) -> str:
+    """An entry's ``image`` as a full reference: ``repository:tag`` goes under ``registry``; a
+    reference with a ``/`` (``reg.io/team/rt:1``) is already full."""
+    if registry is None or "/" in image:
+        return image
+    return f"{registry.rstrip('/')}/{image}"
+
 
 def parse_matrix(text: str, *, source: str) -> Matrix:
     """Parse the ``matrix.yaml`` document.
@@ -53,6 +102,9 @@ def parse_matrix(text: str, *, source: str) -> Matrix:
     doc = yaml.safe_load(text) or {}
     if not isinstance(doc, Mapping) or not isinstance(doc.get("entries", []), list):
         raise ValueError(f"{source}: expected a mapping with an 'entries' list")
+    registry = doc.get("registry")
+    if registry is not None and (not isinstance(registry, str) or not registry):
+        raise ValueError(f"{source}: registry must be a non-empty string")
     entries = []
     for i, raw in enumerate(doc.get("entries", [])):
         if not isinstance(raw, Mapping) or "runtime" not in raw:
@@ -63,7 +115,16 @@ def parse_matrix(text: str, *, source: str) -> Matrix:
             if not isinstance(values, list) or not values:
                 raise ValueError(f"{source}: entries[{i}].{key} must be a non-empty list of versions")
             lists[key] = frozenset(str(v) for v in values)
-        entries.append(MatrixEntry(runtime=str(raw["runtime"]), **lists))
+        image = raw.get("image")
+        if image is not None and (not isinstance(image, str) or ":" not in image.rsplit("/", 1)[-1]):
+            raise ValueError(f"{source}: entries[{i}].image must be 'repository:tag', got {image!r}")
+        entries.append(
+            MatrixEntry(
+                runtime=str(raw["runtime"]),
+                **lists,
+                image=None if image is None else resolve_image(image, registry),
+            )
+        )
     cards = doc.get("cards", {}) or {}
     memory = {}
     for product, card in cards.items():
@@ -83,10 +144,11 @@ def merge_cards(matrix: Matrix, defaults: Matrix) -> Matrix:
 
 
 def runtime_version(image: str) -> str | None:
-    """The tag of ``image`` (``repo/name:0.1.0`` → ``0.1.0``); None for digests or no tag."""
+    """The runtime version in the tag of ``image`` (``repo/name:0.1.0`` and its variant
+    ``repo/name:0.1.0-kunlun`` → ``0.1.0``); None for digests or no tag."""
     name = image.split("@", 1)[0]
     last = name.rsplit("/", 1)[-1]
-    return last.rsplit(":", 1)[1] if ":" in last else None
+    return _VARIANT_SUFFIX.sub("", last.rsplit(":", 1)[1]) if ":" in last else None
 
 
 def check_versions(matrix: Matrix, image: str, versions: VersionsSpec) -> list[SpecError]:
@@ -94,8 +156,9 @@ def check_versions(matrix: Matrix, image: str, versions: VersionsSpec) -> list[S
 
     The policy is not consulted here: callers decide whether a problem rejects (Strict) or warns.
     """
+    candidates = matrix.entries_for_image(image)
     version = runtime_version(image)
-    if version is None:
+    if not candidates and version is None:
         return [
             SpecError(
                 "spec.runtime.image",
@@ -103,8 +166,7 @@ def check_versions(matrix: Matrix, image: str, versions: VersionsSpec) -> list[S
                 reason="UnknownRuntimeVersion",
             )
         ]
-    entry = matrix.entry_for(version)
-    if entry is None:
+    if not candidates:
         known = ", ".join(e.runtime for e in matrix.entries) or "none"
         return [
             SpecError(
@@ -113,6 +175,9 @@ def check_versions(matrix: Matrix, image: str, versions: VersionsSpec) -> list[S
                 reason="UnknownRuntimeVersion",
             )
         ]
+    if any(entry.certifies(versions) for entry in candidates):
+        return []
+    entry = candidates[0]
     problems = []
     for key in _COMPONENTS:
         wanted = getattr(versions, key)
@@ -121,7 +186,7 @@ def check_versions(matrix: Matrix, image: str, versions: VersionsSpec) -> list[S
             problems.append(
                 SpecError(
                     f"spec.versions.{key}",
-                    f"{key} {wanted} is not supported by runtime {version} "
+                    f"{key} {wanted} is not supported by runtime {version or entry.runtime} "
                     f"(supported: {', '.join(sorted(supported))})",
                     reason="UnsupportedVersions",
                 )
@@ -148,9 +213,14 @@ def parse_bytes(text: str, what: str) -> int:
 
 
 def as_dict(matrix: Matrix) -> dict[str, Any]:
-    """The matrix back in its documented form (for logs and the docs)."""
+    """The matrix back in its documented form (for logs and the docs); images as full references."""
     return {
         "entries": [
-            {"runtime": e.runtime, **{k: sorted(getattr(e, k)) for k in _COMPONENTS}} for e in matrix.entries
+            {
+                "runtime": e.runtime,
+                **{k: sorted(getattr(e, k)) for k in _COMPONENTS},
+                **({"image": e.image} if e.image is not None else {}),
+            }
+            for e in matrix.entries
         ]
     }

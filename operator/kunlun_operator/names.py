@@ -40,8 +40,14 @@ PLURAL = "kunluninferenceservices"
 #: The Prometheus Operator's API group (ServiceMonitor, PrometheusRule), discovered at run time.
 MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
 
-#: The container image used when ``spec.runtime.image`` is not set (``--default-runtime-image``).
+#: ``--default-runtime-image``: the image of a service without ``spec.runtime.image`` only when no
+#: compatibility-matrix entry certifying its versions names one (``matrix.select_image``).
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
+
+#: Host path of the node's KML version file: the file the labeler reads for the
+#: ``kunlun.dev/xpu.kml-version`` label (``kunlun_device.xpu.DEFAULT_KML_VERSION_FILE``, under the
+#: chart's ``devicePlugin.hostPaths.kunlunHome``). The preflight init container mounts it.
+HOST_KML_VERSION_FILE = "/usr/local/xpu/kml/VERSION"
 
 #: The runtime's HTTP port (OpenAI API, /health, /metrics); the Deployment passes it as ``--port``.
 RUNTIME_PORT = 8000

@@ -13,14 +13,19 @@ from typing import Any, Literal
 
 from kunlun_operator import names
 from kunlun_operator.builders.configmap import build_configmap, config_hash
-from kunlun_operator.builders.deployment import build_deployment, model_path
+from kunlun_operator.builders.deployment import (
+    DEFAULT_PREFLIGHT_HOST,
+    PreflightHost,
+    build_deployment,
+    model_path,
+)
 from kunlun_operator.builders.hpa import build_hpa
 from kunlun_operator.builders.pdb import build_pdb
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service, endpoint_url
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
 from kunlun_operator.errors import SpecError
-from kunlun_operator.matrix import Matrix, check_versions
+from kunlun_operator.matrix import Matrix, check_versions, select_image
 from kunlun_operator.nodes import NodeFacts, assess_nodes, version_mismatches
 from kunlun_operator.policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.replicas import CONDITION_TYPE as REPLICAS_HEALTHY
@@ -55,6 +60,7 @@ class ClusterFacts:
 
     nodes: tuple[NodeFacts, ...]
     matrix: Matrix
+    #: --default-runtime-image: only when no matrix entry certifying the versions names an image
     default_image: str = names.DEFAULT_RUNTIME_IMAGE
     monitoring_plurals: frozenset[str] = frozenset()  # served monitoring.coreos.com/v1 plurals
     deployment: DeploymentFacts | None = None
@@ -62,6 +68,9 @@ class ClusterFacts:
     pvc_exists: bool | None = None  # None: not a PVC source, or not looked up
     image_volumes: bool = False
     xpu_health_gate: bool = True  # --xpu-health-gate: the pods' readiness gate on card health
+    preflight_host: PreflightHost = (
+        DEFAULT_PREFLIGHT_HOST  # --preflight-kml-version-file, --preflight-xpu-smi
+    )
     policy: AdmissionPolicy = STRICTEST  # the cluster admin's admission policy
     #: Replicas on failed cards: who waits, who was evicted in this pass, who could not be.
     replacements: ReplacementOutcome = field(default_factory=ReplacementOutcome)
@@ -106,7 +115,7 @@ def reconcile(
         # Admitted under an older policy: stop serving it. The runtime pods go (they may mount a
         # host path or run an image the admin no longer allows); the rest is harmless and stays.
         return _failed_plan(ref, previous, violation, now, delete=(names.DEPLOYMENT, names.HPA))
-    image = spec.runtime.image or facts.default_image
+    image = spec.runtime.image or select_image(facts.matrix, spec.versions, facts.default_image)
     problems = [] if spec.versions.policy == "Off" else check_versions(facts.matrix, image, spec.versions)
     if problems and spec.versions.policy == "Strict":
         return _failed_plan(ref, previous, problems[0], now)
@@ -214,6 +223,7 @@ def desired_objects(
             image_volumes=facts.image_volumes,
             replicas=replicas,
             xpu_health_gate=facts.xpu_health_gate,
+            preflight_host=facts.preflight_host,
         ),
         build_pdb(ref, spec),
     ]

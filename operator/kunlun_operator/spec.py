@@ -84,7 +84,7 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class RuntimeSpec:
-    image: str | None = None  # None: the operator's --default-runtime-image
+    image: str | None = None  # None: the compatibility-matrix entry's image (matrix.select_image)
     dtype: Dtype = "auto"
     quantization: Quantization | None = None
     max_model_len: int | None = None

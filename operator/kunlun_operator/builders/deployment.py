@@ -2,7 +2,11 @@
 
 Owns: the pod template. Under ``Strict`` the pods require nodes whose labels carry the locked
 driver/firmware/KML versions, and an init container re-checks them on the node with
-``kunlun-runtime preflight`` before the model loads. The startup probe's budget grows with the
+``kunlun-runtime preflight`` before the model loads. That container requests the same number of
+cards as the runtime, so kubelet hands it the same device nodes (``/dev/xpuN``, ``/dev/xpuctrl``)
+and ``XPU_VISIBLE_DEVICES`` from the device plugin's ``Allocate``; it mounts the node's KML
+version file and, when configured, the node's ``xpu-smi`` (both read-only ``hostPath`` files) and
+passes their paths as flags (``PreflightHost``). The startup probe's budget grows with the
 model's size so a loading model is never killed; readiness and liveness start after it. A
 readiness gate on the node agent's ``kunlun.dev/xpu-healthy`` condition takes a pod on a failed
 card out of the Service before any request fails.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from kunlun_operator import names
@@ -30,11 +35,32 @@ MODEL_IMAGE_MOUNT = "/model-image"  # image volumes: the image's root; the model
 #: default to them), so the secrets never appear in the ConfigMap, the pod's args or ``ps``.
 API_KEY_ENV = "VLLM_API_KEY"
 METRICS_TOKEN_ENV = "KUNLUN_METRICS_TOKEN"
+#: Where the preflight container sees the node's files (hostPath mounts, read-only).
+PREFLIGHT_KML_VERSION_PATH = "/run/kunlun-host/kml/VERSION"
+PREFLIGHT_XPU_SMI_PATH = "/run/kunlun-host/bin/xpu-smi"
+PREFLIGHT_KML_VOLUME = "host-kml-version"
+PREFLIGHT_XPU_SMI_VOLUME = "host-xpu-smi"
 RESTRICTED_CONTAINER = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
     "readOnlyRootFilesystem": True,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightHost:
+    """The node's files the preflight init container mounts (operator flags ``--preflight-*``)."""
+
+    #: Host path of the KML version file (``hostPath`` of type File: a node without it does not
+    #: start the pod, and kubelet's event names the path).
+    kml_version_file: str = names.HOST_KML_VERSION_FILE
+    #: Host path of the node agent's ``xpu-smi`` (``hostPath`` of type File); None: the image's own
+    #: (``xpu-smi`` on its PATH, or ``$KUNLUN_XPU_SMI``).
+    xpu_smi: str | None = None
+
+
+#: The operator's defaults: the labeler's KML version file, the image's own xpu-smi.
+DEFAULT_PREFLIGHT_HOST = PreflightHost()
 
 
 def model_path(spec: InferenceSpec, *, image_volumes: bool) -> str:
@@ -143,7 +169,54 @@ def _runtime_container(spec: InferenceSpec, image: str, path: str) -> dict[str, 
     }
 
 
-def _init_containers(spec: InferenceSpec, image: str, *, image_volumes: bool) -> list[dict[str, Any]]:
+def _preflight_container(spec: InferenceSpec, image: str, host: PreflightHost) -> dict[str, Any]:
+    """``kunlun-runtime preflight`` on the cards kubelet allocates to it, with the node's files."""
+    driver, firmware, kml = spec.versions.locked_versions()
+    xpus = str(spec.resources.xpus)
+    args = [
+        "preflight",
+        "--expect-driver",
+        driver,
+        "--expect-firmware",
+        firmware,
+        "--expect-kml",
+        kml,
+        "--min-cards",
+        xpus,
+        "--require-allocation",
+        "--dev-root",
+        "/",
+        "--kml-version-file",
+        PREFLIGHT_KML_VERSION_PATH,
+    ]
+    mounts = [{"name": PREFLIGHT_KML_VOLUME, "mountPath": PREFLIGHT_KML_VERSION_PATH, "readOnly": True}]
+    if host.xpu_smi is not None:
+        args += ["--xpu-smi", PREFLIGHT_XPU_SMI_PATH]
+        mounts.append(
+            {"name": PREFLIGHT_XPU_SMI_VOLUME, "mountPath": PREFLIGHT_XPU_SMI_PATH, "readOnly": True}
+        )
+    return {
+        "name": "preflight",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kunlun-runtime"],
+        "args": args,
+        "resources": {"requests": {names.RESOURCE_NAME: xpus}, "limits": {names.RESOURCE_NAME: xpus}},
+        "securityContext": dict(RESTRICTED_CONTAINER),
+        "volumeMounts": mounts,
+    }
+
+
+def _preflight_volumes(host: PreflightHost) -> list[dict[str, Any]]:
+    volumes = [{"name": PREFLIGHT_KML_VOLUME, "hostPath": {"path": host.kml_version_file, "type": "File"}}]
+    if host.xpu_smi is not None:
+        volumes.append({"name": PREFLIGHT_XPU_SMI_VOLUME, "hostPath": {"path": host.xpu_smi, "type": "File"}})
+    return volumes
+
+
+def _init_containers(
+    spec: InferenceSpec, image: str, host: PreflightHost, *, image_volumes: bool
+) -> list[dict[str, Any]]:
     inits: list[dict[str, Any]] = []
     source = spec.model.source
     if source.kind == "image" and not image_volumes:
@@ -158,29 +231,7 @@ def _init_containers(spec: InferenceSpec, image: str, *, image_volumes: bool) ->
             }
         )
     if spec.versions.policy == "Strict":
-        driver, firmware, kml = spec.versions.locked_versions()
-        xpus = str(spec.resources.xpus)
-        inits.append(
-            {
-                "name": "preflight",
-                "image": image,
-                "imagePullPolicy": "IfNotPresent",
-                "command": ["kunlun-runtime"],
-                "args": [
-                    "preflight",
-                    "--expect-driver",
-                    driver,
-                    "--expect-firmware",
-                    firmware,
-                    "--expect-kml",
-                    kml,
-                    "--min-cards",
-                    xpus,
-                ],
-                "resources": {"requests": {names.RESOURCE_NAME: xpus}, "limits": {names.RESOURCE_NAME: xpus}},
-                "securityContext": dict(RESTRICTED_CONTAINER),
-            }
-        )
+        inits.append(_preflight_container(spec, image, host))
     return inits
 
 
@@ -202,10 +253,17 @@ def _model_volume(spec: InferenceSpec, *, image_volumes: bool) -> dict[str, Any]
 
 
 def build_pod_spec(
-    ref: ServiceRef, spec: InferenceSpec, image: str, *, image_volumes: bool, xpu_health_gate: bool = True
+    ref: ServiceRef,
+    spec: InferenceSpec,
+    image: str,
+    *,
+    image_volumes: bool,
+    xpu_health_gate: bool = True,
+    preflight_host: PreflightHost = DEFAULT_PREFLIGHT_HOST,
 ) -> dict[str, Any]:
     """The runtime pod; ``xpu_health_gate``: the readiness gate on the node agent's condition (off
-    only where no node agent sets it: a gate nobody sets keeps the pod NotReady forever)."""
+    only where no node agent sets it: a gate nobody sets keeps the pod NotReady forever);
+    ``preflight_host``: the node's files the Strict preflight mounts."""
     path = model_path(spec, image_volumes=image_volumes)
     node_selector = {names.LABEL_PRESENT: "true", **spec.scheduling.node_selector}
     if spec.resources.xpu_product:
@@ -236,7 +294,7 @@ def build_pod_spec(
         pod["affinity"] = affinity
     if spec.scheduling.priority_class_name:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
-    inits = _init_containers(spec, image, image_volumes=image_volumes)
+    inits = _init_containers(spec, image, preflight_host, image_volumes=image_volumes)
     if inits:
         pod["initContainers"] = inits
     pod["containers"] = [_runtime_container(spec, image, path)]
@@ -246,6 +304,8 @@ def build_pod_spec(
         {"name": "tmp", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
     ]
+    if spec.versions.policy == "Strict":
+        pod["volumes"] += _preflight_volumes(preflight_host)
     return pod
 
 
@@ -258,6 +318,7 @@ def build_deployment(
     image_volumes: bool,
     replicas: int,
     xpu_health_gate: bool = True,
+    preflight_host: PreflightHost = DEFAULT_PREFLIGHT_HOST,
 ) -> dict[str, Any]:
     """The runtime Deployment with ``replicas`` replicas."""
     deploy_spec: dict[str, Any] = {"replicas": replicas}
@@ -276,7 +337,12 @@ def build_deployment(
                     "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash},
                 },
                 "spec": build_pod_spec(
-                    ref, spec, image, image_volumes=image_volumes, xpu_health_gate=xpu_health_gate
+                    ref,
+                    spec,
+                    image,
+                    image_volumes=image_volumes,
+                    xpu_health_gate=xpu_health_gate,
+                    preflight_host=preflight_host,
                 ),
             },
         }

@@ -26,10 +26,21 @@ def _names(cluster: Cluster, plural: str, group: str = "") -> list[str]:
 def test_create_builds_every_object_and_reports_status(cluster: Cluster) -> None:
     cluster.add_node("xpu-1")
     metrics_port = free_port()
-    cluster.start_operator("--metrics-port", str(metrics_port))
+    cluster.start_operator("--metrics-port", str(metrics_port), "--preflight-xpu-smi", "/opt/xpu/bin/xpu-smi")
     created = cluster.create_service(copy.deepcopy(SPEC))
     wait_for(lambda: cluster.status().get("phase") == "Progressing", message="the status")
     uid = created["metadata"]["uid"]
+    # no runtime.image: the packaged matrix entry's kunlun image, also for the Strict preflight,
+    # which mounts the node's KML version file and the xpu-smi the operator was given
+    pod = cluster.kube.objects("deployments", "apps")[0]["spec"]["template"]["spec"]
+    assert {c["image"] for c in [*pod["initContainers"], *pod["containers"]]} == {
+        "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0-kunlun"
+    }
+    assert [v["hostPath"] for v in pod["volumes"] if "hostPath" in v] == [
+        {"path": "/data/qwen", "type": "Directory"},  # the model
+        {"path": "/usr/local/xpu/kml/VERSION", "type": "File"},
+        {"path": "/opt/xpu/bin/xpu-smi", "type": "File"},
+    ]
     for plural, group in [
         *OWNED,
         ("servicemonitors", "monitoring.coreos.com"),

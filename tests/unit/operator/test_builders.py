@@ -13,7 +13,13 @@ import yaml
 
 from kunlun_operator import names
 from kunlun_operator.builders.configmap import build_configmap, config_hash, runtime_args
-from kunlun_operator.builders.deployment import build_affinity, build_deployment, model_path
+from kunlun_operator.builders.deployment import (
+    PreflightHost,
+    build_affinity,
+    build_deployment,
+    build_pod_spec,
+    model_path,
+)
 from kunlun_operator.builders.hpa import build_hpa, quantity
 from kunlun_operator.builders.pdb import build_pdb
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
@@ -114,12 +120,24 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
                                 "3.2.0",
                                 "--min-cards",
                                 "1",
+                                "--require-allocation",
+                                "--dev-root",
+                                "/",
+                                "--kml-version-file",
+                                "/run/kunlun-host/kml/VERSION",
                             ],
                             "resources": {
                                 "requests": {"kunlunxin.com/xpu": "1"},
                                 "limits": {"kunlunxin.com/xpu": "1"},
                             },
                             "securityContext": RESTRICTED,
+                            "volumeMounts": [
+                                {
+                                    "name": "host-kml-version",
+                                    "mountPath": "/run/kunlun-host/kml/VERSION",
+                                    "readOnly": True,
+                                }
+                            ],
                         }
                     ],
                     "containers": [
@@ -165,6 +183,10 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
                         {"name": "config", "configMap": {"name": "qwen-config"}},
                         {"name": "tmp", "emptyDir": {}},
                         {"name": "shm", "emptyDir": {"medium": "Memory"}},
+                        {
+                            "name": "host-kml-version",
+                            "hostPath": {"path": "/usr/local/xpu/kml/VERSION", "type": "File"},
+                        },
                     ],
                 },
             },
@@ -184,6 +206,71 @@ def test_warn_policy_has_no_affinity_and_no_preflight() -> None:
     pod = deployment["spec"]["template"]["spec"]
     assert deployment["spec"]["replicas"] == 2
     assert "affinity" not in pod and "initContainers" not in pod
+
+
+def test_preflight_mounts_the_nodes_kml_file_and_xpu_smi_read_only_and_passes_their_paths() -> None:
+    spec = parse_spec(make_raw_spec(resources={"xpus": 4}))
+    host = PreflightHost(kml_version_file="/opt/xpu/kml/VERSION", xpu_smi="/opt/xpu/bin/xpu-smi")
+    pod = build_pod_spec(make_ref(), spec, IMAGE, image_volumes=False, preflight_host=host)
+    [init] = pod["initContainers"]
+    assert init["args"][init["args"].index("--min-cards") :] == [
+        "--min-cards",
+        "4",
+        "--require-allocation",
+        "--dev-root",
+        "/",
+        "--kml-version-file",
+        "/run/kunlun-host/kml/VERSION",
+        "--xpu-smi",
+        "/run/kunlun-host/bin/xpu-smi",
+    ]
+    # the same card count as the runtime: kubelet hands it the same devices and XPU_VISIBLE_DEVICES
+    assert (
+        init["resources"]
+        == pod["containers"][0]["resources"]
+        == {
+            "requests": {"kunlunxin.com/xpu": "4"},
+            "limits": {"kunlunxin.com/xpu": "4"},
+        }
+    )
+    assert init["volumeMounts"] == [
+        {"name": "host-kml-version", "mountPath": "/run/kunlun-host/kml/VERSION", "readOnly": True},
+        {"name": "host-xpu-smi", "mountPath": "/run/kunlun-host/bin/xpu-smi", "readOnly": True},
+    ]
+    assert pod["volumes"][-2:] == [
+        {"name": "host-kml-version", "hostPath": {"path": "/opt/xpu/kml/VERSION", "type": "File"}},
+        {"name": "host-xpu-smi", "hostPath": {"path": "/opt/xpu/bin/xpu-smi", "type": "File"}},
+    ]
+    # the runtime container mounts none of the node's files
+    assert {m["name"] for m in pod["containers"][0]["volumeMounts"]} == {"model", "config", "tmp", "shm"}
+
+
+def test_without_a_node_xpu_smi_the_preflight_uses_the_images_own() -> None:
+    pod = build_pod_spec(make_ref(), parse_spec(make_raw_spec()), IMAGE, image_volumes=False)
+    [init] = pod["initContainers"]
+    assert "--xpu-smi" not in init["args"]
+    assert [m["name"] for m in init["volumeMounts"]] == ["host-kml-version"]
+    assert [v["name"] for v in pod["volumes"] if "hostPath" in v] == ["host-kml-version"]
+
+
+def test_no_host_files_are_mounted_without_the_strict_preflight() -> None:
+    for policy in ("Warn", "Off"):
+        versions = {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": policy}
+        pod = build_pod_spec(
+            make_ref(),
+            parse_spec(make_raw_spec(versions=versions)),
+            IMAGE,
+            image_volumes=False,
+            preflight_host=PreflightHost(xpu_smi="/usr/bin/xpu-smi"),
+        )
+        assert "initContainers" not in pod
+        assert not [v for v in pod["volumes"] if "hostPath" in v]
+
+
+def test_the_default_kml_file_is_the_one_the_labeler_reads() -> None:
+    from kunlun_device.xpu import DEFAULT_KML_VERSION_FILE
+
+    assert PreflightHost().kml_version_file == names.HOST_KML_VERSION_FILE == DEFAULT_KML_VERSION_FILE
 
 
 def test_version_lock_is_anded_into_every_user_node_selector_term() -> None:
@@ -414,8 +501,13 @@ def test_every_built_object_is_valid_for_kubernetes(example: str, k8s_version: s
         )
     else:
         raw = load_example(example)["spec"]
-    # Image volumes exist from 1.31 on; older clusters get the copying init container.
-    facts = make_facts(image_volumes=k8s_version >= "1.31", monitoring_plurals=frozenset())
+    # Image volumes exist from 1.31 on; older clusters get the copying init container. The node's
+    # xpu-smi is mounted on the newer one, the image's is used on the older one.
+    facts = make_facts(
+        image_volumes=k8s_version >= "1.31",
+        monitoring_plurals=frozenset(),
+        preflight_host=PreflightHost(xpu_smi="/usr/local/bin/xpu-smi" if k8s_version >= "1.31" else None),
+    )
     objects, _ = desired_objects(make_ref(), parse_spec(raw), facts, IMAGE)
     kinds = set()
     for obj in objects:
@@ -442,3 +534,19 @@ def test_the_runtime_cli_accepts_every_command_the_operator_builds() -> None:
                 assert args.command == container["args"][0]
         serve = parser.parse_args(pod["containers"][0]["args"])
         assert (serve.port, serve.served_model_name) == (8000, raw["model"]["name"])
+
+
+def test_the_operator_flags_name_the_preflights_host_files() -> None:
+    from kunlun_operator.cli import build_parser, parse_preflight_host
+
+    def host(*flags: str) -> PreflightHost:
+        return parse_preflight_host(build_parser().parse_args(["run", *flags]))
+
+    assert host() == PreflightHost("/usr/local/xpu/kml/VERSION", None)
+    assert host("--preflight-kml-version-file", "/opt/kml", "--preflight-xpu-smi", "/opt/xpu-smi") == (
+        PreflightHost("/opt/kml", "/opt/xpu-smi")
+    )
+    with pytest.raises(SystemExit, match="--preflight-xpu-smi must be an absolute host path, got 'xpu-smi'"):
+        host("--preflight-xpu-smi", "xpu-smi")
+    with pytest.raises(SystemExit, match="--preflight-kml-version-file must not be empty"):
+        host("--preflight-kml-version-file", "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,14 @@ import yaml
 
 from kunlun_operator.admission import card_memory_of, review
 from kunlun_operator.feasibility import GiB, estimate_memory, startup_budget_seconds
-from kunlun_operator.matrix import as_dict, check_versions, load_default_matrix, parse_matrix, runtime_version
+from kunlun_operator.matrix import (
+    as_dict,
+    check_versions,
+    load_default_matrix,
+    parse_matrix,
+    runtime_version,
+    select_image,
+)
 from kunlun_operator.spec import VersionsSpec, parse_spec
 from tests.unit.operator.factories import make_raw_spec
 
@@ -19,11 +27,67 @@ VERSIONS_YAML = Path(__file__).resolve().parents[3] / "versions.yaml"
 @pytest.mark.skipif(not VERSIONS_YAML.exists(), reason="versions.yaml not in this checkout")
 def test_the_packaged_matrix_equals_the_release_versions() -> None:
     with VERSIONS_YAML.open() as f:
-        release = yaml.safe_load(f)["compatibility"]
+        versions = yaml.safe_load(f)
+    registry = versions["images"]["registry"]
     assert as_dict(load_default_matrix())["entries"] == [
-        {"runtime": str(e["runtime"]), **{k: sorted(map(str, e[k])) for k in ("driver", "firmware", "kml")}}
-        for e in release
+        {
+            "runtime": str(e["runtime"]),
+            **{k: sorted(map(str, e[k])) for k in ("driver", "firmware", "kml")},
+            "image": f"{registry}/{e['image']}",
+        }
+        for e in versions["compatibility"]
     ]
+
+
+@pytest.mark.skipif(not VERSIONS_YAML.exists(), reason="versions.yaml not in this checkout")
+def test_every_release_entry_names_the_kunlun_variant_of_its_runtime() -> None:
+    versions = yaml.safe_load(VERSIONS_YAML.read_text())
+    repository = versions["images"]["runtime"]["repository"]
+    for entry in versions["compatibility"]:
+        assert entry["image"] == f"{repository}:{entry['runtime']}-kunlun"
+    packaged = yaml.safe_load(resources.files("kunlun_operator").joinpath("default_matrix.yaml").read_text())
+    assert packaged["registry"] == versions["images"]["registry"]
+    assert packaged["entries"] == versions["compatibility"]
+
+
+def test_the_image_comes_from_the_entry_certifying_the_versions() -> None:
+    matrix = parse_matrix(
+        "registry: reg.io/team\n"
+        "entries:\n"
+        "- {runtime: 0.2.0, image: 'rt:0.2.0-kunlun', driver: [d2], firmware: [f], kml: [k]}\n"
+        "- {runtime: 0.1.0, image: 'rt:0.1.0-kunlun', driver: [d1, d2], firmware: [f], kml: [k]}\n"
+        "- {runtime: 0.0.9, image: 'other.io/x/rt:0.0.9', driver: [d0], firmware: [f], kml: [k]}\n"
+        "- {runtime: 0.0.8, driver: [d8], firmware: [f], kml: [k]}\n",
+        source="t",
+    )
+    fallback = "fallback.io/rt:0.0.1"
+    # the first entry in matrix order that certifies all three versions
+    assert select_image(matrix, VersionsSpec("d2", "f", "k"), fallback) == "reg.io/team/rt:0.2.0-kunlun"
+    assert select_image(matrix, VersionsSpec("d1", "f", "k"), fallback) == "reg.io/team/rt:0.1.0-kunlun"
+    assert select_image(matrix, VersionsSpec("d0", "f", "k"), fallback) == "other.io/x/rt:0.0.9"
+    # an entry without an image, or no certifying entry: the operator's --default-runtime-image
+    assert select_image(matrix, VersionsSpec("d8", "f", "k"), fallback) == fallback
+    assert select_image(matrix, VersionsSpec("d9", "f", "k"), fallback) == fallback
+    # policy Off leaves versions unset: they match any entry
+    assert (
+        select_image(matrix, VersionsSpec(None, None, None, "Off"), fallback) == "reg.io/team/rt:0.2.0-kunlun"
+    )
+    # the chosen image is checked against its own entry, and so is the variant's tag
+    assert check_versions(matrix, "reg.io/team/rt:0.1.0-kunlun", VersionsSpec("d1", "f", "k")) == []
+    assert check_versions(matrix, "reg.io/elsewhere/rt:0.1.0-cuda", VersionsSpec("d1", "f", "k")) == []
+    assert runtime_version("reg.io/team/rt:0.1.0-kunlun") == "0.1.0"
+    [problem] = check_versions(matrix, "reg.io/team/rt:0.2.0-kunlun", VersionsSpec("d1", "f", "k"))
+    assert (problem.field, problem.message) == (
+        "spec.versions.driver",
+        "driver d1 is not supported by runtime 0.2.0 (supported: d2)",
+    )
+
+
+def test_an_entry_image_without_a_tag_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"t: entries\[0\].image must be 'repository:tag', got 'rt'"):
+        parse_matrix(
+            "entries:\n- {runtime: x, image: rt, driver: [a], firmware: [b], kml: [c]}\n", source="t"
+        )
 
 
 def test_versions_are_checked_per_component_against_the_image_tag() -> None:
@@ -98,3 +162,13 @@ def test_admission_finds_a_card_by_label_value_or_family_and_reports_the_numbers
     assert review({**big, "resources": {"xpus": 2, "xpuProduct": "P800-OAM"}}, matrix, "rt:0.1.0").allowed
     unknown = review({**big, "resources": {"xpuProduct": "X9"}}, matrix, "rt:0.1.0")
     assert unknown.allowed and unknown.warnings[0].startswith("spec.resources.xpuProduct: card X9")
+
+
+def test_the_webhook_checks_the_image_the_matrix_gives_a_service_without_one() -> None:
+    matrix = load_default_matrix()
+    # the fallback names a runtime outside the matrix: it would be denied, were it used
+    assert review(make_raw_spec(), matrix, "rt:9.9.9").allowed
+    denied = review(
+        make_raw_spec(versions={"driver": "9.9", "firmware": "f", "kml": "k"}), matrix, "rt:9.9.9"
+    )
+    assert denied.denial is not None and denied.denial.field == "spec.runtime.image"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kunlun_operator import names
+from kunlun_operator.matrix import parse_matrix
+from kunlun_operator.policy import AdmissionPolicy
 from kunlun_operator.reconcile import PodFacts, reconcile
 from kunlun_operator.status import DeploymentFacts
 from tests.unit.operator.factories import NOW, make_facts, make_node, make_raw_spec, make_ref
@@ -179,3 +181,62 @@ def test_monitoring_objects_only_when_the_prometheus_operator_is_served() -> Non
 def test_missing_pvc_is_reported() -> None:
     plan = reconcile(make_ref(), make_raw_spec(), None, make_facts(pvc_exists=False), now=NOW)
     assert _conditions(plan.status)["ModelAvailable"] == ("False", "PVCNotFound")
+
+
+def _image(plan: Any) -> str:
+    deployment = next(o for o in plan.apply if o["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    images = {c["image"] for c in [*pod.get("initContainers", []), *pod["containers"]]}
+    assert len(images) == 1  # the preflight runs in the runtime's image
+    return images.pop()
+
+
+MATRIX_WITH_IMAGES = """
+registry: reg.io/kl
+entries:
+- {runtime: 0.2.0, image: 'kunlun-runtime:0.2.0-kunlun', driver: ['6.0'], firmware: ['1.0.2.14.1.54'], kml: ['3.2.0']}
+- {runtime: 0.1.0, image: 'kunlun-runtime:0.1.0-kunlun', driver: ['5.0.21.26'], firmware: ['1.0.2.14.1.54'],
+   kml: ['3.2.0']}
+"""
+
+
+def test_without_an_image_the_service_runs_the_matrix_entrys_image() -> None:
+    matrix = parse_matrix(MATRIX_WITH_IMAGES, source="t")
+    facts = make_facts(matrix=matrix, default_image="fallback.io/rt:0.0.1")
+    plan = reconcile(make_ref(), make_raw_spec(), None, facts, now=NOW)
+    assert _image(plan) == "reg.io/kl/kunlun-runtime:0.1.0-kunlun"
+    assert plan.status["phase"] == "Pending"
+    newer = make_raw_spec(versions={"driver": "6.0", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"})
+    assert (
+        _image(reconcile(make_ref(), newer, None, facts, now=NOW)) == "reg.io/kl/kunlun-runtime:0.2.0-kunlun"
+    )
+    # the packaged matrix: the release's kunlun variant
+    assert _image(reconcile(make_ref(), make_raw_spec(), None, make_facts(), now=NOW)) == (
+        "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0-kunlun"
+    )
+
+
+def test_the_default_runtime_image_is_only_the_fallback() -> None:
+    matrix = parse_matrix(
+        "entries:\n- {runtime: 0.1.0, driver: ['5.0.21.26'], firmware: ['1.0.2.14.1.54'], kml: ['3.2.0']}\n",
+        source="t",
+    )
+    facts = make_facts(matrix=matrix, default_image="fallback.io/rt:0.1.0")
+    assert _image(reconcile(make_ref(), make_raw_spec(), None, facts, now=NOW)) == "fallback.io/rt:0.1.0"
+
+
+def test_a_services_own_image_overrides_the_matrix_under_the_admission_policy() -> None:
+    facts = make_facts(
+        matrix=parse_matrix(MATRIX_WITH_IMAGES, source="t"),
+        policy=AdmissionPolicy(runtime_images=("reg.io/kl/",)),
+    )
+    own = make_raw_spec(runtime={"image": "reg.io/kl/kunlun-runtime:0.1.0-kunlun-debug"})
+    plan = reconcile(make_ref(), own, None, facts, now=NOW)
+    assert plan.status["phase"] == "Failed"  # its tag names no runtime version in the matrix
+    own = make_raw_spec(runtime={"image": "reg.io/kl/kunlun-runtime:0.1.0"})
+    assert _image(reconcile(make_ref(), own, None, facts, now=NOW)) == "reg.io/kl/kunlun-runtime:0.1.0"
+    outside = make_raw_spec(runtime={"image": "evil.io/kunlun-runtime:0.1.0-kunlun"})
+    plan = reconcile(make_ref(), outside, None, facts, now=NOW)
+    assert plan.apply == ()
+    assert plan.status["lastFailure"]["reason"] == "PolicyViolation"
+    assert "spec.runtime.image" in plan.status["lastFailure"]["message"]
