@@ -7,21 +7,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from kunlun_device import cli as device_cli
 from kunlun_operator import cli as operator_cli
 from kunlun_operator.policy import AdmissionPolicy, parse_policy
 from tests.chart.test_templates import PREFIX, containers, parse_cli
 from tests.chart.tools import Rendered, render
 
-HARDENED = {
+UNPRIVILEGED = {
     "privileged": False,
     "allowPrivilegeEscalation": False,
     "readOnlyRootFilesystem": True,
-    "runAsUser": 0,
-    "runAsNonRoot": False,
     "capabilities": {"drop": ["ALL"]},
     "seccompProfile": {"type": "RuntimeDefault"},
 }
+# the labeler runs as nobody; the exporter keeps uid 0 (no capabilities) for kubelet's root-owned
+# pod-resources socket, which a client must be able to write to connect
+LABELER = UNPRIVILEGED | {"runAsUser": 65534, "runAsGroup": 65534, "runAsNonRoot": True}
+EXPORTER = UNPRIVILEGED | {"runAsUser": 0, "runAsNonRoot": False}
 PRIVILEGED = {"privileged": True, "runAsUser": 0, "runAsNonRoot": False, "readOnlyRootFilesystem": True}
+SNAPSHOT = "/run/kunlun-snapshot/node.json"
+HOST_MOUNTS = {"host-dev", "host-sys", "kunlun-home", "xpu-smi"}
 
 
 def _validate(rendered: Rendered, kube_version: str, tmp_path: Path) -> str:
@@ -36,30 +43,73 @@ def _validate(rendered: Rendered, kube_version: str, tmp_path: Path) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_device_containers_are_privileged_only_for_xpu_smi_and_the_readers_can_drop_it(
+def test_only_the_plugin_is_privileged_and_the_readers_see_the_hardware_through_its_snapshot(
     default_render: Rendered,
 ) -> None:
     by_name = containers(default_render, "DaemonSet", "-device-plugin")
     assert {name: c["securityContext"] for name, c in by_name.items()} == {
         "plugin": PRIVILEGED,
-        "labeler": PRIVILEGED,
+        "labeler": LABELER,
+        "exporter": EXPORTER,
+    }
+    mounts = {name: {m["name"]: m for m in c["volumeMounts"]} for name, c in by_name.items()}
+    assert mounts["plugin"]["host-dev"] == {"name": "host-dev", "mountPath": "/host/dev"}
+    assert mounts["plugin"]["node-snapshot"] == {"name": "node-snapshot", "mountPath": "/run/kunlun-snapshot"}
+    for reader in ("labeler", "exporter"):
+        assert not HOST_MOUNTS & set(mounts[reader])  # no /dev (nor /sys, xpu-smi) at all
+        assert mounts[reader]["node-snapshot"] == {
+            "name": "node-snapshot",
+            "mountPath": "/run/kunlun-snapshot",
+            "readOnly": True,
+        }
+    assert {m.get("readOnly", False) for r in ("labeler", "exporter") for m in mounts[r].values()} == {True}
+    args = {name: parse_cli(device_cli, c["args"]) for name, c in by_name.items()}
+    assert args["plugin"].snapshot_file == SNAPSHOT
+    assert (args["labeler"].source, args["exporter"].source) == (f"snapshot:{SNAPSHOT}",) * 2
+    volumes = {
+        v["name"]: v
+        for v in default_render.one("DaemonSet", "-device-plugin")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert volumes["node-snapshot"] == {
+        "name": "node-snapshot",
+        "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"},
+    }
+
+
+def test_a_reader_opted_into_privileged_runs_xpu_smi_itself_with_dev_read_only() -> None:
+    opted = render(
+        overrides={
+            "devicePlugin": {
+                "exporter": {"privileged": True},
+                "labeler": {"privileged": True},
+                "hostPaths": {"xpuSmi": "/opt/kunlun/bin/xpu-smi"},
+            }
+        }
+    )
+    by_name = containers(opted, "DaemonSet", "-device-plugin")
+    assert {name: c["securityContext"] for name, c in by_name.items()} == dict.fromkeys(by_name, PRIVILEGED)
+    for reader in ("labeler", "exporter"):
+        mounts = {m["name"]: m for m in by_name[reader]["volumeMounts"]}
+        assert set(mounts) >= HOST_MOUNTS and "node-snapshot" not in mounts
+        assert all(mounts[name]["readOnly"] for name in HOST_MOUNTS)
+        args = parse_cli(device_cli, by_name[reader]["args"])
+        assert (args.source, args.dev_root, args.xpu_smi) == ("xpu-smi", "/host", "/usr/local/bin/xpu-smi")
+    mixed = containers(
+        render(overrides={"devicePlugin": {"exporter": {"privileged": True}}}), "DaemonSet", "-device-plugin"
+    )
+    assert {name: c["securityContext"] for name, c in mixed.items()} == {
+        "plugin": PRIVILEGED,
+        "labeler": LABELER,
         "exporter": PRIVILEGED,
     }
-    dev = {name: next(m for m in c["volumeMounts"] if m["name"] == "host-dev") for name, c in by_name.items()}
-    assert {name: m.get("readOnly", False) for name, m in dev.items()} == {
-        "plugin": False,
-        "labeler": True,
-        "exporter": True,
-    }
-    unprivileged = render(
-        overrides={"devicePlugin": {"exporter": {"privileged": False}, "labeler": {"privileged": False}}}
-    )
-    by_name = containers(unprivileged, "DaemonSet", "-device-plugin")
-    assert {name: c["securityContext"] for name, c in by_name.items()} == {
-        "plugin": PRIVILEGED,
-        "labeler": HARDENED,
-        "exporter": HARDENED,
-    }
+
+
+def test_the_hardened_daemonset_is_valid_on_1_28_and_1_31(default_render: Rendered, tmp_path: Path) -> None:
+    daemonset = default_render.one("DaemonSet", "-device-plugin")
+    only = Rendered(text=yaml.safe_dump(daemonset), docs=(daemonset,))
+    for version in ("1.28.0", "1.31.0"):
+        out = _validate(only, version, tmp_path)
+        assert "ERROR" not in out and out.count("passed for resource daemonset/") == 1, out
 
 
 def test_admission_policy_reaches_the_operator_as_a_file_it_parses(default_render: Rendered) -> None:

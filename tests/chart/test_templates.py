@@ -58,6 +58,7 @@ def test_operator_arguments_default(default_render: Rendered) -> None:
         "--all-namespaces",
         f"--compatibility-configmap={NAMESPACE}/{PREFIX}-compatibility",
         "--default-runtime-image=ghcr.io/kunlun-inference/kunlun-runtime:0.1.0",
+        "--preflight-kml-version-file=/usr/local/xpu/kml/VERSION",
         "--admission-policy=/etc/kunlun-operator/policy/policy.yaml",
         "--webhook-port=9443",
         "--webhook-cert-dir=/etc/kunlun-operator/webhook",
@@ -69,6 +70,26 @@ def test_operator_arguments_default(default_render: Rendered) -> None:
         8080,
         9443,
     )
+
+
+def test_preflight_host_files_follow_the_device_plugins_paths_unless_set() -> None:
+    def preflight_args(overrides: dict) -> list[str]:
+        operator = containers(render(overrides=overrides), "Deployment", "-operator")["operator"]
+        return [a for a in operator["args"] if a.startswith("--preflight-")]
+
+    # the device plugin's install directory and host xpu-smi (the labeler reads the same files)
+    assert preflight_args(
+        {"devicePlugin": {"hostPaths": {"kunlunHome": "/opt/xpu/", "xpuSmi": "/opt/xpu/bin/xpu-smi"}}}
+    ) == [
+        "--preflight-kml-version-file=/opt/xpu/kml/VERSION",
+        "--preflight-xpu-smi=/opt/xpu/bin/xpu-smi",
+    ]
+    # set for the preflight alone
+    own = {"runtime": {"preflight": {"kmlVersionFile": "/etc/kml.version", "xpuSmi": "/usr/sbin/xpu-smi"}}}
+    assert preflight_args(own) == [
+        "--preflight-kml-version-file=/etc/kml.version",
+        "--preflight-xpu-smi=/usr/sbin/xpu-smi",
+    ]
 
 
 def test_operator_ha_runs_replicas_with_peering_spread_over_nodes(rendered_sets: dict[str, Rendered]) -> None:
@@ -209,24 +230,31 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
         "kunlun-home": "/usr/local/xpu",
     }
     assert [v for v in spec["volumes"] if "hostPath" not in v] == [
-        {"name": "fault-state", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+        {"name": "fault-state", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+        {"name": "node-snapshot", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
     ]
     by_name = {c["name"]: c for c in spec["containers"]}
     assert list(by_name) == ["plugin", "labeler", "exporter"]
     mounts = {name: {m["mountPath"] for m in c["volumeMounts"]} for name, c in by_name.items()}
     host = {"/host/dev", "/host/sys", "/host/usr/local/xpu"}
+    snapshot = "/run/kunlun-snapshot"
     assert mounts == {
-        "plugin": host | {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/run/kunlun"},
-        "labeler": host,
-        "exporter": host | {"/var/lib/kubelet/pod-resources", "/run/kunlun"},
+        "plugin": host
+        | {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/run/kunlun", snapshot},
+        "labeler": {snapshot},  # the hardware only through the plugin's snapshot
+        "exporter": {"/var/lib/kubelet/pod-resources", "/run/kunlun", snapshot},
     }
     for name, container in by_name.items():
         assert container["env"] == [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
         ]
         args = parse_cli(device_cli, container["args"])
-        assert (args.command, args.dev_root, args.xpu_smi) == (name, "/host", "/usr/local/bin/xpu-smi")
+        assert args.command == name
     plugin = parse_cli(device_cli, by_name["plugin"]["args"])
+    assert (plugin.dev_root, plugin.xpu_smi) == ("/host", "/usr/local/bin/xpu-smi")
+    assert plugin.snapshot_file == f"{snapshot}/node.json"
+    for reader in ("labeler", "exporter"):
+        assert parse_cli(device_cli, by_name[reader]["args"]).source == f"snapshot:{snapshot}/node.json"
     assert plugin.kubelet_dir == "/var/lib/kubelet/device-plugins"
     assert (
         plugin.respond_to_faults,

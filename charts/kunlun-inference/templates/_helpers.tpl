@@ -129,6 +129,11 @@ seccompProfile:
 - --compatibility-configmap={{ .Release.Namespace }}/{{ include "kunlun-inference.compatibility.fullname" . }}
 {{- end }}
 - --default-runtime-image={{ include "kunlun-inference.image" (dict "ctx" . "image" .Values.runtime.image) }}
+{{- $preflight := .Values.runtime.preflight | default dict }}
+- --preflight-kml-version-file={{ $preflight.kmlVersionFile | default (printf "%s/kml/VERSION" (trimSuffix "/" .Values.devicePlugin.hostPaths.kunlunHome)) }}
+{{- with ($preflight.xpuSmi | default .Values.devicePlugin.hostPaths.xpuSmi) }}
+- --preflight-xpu-smi={{ . }}
+{{- end }}
 - --admission-policy=/etc/kunlun-operator/policy/policy.yaml
 {{- if .Values.operator.webhook.enabled }}
 - --webhook-port={{ .Values.operator.webhook.port }}
@@ -189,12 +194,28 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
   verbs: ["get", "list", "watch", "patch"]
 {{- end -}}
 
+{{/* The node snapshot the plugin writes each round and the unprivileged labeler and exporter read
+(an emptyDir shared by the DaemonSet's containers; docs/device-plugin.md). */}}
+{{- define "kunlun-inference.devicePlugin.snapshotFile" -}}
+/run/kunlun-snapshot/node.json
+{{- end -}}
+
+{{/* "true" when this container runs xpu-smi itself (the plugin always; the labeler and the exporter
+only with devicePlugin.<name>.privileged), else "" (it reads the plugin's node snapshot). */}}
+{{- define "kunlun-inference.devicePlugin.readsHardware" -}}
+{{- if or (eq .command "plugin") (index .ctx.Values.devicePlugin .command).privileged }}true{{ end -}}
+{{- end -}}
+
 {{/* Arguments of one device-plugin container: (dict "ctx" $ "command" "plugin|labeler|exporter"). Flags: docs/device-plugin.md. */}}
 {{- define "kunlun-inference.devicePlugin.args" -}}
 {{- $v := .ctx.Values.devicePlugin -}}
 - {{ .command }}
+{{- if include "kunlun-inference.devicePlugin.readsHardware" . }}
 - --xpu-smi={{ $v.xpuSmi }}
 - --dev-root=/host
+{{- else }}
+- --source=snapshot:{{ include "kunlun-inference.devicePlugin.snapshotFile" . }}
+{{- end }}
 - --log-level={{ $v.logLevel }}
 {{- if ne .command "labeler" }}
 - --health-interval={{ $v.health.intervalSeconds }}
@@ -204,6 +225,7 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 {{- end }}
 {{- if eq .command "plugin" }}
 - --kubelet-dir=/var/lib/kubelet/device-plugins
+- --snapshot-file={{ include "kunlun-inference.devicePlugin.snapshotFile" . }}
 {{- if $v.faults.enabled }}
 - --respond-to-faults
 - --pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock
@@ -226,8 +248,11 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 {{- end }}
 {{- end -}}
 
-{{/* Volume mounts of one device-plugin container (host paths: docs/device-plugin.md). */}}
+{{/* Volume mounts of one device-plugin container (host paths: docs/device-plugin.md). Only a
+container that runs xpu-smi mounts the host's /dev, /sys and Kunlun home; the others mount the
+node snapshot, read-only. */}}
 {{- define "kunlun-inference.devicePlugin.mounts" -}}
+{{- if include "kunlun-inference.devicePlugin.readsHardware" . }}
 {{- if eq .command "plugin" }}
 - {name: host-dev, mountPath: /host/dev}
 {{- else }}
@@ -237,6 +262,12 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 - {name: kunlun-home, mountPath: /host/usr/local/xpu, readOnly: true}
 {{- if .ctx.Values.devicePlugin.hostPaths.xpuSmi }}
 - {name: xpu-smi, mountPath: {{ .ctx.Values.devicePlugin.xpuSmi }}, readOnly: true}
+{{- end }}
+{{- end }}
+{{- if eq .command "plugin" }}
+- {name: node-snapshot, mountPath: /run/kunlun-snapshot}
+{{- else if not (include "kunlun-inference.devicePlugin.readsHardware" .) }}
+- {name: node-snapshot, mountPath: /run/kunlun-snapshot, readOnly: true}
 {{- end }}
 {{- if eq .command "plugin" }}
 - {name: device-plugins, mountPath: /var/lib/kubelet/device-plugins}
@@ -254,18 +285,19 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 
 {{/*
 Security context of one device-plugin container. Only the plugin is privileged, as GPU device
-plugins are: its health checks run xpu-smi, which opens /dev/xpu* and /dev/xpuctrl, and a
-container that is not privileged cannot open host device nodes (the device cgroup allows only the
-devices kubelet hands it); it also writes its socket into kubelet's root-owned device-plugins
-directory. The labeler and the exporter are not privileged by default: no capabilities, no
-privilege escalation, RuntimeDefault seccomp, /dev read-only. They still run as uid 0 because the
-device nodes and kubelet's pod-resources socket are root-owned; with every capability dropped that
-root cannot bypass file permissions. Their xpu-smi needs the device nodes too: where the node does
-not grant them otherwise, set devicePlugin.<labeler|exporter>.privileged (docs/chart.md).
+plugins are: it is the one container that reads the hardware. Its health checks run xpu-smi, which
+opens /dev/xpu* and /dev/xpuctrl, and a container that is not privileged cannot open host device
+nodes (the device cgroup allows only the devices kubelet hands it); it also writes its socket into
+kubelet's root-owned device-plugins directory. Each round it writes the node snapshot, which the
+labeler and the exporter read by default: they mount no /dev at all, run with no capabilities, no
+privilege escalation, RuntimeDefault seccomp and a read-only root filesystem. The labeler runs as
+nobody (65534); the exporter as uid 0 only because kubelet's pod-resources socket is root-owned
+(connecting needs write permission on it), and with every capability dropped that root cannot
+bypass file permissions. devicePlugin.<labeler|exporter>.privileged: true is the opt-in for the
+old way: that container runs xpu-smi itself, privileged, with the host's /dev read-only.
 */}}
 {{- define "kunlun-inference.devicePlugin.securityContext" -}}
-{{- $c := index .ctx.Values.devicePlugin .command -}}
-{{- if or (eq .command "plugin") $c.privileged -}}
+{{- if include "kunlun-inference.devicePlugin.readsHardware" . -}}
 privileged: true
 runAsUser: 0
 runAsNonRoot: false
@@ -274,8 +306,14 @@ readOnlyRootFilesystem: true
 privileged: false
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
+{{- if eq .command "exporter" }}
 runAsUser: 0
 runAsNonRoot: false
+{{- else }}
+runAsUser: 65534
+runAsGroup: 65534
+runAsNonRoot: true
+{{- end }}
 capabilities:
   drop: ["ALL"]
 seccompProfile:
