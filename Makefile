@@ -1,6 +1,7 @@
 # kunlun-inference — the two commands a newcomer needs:
 #   make run    install everything and serve/generate with the embedded default model
 #   make test   install everything and run the whole test suite
+#   make images build the container images with podman (KUNLUN_STACK=DIR adds the kunlun variant)
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -8,7 +9,7 @@ PROMPT ?= Explain in one sentence what a paged KV cache is.
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: run generate test install tools lint clean
+.PHONY: run generate test install tools lint images clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,11 @@ generate: install
 
 test: install tools
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest -q tests
+
+# localhost/kunlun-runtime:cpu, kunlun-operator:dev, kunlun-device-plugin:dev, and
+# localhost/kunlun-runtime:kunlun when KUNLUN_STACK names a vendor stack (docs/chart.md#container-images).
+images: install
+	bash scripts/build-images.sh
 
 # Style, formatting, types and the import layers (docs/architecture.md); CI runs it before the tests.
 lint: install

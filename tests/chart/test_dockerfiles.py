@@ -1,6 +1,6 @@
-"""Static checks of the three Dockerfiles (no Docker engine here: images are built in the
-release pipeline). Pinned base image and packages, a non-root final USER, OCI labels that carry
-the versions, and the runtime's Kunlun stack versions as recorded build arguments."""
+"""Static checks of the three Dockerfiles: pinned base image and packages, a non-root USER and
+OCI labels that carry the versions in every image target, and the runtime's Kunlun stack versions
+as recorded build arguments. tests/images builds and runs the images themselves (with podman)."""
 
 from __future__ import annotations
 
@@ -34,15 +34,30 @@ class Dockerfile:
         for keyword, rest in self.instructions:
             if keyword == "ARG":
                 name, _, default = rest.partition("=")
-                out[name] = default or None
+                # `ARG NAME` alone inside a stage re-imports a global ARG declared with its default.
+                out[name] = default or out.get(name)
         return out
+
+    def stage_names(self) -> set[str]:
+        return {rest.split()[-1] for rest in self.all("FROM") if " AS " in f" {rest.upper()} "}
+
+    def stage(self, name: str | None = None) -> list[tuple[str, str]]:
+        """The instructions of stage ``name`` (default: the last one), its parent stages' first:
+        what the image built with ``--target name`` is made of."""
+        starts = [i for i, (kw, _) in enumerate(self.instructions) if kw == "FROM"]
+        bounds = dict(zip(starts, [*starts[1:], len(self.instructions)], strict=True))
+        by_name = {
+            self.instructions[i][1].split()[-1]: i
+            for i in starts
+            if " AS " in f" {self.instructions[i][1].upper()} "
+        }
+        start = starts[-1] if name is None else by_name[name]
+        own = list(self.instructions[start : bounds[start]])
+        parent = own[0][1].split()[0]
+        return (self.stage(parent) if parent in by_name else []) + own
 
     def all(self, keyword: str) -> list[str]:
         return [rest for kw, rest in self.instructions if kw == keyword]
-
-    def final_stage(self) -> list[tuple[str, str]]:
-        starts = [i for i, (kw, _) in enumerate(self.instructions) if kw == "FROM"]
-        return list(self.instructions[starts[-1] :])
 
     def resolve(self, text: str) -> str:
         args = self.args()
@@ -52,8 +67,9 @@ class Dockerfile:
 _PIP_VALUE_OPTIONS = {"-r", "--requirement", "--index-url", "-i", "--prefix", "-c", "--constraint"}
 
 
-def check(dockerfile: Dockerfile) -> list[str]:
-    """Every problem of one Dockerfile, as readable sentences (empty when it passes)."""
+def check(dockerfile: Dockerfile, targets: tuple[str | None, ...] = ()) -> list[str]:
+    """Every problem of one Dockerfile and of each of its image ``targets`` (default: the last
+    stage), as readable sentences (empty when it passes)."""
     problems = []
     args = dockerfile.args()
     for name, default in args.items():
@@ -61,7 +77,7 @@ def check(dockerfile: Dockerfile) -> list[str]:
             problems.append(f"ARG {name} has no default version")
     for source in dockerfile.all("FROM"):
         image = dockerfile.resolve(source.split()[0])
-        if image in {"build"} or " AS " in f" {image} ":
+        if image in dockerfile.stage_names():
             continue
         if "@sha256:" not in image and not re.search(r":[0-9]+\.[0-9]+(\.[0-9]+)?[^:/]*$", image):
             problems.append(f"FROM {image} is not pinned to a version or digest")
@@ -75,16 +91,24 @@ def check(dockerfile: Dockerfile) -> list[str]:
                 problems.append("pip install mixes indexes (--extra-index-url)")
             words = chunk.split()
             for i, word in enumerate(words):
-                if word.startswith("-") or word in {".", "/install"} or words[i - 1] in _PIP_VALUE_OPTIONS:
+                local = word in {".", "/install"} or word.endswith(".whl")  # built or checked here
+                if word.startswith("-") or local or words[i - 1] in _PIP_VALUE_OPTIONS:
                     continue
                 if "==" not in word:
                     problems.append(f"pip package {word} is not pinned (name==version)")
-    final = dockerfile.final_stage()
+    for target in targets or (None,):
+        problems += check_image(dockerfile.stage(target), "" if target is None else f"{target}: ")
+    return problems
+
+
+def check_image(final: list[tuple[str, str]], where: str = "") -> list[str]:
+    """The problems of one image target (its stage and its parents)."""
+    problems = []
     users = [rest for kw, rest in final if kw == "USER"]
     if not users:
-        problems.append("final stage has no USER")
+        problems.append(f"{where}final stage has no USER")
     elif users[-1].split(":")[0] in {"root", "0"}:
-        problems.append(f"final USER is root ({users[-1]})")
+        problems.append(f"{where}final USER is root ({users[-1]})")
     labels = " ".join(rest for kw, rest in final if kw == "LABEL")
     for key in (
         "org.opencontainers.image.version",
@@ -92,22 +116,35 @@ def check(dockerfile: Dockerfile) -> list[str]:
         "org.opencontainers.image.source",
     ):
         if key not in labels:
-            problems.append(f"LABEL {key} missing")
+            problems.append(f"{where}LABEL {key} missing")
     if 'org.opencontainers.image.version="${VERSION}"' not in labels:
-        problems.append("image version label is not the VERSION build argument")
+        problems.append(f"{where}image version label is not the VERSION build argument")
     return problems
+
+
+# The image targets of each Dockerfile (None: the last stage); the last stage is the default.
+TARGETS: dict[str, tuple[str | None, ...]] = {
+    "runtime": ("cpu", "cuda", "kunlun"),
+    "operator": (None,),
+    "device-plugin": ("host-xpu-smi", "with-stack"),
+}
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_dockerfile_passes_the_static_checks(component: str) -> None:
-    assert check(Dockerfile.read(REPO / component / "Dockerfile")) == []
+    assert check(Dockerfile.read(REPO / component / "Dockerfile"), TARGETS[component]) == []
+
+
+def test_a_plain_runtime_build_is_the_cpu_image() -> None:
+    runtime = Dockerfile.read(REPO / "runtime" / "Dockerfile")
+    assert runtime.stage() == runtime.stage("cpu")
 
 
 def test_runtime_records_the_kunlun_stack_versions_it_is_built_with() -> None:
     runtime = Dockerfile.read(REPO / "runtime" / "Dockerfile")
     stack_args = {"KUNLUN_XRE_VERSION", "KUNLUN_KML_VERSION", "KUNLUN_DRIVER_VERSION"}
     assert stack_args <= set(runtime.args())
-    final = " ".join(rest for _, rest in runtime.final_stage())
+    final = " ".join(rest for _, rest in runtime.stage("kunlun"))
     for arg in stack_args:
         label = "dev.kunlun." + arg.removeprefix("KUNLUN_").removesuffix("_VERSION").lower() + "-version"
         assert f'{label}="${{{arg}}}"' in final, f"no {label} label"
@@ -196,7 +233,8 @@ def installed_modules(pins: set[str]) -> set[str]:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    wanted, done = {canonicalize_name(p) for p in pins}, set()
+    wanted = {canonicalize_name(p) for p in pins}
+    done: set[str] = set()
     while wanted - done:
         name = (wanted - done).pop()
         done.add(name)
@@ -218,7 +256,8 @@ def pinned_packages(dockerfile: Dockerfile) -> set[str]:
             pins |= {w.split("==")[0] for w in chunk.split() if "==" in w and w.split("==")[0] != "pip"}
             words = chunk.split()
             for i, word in enumerate(words[1:], 1):
-                if words[i - 1] in {"-r", "--requirement"}:
+                # Lock files made in the build (the lock less torch) are subsets of the repository's.
+                if words[i - 1] in {"-r", "--requirement"} and (REPO / word).is_file():
                     pins |= {name for name, _ in lock_entries(REPO / word)}
     return pins
 
@@ -282,8 +321,8 @@ def test_runtime_image_default_command_is_accepted_by_the_runtime_cli() -> None:
 
 
 def test_the_installed_package_carries_every_kernel_source() -> None:
-    # The runtime image builds the CPU kernels from the installed (not editable) package, so every
-    # file the build reads must be package data: a header left out broke that build.
+    # An installed (not editable) runtime compiles its CPU kernels from the package's own files, so
+    # every file the build reads must be package data: a header left out broke the image's build.
     import tomllib
 
     from kunlun_runtime.layers import cpu_kernels

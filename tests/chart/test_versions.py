@@ -54,7 +54,24 @@ def test_chart_values_image_repositories_are_the_versions_file_ones() -> None:
 
 def test_compatibility_configmap_is_the_versions_file_matrix(default_render: Rendered) -> None:
     configmap = default_render.one("ConfigMap", "-compatibility")
-    assert yaml.safe_load(configmap["data"]["matrix.yaml"]) == {"entries": VERSIONS["compatibility"]}
+    assert yaml.safe_load(configmap["data"]["matrix.yaml"]) == {
+        "registry": VERSIONS["images"]["registry"],
+        "entries": VERSIONS["compatibility"],
+    }
+
+
+def test_every_compatibility_entry_names_its_kunlun_runtime_image() -> None:
+    repository = VERSIONS["images"]["runtime"]["repository"]
+    assert [e.get("image") for e in VERSIONS["compatibility"]] == [
+        f"{repository}:{e['runtime']}-kunlun" for e in VERSIONS["compatibility"]
+    ]
+    # the entry certifying the stack baked into the kunlun variant names the tag built on it
+    stack = VERSIONS["kunlunStack"]
+    certified = [
+        e for e in VERSIONS["compatibility"] if stack["kml"] in e["kml"] and stack["driver"] in e["driver"]
+    ]
+    if "imageTag" in stack:
+        assert {e["image"] for e in certified} == {f"{repository}:{stack['imageTag']}"}
 
 
 def test_compatibility_matrix_covers_the_project_version_and_its_stack() -> None:
@@ -73,7 +90,7 @@ def test_dockerfile_build_arg_defaults_are_the_versions_file_values() -> None:
             for name, version in VERSIONS["build"]["debianPackages"].items()
         },
     }
-    stack = {f"KUNLUN_{k.upper()}_VERSION": v for k, v in VERSIONS["kunlunStack"].items()}
+    stack = {f"KUNLUN_{k.upper()}_VERSION": VERSIONS["kunlunStack"][k] for k in ("xre", "kml", "driver")}
     for component in ("runtime", "operator", "device-plugin"):
         text = (REPO / component / "Dockerfile").read_text()
         args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
@@ -85,3 +102,13 @@ def test_dockerfile_build_arg_defaults_are_the_versions_file_values() -> None:
                 assert args[name] == value, f"{component}: {name}"
     runtime_args = dict(re.findall(r"^ARG (\w+)=(\S+)$", (REPO / "runtime" / "Dockerfile").read_text(), re.M))
     assert {k: runtime_args.get(k) for k in stack} == stack
+
+
+def test_the_kunlun_image_tag_and_checksums_are_well_formed() -> None:
+    stack = VERSIONS["kunlunStack"]
+    assert stack["imageTag"] == f"{PROJECT_VERSION}-kunlun"
+    # Paths inside kunlun-stack/ -> sha256 (scripts/build-images.sh checks every file against it).
+    assert isinstance(stack["sha256"], dict)
+    for path, digest in stack["sha256"].items():
+        assert not path.startswith("/") and ".." not in path.split("/"), path
+        assert re.fullmatch(r"[0-9a-f]{64}", digest), path
