@@ -97,7 +97,7 @@ def _reading() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         metavar="SECONDS",
-        help="oldest usable snapshot (default: 3 plugin health intervals, at least 30)",
+        help="oldest usable snapshot (default: 3 plugin health intervals, at least 90)",
     )
     return parent
 

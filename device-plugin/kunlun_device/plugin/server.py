@@ -201,9 +201,17 @@ class PluginServer:
             )
 
     def _record(self, health: HealthSnapshot) -> None:
-        """Write this round's node snapshot, if configured; a failure is logged, never raised."""
+        """Write this round's node snapshot, if configured; a failure is logged, never raised: the
+        health loop that calls it must go on withdrawing failing cards whatever the snapshot does."""
         if self.snapshot_file is None:
             return
+        try:
+            self._write_snapshot(health)
+        except Exception:
+            logger.exception("node snapshot %s not written (retrying next round)", self.snapshot_file)
+
+    def _write_snapshot(self, health: HealthSnapshot) -> None:
+        assert self.snapshot_file is not None
         try:
             kml, kml_error = self.source.kml_version(), None
         except XpuError as exc:
@@ -222,10 +230,7 @@ class PluginServer:
             kml_error=kml_error,
             health={i: CardHealth(states[i], health.findings.get(i, ())) for i in states},
         )
-        try:
-            write_snapshot(self.snapshot_file, snapshot)
-        except OSError as exc:
-            logger.warning("node snapshot %s not written (retrying next round): %s", self.snapshot_file, exc)
+        write_snapshot(self.snapshot_file, snapshot)
 
     def _observe(self, snapshot: HealthSnapshot) -> dict[int, HealthState]:
         return snapshot.states if self.hook is None else self.hook.observe(snapshot)

@@ -30,7 +30,10 @@ from kunlun_device.xpu.model import SmiTable, Versions, XpuDevice
 from kunlun_device.xpu.snapshot import NodeSnapshot, parse_snapshot
 
 STALE_INTERVALS = 3
-MIN_MAX_AGE_SECONDS = 30.0
+# A plugin round is its interval plus xpu-smi calls (each up to its timeout) plus the fault
+# response's API calls (each up to theirs): on a slow API server one round alone can outlast three
+# short intervals, and a false "stale" drops every reading of a healthy node.
+MIN_MAX_AGE_SECONDS = 90.0
 
 
 class SnapshotSource:

@@ -155,11 +155,13 @@ class XpuSource:
         if self.kml_version_file is None:
             return None
         path = self.host_path(self.kml_version_file)
+        source = str(self.kml_version_file)
         try:
             text = path.read_text().strip()
         except FileNotFoundError:
             return None
-        source = str(self.kml_version_file)
+        except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+            raise XpuError(f"{source}: cannot be read: {exc}") from exc
         if text.startswith("{"):
             try:
                 value = json.loads(text).get("kml_version")

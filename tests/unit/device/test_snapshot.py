@@ -102,7 +102,7 @@ def test_missing_device_node_is_recorded(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("interval", "max_age", "fresh_at", "stale_at"),
     [
-        (10.0, None, 30.0, 30.5),  # 3 intervals would be 30 s: the floor of 30 s
+        (10.0, None, 90.0, 90.5),  # 3 intervals would be 30 s: the floor of 90 s
         (60.0, None, 180.0, 181.0),  # 3 intervals
         (10.0, 5.0, 5.0, 5.5),  # explicit bound
     ],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kunlun_device.errors import XpuParseError, XpuToolFailedError, XpuToolMissingError
+from kunlun_device.errors import XpuError, XpuParseError, XpuToolFailedError, XpuToolMissingError
 from kunlun_device.xpu import Versions, XpuDevice, XpuSource
 from tests.unit.device.hosts import FIXTURES, copy_host, make_source
 
@@ -56,6 +56,19 @@ def test_kml_version_garbage_is_an_error_quoting_it(tmp_path: Path) -> None:
     with pytest.raises(XpuParseError, match="not a version string") as caught:
         make_source("p800-8", tmp_path).kml_version()
     assert caught.value.line == "version: ???"
+
+
+@pytest.mark.parametrize("spoil", ["directory", "binary"])
+def test_an_unreadable_kml_file_is_an_xpu_error_naming_it(tmp_path: Path, spoil: str) -> None:
+    # A plain OSError or UnicodeDecodeError would escape the plugin's health loop and end it.
+    version_file = copy_host("p800-8", tmp_path) / "root/usr/local/xpu/kml/VERSION"
+    version_file.unlink()
+    if spoil == "directory":
+        version_file.mkdir()
+    else:
+        version_file.write_bytes(b"\xff\xfe\x00garbled")
+    with pytest.raises(XpuError, match="/usr/local/xpu/kml/VERSION: cannot be read"):
+        make_source("p800-8", tmp_path).kml_version()
 
 
 def test_kml_source_disabled_or_absent_is_none() -> None:
