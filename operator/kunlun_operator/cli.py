@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--preflight-kml-version-file",
         default=names.HOST_KML_VERSION_FILE,
         metavar="HOST_PATH",
-        help="host path of the node's KML version file, mounted read-only into the Strict preflight",
+        help="host path of the node's KML version file, mounted read-only into the Strict preflight; "
+        "empty: no hostPath (for namespaces enforcing Pod Security baseline/restricted), preflight reads "
+        "the image's own KML version file",
     )
     run.add_argument(
         "--preflight-xpu-smi",
@@ -152,10 +154,8 @@ def parse_preflight_host(args: argparse.Namespace) -> PreflightHost:
     ):
         if value and not value.startswith("/"):
             raise SystemExit(f"kunlun-operator: {flag} must be an absolute host path, got {value!r}")
-    if not args.preflight_kml_version_file:
-        raise SystemExit("kunlun-operator: --preflight-kml-version-file must not be empty")
     return PreflightHost(
-        kml_version_file=args.preflight_kml_version_file, xpu_smi=args.preflight_xpu_smi or None
+        kml_version_file=args.preflight_kml_version_file or None, xpu_smi=args.preflight_xpu_smi or None
     )
 
 

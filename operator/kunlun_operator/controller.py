@@ -95,7 +95,9 @@ class Controller:
         self.metrics = metrics
         self.post_event = post_event
         self.clock = clock
-        self.default_matrix = load_default_matrix()
+        # The packaged matrix (no ConfigMap, or a malformed one) names the public registry: its
+        # images move to the directory of --default-runtime-image, the cluster's own mirror.
+        self.default_matrix = load_default_matrix().under_registry_of(config.default_image)
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._phases: dict[tuple[str, str], str] = {}

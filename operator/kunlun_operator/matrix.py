@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -23,10 +23,11 @@ from kunlun_operator.spec import VersionsSpec
 
 MATRIX_KEY = "matrix.yaml"
 _COMPONENTS = ("driver", "firmware", "kml")
-#: Image variants of the runtime (``runtime/Dockerfile``); a tag ``<version>-<variant>`` is the
-#: runtime ``<version>`` built for that platform.
-VARIANTS = ("cpu", "cuda", "kunlun")
-_VARIANT_SUFFIX = re.compile(r"-(?:" + "|".join(VARIANTS) + r")$")
+#: The runtime image variant built on the Kunlun stack (``runtime/Dockerfile`` target ``kunlun``):
+#: its tag ``<version>-kunlun`` is runtime ``<version>`` for the matrix. The ``cpu`` and ``cuda``
+#: variants are certified on no Kunlun stack, so their tags (``0.1.0-cpu``) match no entry: a
+#: Strict service cannot run them while holding XPUs.
+_KUNLUN_SUFFIX = re.compile(r"-kunlun$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +61,33 @@ class Matrix:
         return None
 
     def entries_for_image(self, image: str) -> tuple[MatrixEntry, ...]:
-        """The entries naming ``image`` itself; when none does, the first entry of its tag's
-        runtime version (empty when neither)."""
+        """The entries naming ``image`` itself; when none does, every entry of its tag's runtime
+        version (an admin's extra entry for a newly certified driver counts like the first one;
+        empty when neither)."""
         named = tuple(entry for entry in self.entries if entry.image == image)
         if named:
             return named
         version = runtime_version(image)
-        entry = None if version is None else self.entry_for(version)
-        return () if entry is None else (entry,)
+        if version is None:
+            return ()
+        return tuple(entry for entry in self.entries if fnmatch.fnmatchcase(version, entry.runtime))
+
+    def under_registry_of(self, image: str) -> Matrix:
+        """This matrix with every entry's image moved to the repository directory of ``image``.
+
+        For the packaged matrix, used when the chart's ConfigMap is absent or malformed: its images
+        name the public registry, and a mirrored or air-gapped cluster must keep pulling from the
+        directory its own ``--default-runtime-image`` names, never silently from the internet.
+        """
+        directory = image.split("@", 1)[0].rsplit("/", 1)[0] if "/" in image else None
+
+        def moved(entry: MatrixEntry) -> MatrixEntry:
+            if entry.image is None:
+                return entry
+            name = entry.image.rsplit("/", 1)[-1]
+            return replace(entry, image=name if directory is None else f"{directory}/{name}")
+
+        return replace(self, entries=tuple(moved(entry) for entry in self.entries))
 
 
 def select_image(matrix: Matrix, versions: VersionsSpec, fallback: str) -> str:
@@ -85,9 +105,12 @@ def select_image(matrix: Matrix, versions: VersionsSpec, fallback: str) -> str:
 
 
 def resolve_image(image: str, registry: str | None) -> str:
-    """An entry's ``image`` as a full reference: ``repository:tag`` goes under ``registry``; a
-    reference with a ``/`` (``reg.io/team/rt:1``) is already full."""
-    if registry is None or "/" in image:
+    """An entry's ``image`` as a full reference: ``repository:tag`` goes under ``registry``. As in
+    Docker's rule, a reference is already full only when its first component names a registry
+    (has a ``.`` or ``:``, or is ``localhost``): ``team/rt:1`` still goes under ``registry``."""
+    first = image.split("/", 1)[0]
+    has_registry = "/" in image and ("." in first or ":" in first or first == "localhost")
+    if registry is None or has_registry:
         return image
     return f"{registry.rstrip('/')}/{image}"
 
@@ -144,11 +167,12 @@ def merge_cards(matrix: Matrix, defaults: Matrix) -> Matrix:
 
 
 def runtime_version(image: str) -> str | None:
-    """The runtime version in the tag of ``image`` (``repo/name:0.1.0`` and its variant
-    ``repo/name:0.1.0-kunlun`` → ``0.1.0``); None for digests or no tag."""
+    """The runtime version in the tag of ``image`` (``repo/name:0.1.0`` and its Kunlun variant
+    ``repo/name:0.1.0-kunlun`` → ``0.1.0``; ``:0.1.0-cpu`` stays ``0.1.0-cpu``); None for digests
+    or no tag."""
     name = image.split("@", 1)[0]
     last = name.rsplit("/", 1)[-1]
-    return _VARIANT_SUFFIX.sub("", last.rsplit(":", 1)[1]) if ":" in last else None
+    return _KUNLUN_SUFFIX.sub("", last.rsplit(":", 1)[1]) if ":" in last else None
 
 
 def check_versions(matrix: Matrix, image: str, versions: VersionsSpec) -> list[SpecError]:

@@ -90,6 +90,9 @@ def test_preflight_host_files_follow_the_device_plugins_paths_unless_set() -> No
         "--preflight-kml-version-file=/etc/kml.version",
         "--preflight-xpu-smi=/usr/sbin/xpu-smi",
     ]
+    # Pod Security baseline/restricted namespaces refuse hostPath: no node files at all
+    off = {"runtime": {"preflight": {"hostMounts": False}}, "devicePlugin": {"hostPaths": {"xpuSmi": "/x"}}}
+    assert preflight_args(off) == ["--preflight-kml-version-file="]
 
 
 def test_operator_ha_runs_replicas_with_peering_spread_over_nodes(rendered_sets: dict[str, Rendered]) -> None:

@@ -130,9 +130,13 @@ seccompProfile:
 {{- end }}
 - --default-runtime-image={{ include "kunlun-inference.image" (dict "ctx" . "image" .Values.runtime.image) }}
 {{- $preflight := .Values.runtime.preflight | default dict }}
+{{- if (ne $preflight.hostMounts false) }}
 - --preflight-kml-version-file={{ $preflight.kmlVersionFile | default (printf "%s/kml/VERSION" (trimSuffix "/" .Values.devicePlugin.hostPaths.kunlunHome)) }}
 {{- with ($preflight.xpuSmi | default .Values.devicePlugin.hostPaths.xpuSmi) }}
 - --preflight-xpu-smi={{ . }}
+{{- end }}
+{{- else }}
+- --preflight-kml-version-file=
 {{- end }}
 - --admission-policy=/etc/kunlun-operator/policy/policy.yaml
 {{- if .Values.operator.webhook.enabled }}

@@ -52,8 +52,10 @@ class PreflightHost:
     """The node's files the preflight init container mounts (operator flags ``--preflight-*``)."""
 
     #: Host path of the KML version file (``hostPath`` of type File: a node without it does not
-    #: start the pod, and kubelet's event names the path).
-    kml_version_file: str = names.HOST_KML_VERSION_FILE
+    #: start the pod, and kubelet's event names the path); None: no hostPath at all, preflight
+    #: reads the image's own KML version file (namespaces enforcing the Pod Security "baseline" or
+    #: "restricted" level refuse every hostPath volume).
+    kml_version_file: str | None = names.HOST_KML_VERSION_FILE
     #: Host path of the node agent's ``xpu-smi`` (``hostPath`` of type File); None: the image's own
     #: (``xpu-smi`` on its PATH, or ``$KUNLUN_XPU_SMI``).
     xpu_smi: str | None = None
@@ -186,10 +188,11 @@ def _preflight_container(spec: InferenceSpec, image: str, host: PreflightHost) -
         "--require-allocation",
         "--dev-root",
         "/",
-        "--kml-version-file",
-        PREFLIGHT_KML_VERSION_PATH,
     ]
-    mounts = [{"name": PREFLIGHT_KML_VOLUME, "mountPath": PREFLIGHT_KML_VERSION_PATH, "readOnly": True}]
+    mounts = []
+    if host.kml_version_file is not None:
+        args += ["--kml-version-file", PREFLIGHT_KML_VERSION_PATH]
+        mounts.append({"name": PREFLIGHT_KML_VOLUME, "mountPath": PREFLIGHT_KML_VERSION_PATH, "readOnly": True})
     if host.xpu_smi is not None:
         args += ["--xpu-smi", PREFLIGHT_XPU_SMI_PATH]
         mounts.append(
@@ -203,12 +206,16 @@ def _preflight_container(spec: InferenceSpec, image: str, host: PreflightHost) -
         "args": args,
         "resources": {"requests": {names.RESOURCE_NAME: xpus}, "limits": {names.RESOURCE_NAME: xpus}},
         "securityContext": dict(RESTRICTED_CONTAINER),
-        "volumeMounts": mounts,
+        **({"volumeMounts": mounts} if mounts else {}),
     }
 
 
 def _preflight_volumes(host: PreflightHost) -> list[dict[str, Any]]:
-    volumes = [{"name": PREFLIGHT_KML_VOLUME, "hostPath": {"path": host.kml_version_file, "type": "File"}}]
+    volumes = []
+    if host.kml_version_file is not None:
+        volumes.append(
+            {"name": PREFLIGHT_KML_VOLUME, "hostPath": {"path": host.kml_version_file, "type": "File"}}
+        )
     if host.xpu_smi is not None:
         volumes.append({"name": PREFLIGHT_XPU_SMI_VOLUME, "hostPath": {"path": host.xpu_smi, "type": "File"}})
     return volumes

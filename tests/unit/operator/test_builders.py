@@ -253,6 +253,22 @@ def test_without_a_node_xpu_smi_the_preflight_uses_the_images_own() -> None:
     assert [v["name"] for v in pod["volumes"] if "hostPath" in v] == ["host-kml-version"]
 
 
+def test_without_host_mounts_a_strict_pod_has_no_host_path_and_reads_the_images_files() -> None:
+    # What a namespace enforcing Pod Security "baseline" or "restricted" admits.
+    pod = build_pod_spec(
+        make_ref(),
+        parse_spec(make_raw_spec()),
+        IMAGE,
+        image_volumes=False,
+        preflight_host=PreflightHost(kml_version_file=None),
+    )
+    [init] = pod["initContainers"]
+    assert "--kml-version-file" not in init["args"] and "--xpu-smi" not in init["args"]
+    assert "volumeMounts" not in init
+    assert init["resources"]["limits"] == {"kunlunxin.com/xpu": "1"}  # the cards still come from kubelet
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+
+
 def test_no_host_files_are_mounted_without_the_strict_preflight() -> None:
     for policy in ("Warn", "Off"):
         versions = {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0", "policy": policy}
@@ -548,5 +564,5 @@ def test_the_operator_flags_name_the_preflights_host_files() -> None:
     )
     with pytest.raises(SystemExit, match="--preflight-xpu-smi must be an absolute host path, got 'xpu-smi'"):
         host("--preflight-xpu-smi", "xpu-smi")
-    with pytest.raises(SystemExit, match="--preflight-kml-version-file must not be empty"):
-        host("--preflight-kml-version-file", "")
+    # empty: no hostPath at all (Pod Security baseline/restricted namespaces refuse them)
+    assert host("--preflight-kml-version-file", "") == PreflightHost(None, None)

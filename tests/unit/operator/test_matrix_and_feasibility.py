@@ -15,6 +15,7 @@ from kunlun_operator.matrix import (
     check_versions,
     load_default_matrix,
     parse_matrix,
+    resolve_image,
     runtime_version,
     select_image,
 )
@@ -74,13 +75,53 @@ def test_the_image_comes_from_the_entry_certifying_the_versions() -> None:
     )
     # the chosen image is checked against its own entry, and so is the variant's tag
     assert check_versions(matrix, "reg.io/team/rt:0.1.0-kunlun", VersionsSpec("d1", "f", "k")) == []
-    assert check_versions(matrix, "reg.io/elsewhere/rt:0.1.0-cuda", VersionsSpec("d1", "f", "k")) == []
+    assert check_versions(matrix, "reg.io/elsewhere/rt:0.1.0-kunlun", VersionsSpec("d1", "f", "k")) == []
+    # the cpu and cuda variants are certified on no Kunlun stack
+    for variant in ("cpu", "cuda"):
+        [problem] = check_versions(matrix, f"reg.io/team/rt:0.1.0-{variant}", VersionsSpec("d1", "f", "k"))
+        assert problem.field == "spec.runtime.image"
     assert runtime_version("reg.io/team/rt:0.1.0-kunlun") == "0.1.0"
     [problem] = check_versions(matrix, "reg.io/team/rt:0.2.0-kunlun", VersionsSpec("d1", "f", "k"))
     assert (problem.field, problem.message) == (
         "spec.versions.driver",
         "driver d1 is not supported by runtime 0.2.0 (supported: d2)",
     )
+
+
+def test_an_image_is_checked_against_every_entry_of_its_runtime_version() -> None:
+    # An admin's extra entry for a newly certified driver, without an image of its own, certifies
+    # the same runtime as the first: the fallback image is not denied for the newer driver.
+    matrix = parse_matrix(
+        "registry: reg.io/team\nentries:\n"
+        "- {runtime: 0.1.0, image: 'rt:0.1.0-kunlun', driver: [d1], firmware: [f], kml: [k]}\n"
+        "- {runtime: 0.1.0, driver: [d2], firmware: [f], kml: [k]}\n",
+        source="t",
+    )
+    image = select_image(matrix, VersionsSpec("d2", "f", "k"), "mirror.io/team/rt:0.1.0")
+    assert image == "mirror.io/team/rt:0.1.0"
+    assert check_versions(matrix, image, VersionsSpec("d2", "f", "k")) == []
+    assert [p.field for p in check_versions(matrix, image, VersionsSpec("d3", "f", "k"))] == [
+        "spec.versions.driver"
+    ]
+
+
+def test_a_repository_with_a_path_still_goes_under_the_registry() -> None:
+    assert resolve_image("team/rt:1", "reg.io") == "reg.io/team/rt:1"  # docker.io would be wrong
+    assert resolve_image("rt:1", "reg.io/") == "reg.io/rt:1"
+    assert resolve_image("other.io/team/rt:1", "reg.io") == "other.io/team/rt:1"
+    assert resolve_image("localhost:5000/rt:1", "reg.io") == "localhost:5000/rt:1"
+    assert resolve_image("localhost/rt:1", "reg.io") == "localhost/rt:1"
+
+
+def test_the_packaged_matrix_follows_the_default_images_registry() -> None:
+    # Without the chart's ConfigMap a mirrored cluster keeps pulling from its own mirror.
+    packaged = load_default_matrix()
+    assert all(entry.image and entry.image.startswith("ghcr.io/") for entry in packaged.entries)
+    moved = packaged.under_registry_of("mirror.bank.cn/ai/kunlun-runtime:0.1.0")
+    assert [entry.image for entry in moved.entries] == [
+        f"mirror.bank.cn/ai/{entry.image.rsplit('/', 1)[-1]}" for entry in packaged.entries if entry.image
+    ]
+    assert [e.driver for e in moved.entries] == [e.driver for e in packaged.entries]
 
 
 def test_an_entry_image_without_a_tag_is_refused() -> None:
