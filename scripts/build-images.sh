@@ -12,7 +12,7 @@
 #
 # --only takes a comma-separated subset of: base, cpu, kunlun, operator, device-plugin.
 # --kunlun-tag IMAGE tags the kunlun variant IMAGE alone (tests use it for their fake stack).
-# --versions FILE reads kunlunStack (versions, checksums) from FILE instead of versions.yaml: the
+# --versions FILE (or KUNLUN_VERSIONS) reads kunlunStack (versions, checksums) from FILE instead of versions.yaml: the
 # certified entry lists no checksums until a vendor stack is received, and a stack whose files are
 # not all listed with their sha256 is refused.
 # Idempotent: podman's layer cache is kept, so a second run rebuilds only what changed.
@@ -23,7 +23,7 @@ caller=$PWD
 absolute() { case "$1" in /*|"") echo "$1" ;; *) echo "$caller/$1" ;; esac; }
 cd "$(dirname "$0")/.."
 
-versions=versions.yaml
+versions=$(absolute "${KUNLUN_VERSIONS:-versions.yaml}")
 stack=$(absolute "${KUNLUN_STACK:-}")
 only=""
 kunlun_tag=""
@@ -137,15 +137,17 @@ if wanted kunlun; then
 fi
 if wanted base || ! podman image exists "$base"; then timed base bootstrap_base; fi
 from=(--build-arg "PYTHON_IMAGE=$base")
+# The local CPU torch wheel, when there is one; without it the lock's URL is used.
+[ -d "$wheels" ] && from+=(-v "$wheels:/wheels:ro")
 
 if wanted cpu; then
-    timed runtime:cpu podman build "${common[@]}" "${from[@]}" -v "$wheels:/wheels:ro" \
+    timed runtime:cpu podman build "${common[@]}" "${from[@]}" \
         -f runtime/Dockerfile --target cpu -t localhost/kunlun-runtime:cpu .
 fi
 if wanted kunlun; then
     tags=(-t localhost/kunlun-runtime:kunlun -t "localhost/kunlun-runtime:$(stack_value imageTag)")
     [ -n "$kunlun_tag" ] && tags=(-t "$kunlun_tag")
-    timed runtime:kunlun podman build "${common[@]}" "${from[@]}" -v "$wheels:/wheels:ro" \
+    timed runtime:kunlun podman build "${common[@]}" "${from[@]}" \
         --build-context "kunlun-stack=$stack" --build-context "kunlun-stack-sums=$sums" \
         --build-arg "KUNLUN_XRE_VERSION=$(stack_value xre)" \
         --build-arg "KUNLUN_KML_VERSION=$(stack_value kml)" \
