@@ -26,7 +26,7 @@ from kunlun_runtime.logprobs import (
     build_sample_logprobs,
 )
 from kunlun_runtime.sampling_params import SamplingParams
-from kunlun_runtime.tokenizer import Tokenizer
+from kunlun_runtime.tokenizer import RESERVED_TEMPLATE_VARIABLES, Tokenizer
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
@@ -119,6 +119,9 @@ class LLM:
                 "--tool-call-parser, which writes them into the system prompt"
             )
         conversations = [messages] if _is_one_conversation(messages) else list(messages)
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are set by chat() itself")
         variables = dict(chat_template_kwargs or {})
         if tools is not None:
             variables["tools"] = tools

@@ -37,6 +37,13 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+# The chat template variables the caller of ``render_chat`` sets itself (the messages, the
+# generation prompt, the special tokens, the tools): user-given template variables may not.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+)
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path) -> None:
         path = model_dir / "tokenizer.json"

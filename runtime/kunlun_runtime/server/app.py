@@ -149,6 +149,10 @@ def create_app(
     async def tokenize(body: TokenizeRequest, model: Model) -> TokenizeResponse:
         model.check_model(body.model)
         # The same path as generation: the character cap first, long texts off the event loop.
+        if body.tools is not None and not body.tools:  # as chat answers it
+            raise InvalidRequestError(
+                "tools: must not be an empty array; give at least one tool or omit the field", field="tools"
+            )
         if body.messages is not None:
             # The prompt a chat request with these messages and tools renders; which tool_choice
             # does not change the prompt, only how the output is constrained and read.

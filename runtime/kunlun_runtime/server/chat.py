@@ -58,9 +58,10 @@ from kunlun_runtime.server.serving import (
 )
 from kunlun_runtime.server.tool_calls import ToolPlan, build_prompt, constrain, plan_tools
 from kunlun_runtime.server.tool_parsers import CallDelta, ReadsToolCalls
+from kunlun_runtime.tokenizer import RESERVED_TEMPLATE_VARIABLES
 
 # Template variables the request may not set through chat_template_kwargs: the server sets them.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+RESERVED_TEMPLATE_KWARGS = RESERVED_TEMPLATE_VARIABLES
 
 
 def new_call_id() -> str:

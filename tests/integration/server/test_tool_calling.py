@@ -313,3 +313,5 @@ def test_tokenize_counts_the_prompt_a_chat_with_tools_renders(
 
     assert count(tools=TOOLS) == asked.usage.prompt_tokens
     assert count() < asked.usage.prompt_tokens  # the tools are part of the prompt
+    empty = httpx.post(f"{server.base_url}/tokenize", json={"messages": QUESTION, "tools": []}, timeout=60)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "tools"  # as chat answers it

@@ -170,3 +170,10 @@ def test_chat_passes_tools_and_template_variables_to_a_template_that_uses_them(l
     assert out.prompt_token_ids == with_tools.tokenizer.encode(expected, add_special_tokens=False)
     with pytest.raises(ValueError, match="does not use tools"):  # the plain template would drop them
         llm.chat([{"role": "user", "content": "hi"}], tools=[tool])
+    with pytest.raises(
+        ValueError, match="chat_template_kwargs: add_generation_prompt, tools are set by chat"
+    ):
+        with_tools.chat(
+            [{"role": "user", "content": "hi"}],
+            chat_template_kwargs={"tools": [], "add_generation_prompt": 0},
+        )
