@@ -192,7 +192,9 @@ def _preflight_container(spec: InferenceSpec, image: str, host: PreflightHost) -
     mounts = []
     if host.kml_version_file is not None:
         args += ["--kml-version-file", PREFLIGHT_KML_VERSION_PATH]
-        mounts.append({"name": PREFLIGHT_KML_VOLUME, "mountPath": PREFLIGHT_KML_VERSION_PATH, "readOnly": True})
+        mounts.append(
+            {"name": PREFLIGHT_KML_VOLUME, "mountPath": PREFLIGHT_KML_VERSION_PATH, "readOnly": True}
+        )
     if host.xpu_smi is not None:
         args += ["--xpu-smi", PREFLIGHT_XPU_SMI_PATH]
         mounts.append(
