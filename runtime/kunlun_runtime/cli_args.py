@@ -7,12 +7,14 @@ onto ``EngineConfig`` fields. Subcommand modules import this module; only ``cli`
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 from kunlun_runtime.config import (
+    DEFAULT_MASTER_PORT,
     DeviceName,
     DTypeName,
     EngineConfig,
@@ -21,6 +23,12 @@ from kunlun_runtime.config import (
     SchedulingPolicyOption,
     parse_memory,
 )
+from kunlun_runtime.errors import ConfigError
+
+# What LeaderWorkerSet sets in every container of a group.
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
         "--target-step-seconds", type=float, default=None, help="feedback: step cap while decoding"
     )
     group.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_distributed_args(group)
     group.add_argument("--quantization", default=None, choices=get_args(QuantizationName))
     add_kernel_args(group)
     group.add_argument("--seed", type=int, default=0)
@@ -60,6 +69,60 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
         default=None,
         help="engine options YAML (e.g. the output of `kunlun-runtime tune`); flags given explicitly win",
     )
+
+
+def add_distributed_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Pipeline stages and the nodes they run on; under LeaderWorkerSet the node flags default to
+    the environment it sets in every pod."""
+    parser.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, help="pipeline stages (layers split across them)"
+    )
+    parser.add_argument(
+        "--nnodes", type=int, default=None, help=f"nodes in the group (default: ${LWS_GROUP_SIZE} or 1)"
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=None, help=f"this node; 0 serves (default: ${LWS_WORKER_INDEX} or 0)"
+    )
+    parser.add_argument(
+        "--master-addr",
+        default=None,
+        help=f"the leader's address (default: ${LWS_LEADER_ADDRESS} or 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help=f"the leader's rendezvous port (default: a free port on one node, {DEFAULT_MASTER_PORT} across nodes)",
+    )
+    parser.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a rank may stay silent before the group fails (the leader then exits 1)",
+    )
+
+
+def rendezvous_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """The node flags, each from its flag, else from LeaderWorkerSet's environment, else the
+    one-node default. Raises ConfigError naming an environment variable that is not a number."""
+
+    def number(flag: int | None, variable: str, default: int) -> int:
+        if flag is not None:
+            return flag
+        value = env.get(variable)
+        if value is None or value == "":
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{variable}: must be an integer, got {value!r}", field=variable) from None
+
+    return {
+        "nnodes": number(args.nnodes, LWS_GROUP_SIZE, 1),
+        "node_rank": number(args.node_rank, LWS_WORKER_INDEX, 0),
+        "master_addr": args.master_addr or env.get(LWS_LEADER_ADDRESS) or "127.0.0.1",
+        "master_port": args.master_port,
+    }
 
 
 def add_kernel_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -115,6 +178,9 @@ def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         target_step_seconds=args.target_step_seconds,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_timeout_seconds=args.distributed_timeout,
+        **rendezvous_options(args, os.environ),
         quantization=args.quantization,
         linear_backend=args.linear_backend,
         native_kernels=args.native_kernels,

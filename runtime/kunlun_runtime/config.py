@@ -26,6 +26,7 @@ LINEAR_BACKENDS: frozenset[str] = frozenset(get_args(LinearBackendName))
 QUANTIZATIONS: frozenset[str] = frozenset(get_args(QuantizationName))
 SCHEDULING_POLICIES: frozenset[str] = frozenset(get_args(SchedulingPolicyOption))
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+DEFAULT_MASTER_PORT = 29500  # where the leader listens for the other nodes (torch.distributed's usual port)
 
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 
@@ -77,6 +78,13 @@ class EngineConfig:
     fused_attention: bool = True  # one fused SDPA call per layer (False: unfused, for ablations)
     native_kernels: bool = True  # our RMSNorm, SiLU and fused decode attention where the tier has them
     tensor_parallel_size: int = 1
+    # Pipeline parallelism: stages, nodes, and where they meet (docs/multinode.md).
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0  # 0: the leader, which serves; others follow it
+    master_addr: str = "127.0.0.1"  # the leader's address, where every rank joins
+    master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT across nodes
+    distributed_timeout_seconds: float = 60.0  # a rank silent this long fails the group
     quantization: QuantizationName | None = None
     seed: int = 0
     extra: dict[str, str] = field(default_factory=dict)
@@ -116,6 +124,28 @@ class EngineConfig:
             f"must be one of {sorted(LINEAR_BACKENDS)}, got {self.linear_backend!r}",
         )
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        _check(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
+        _check(
+            0 <= self.node_rank < self.nnodes,
+            "node_rank",
+            f"must be in [0, {self.nnodes}) for {self.nnodes} node(s), got {self.node_rank}",
+        )
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        _check(
+            world % self.nnodes == 0 and (world // self.nnodes) % self.tensor_parallel_size == 0,
+            "nnodes",
+            f"{self.nnodes} nodes must each run whole stages of tensor_parallel_size "
+            f"{self.tensor_parallel_size} (pipeline_parallel_size {self.pipeline_parallel_size}: "
+            f"at most {self.pipeline_parallel_size} nodes, a divisor of it)",
+        )
+        if self.master_port is not None:
+            _check(1 <= self.master_port <= 65535, "master_port", f"must be a TCP port, got {self.master_port}")
+        _check(
+            0 < self.distributed_timeout_seconds < float("inf"),
+            "distributed_timeout",
+            f"must be a positive number of seconds, got {self.distributed_timeout_seconds}",
+        )
         _check(
             self.quantization is None or self.quantization in QUANTIZATIONS,
             "quantization",

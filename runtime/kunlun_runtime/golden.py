@@ -165,7 +165,7 @@ def run_golden(
     chunk_size: int | None = None,
 ) -> GoldenReport:
     """Compare ``model`` (the engine's, in its own dtype) with the FP32 reference on ``token_ids``."""
-    dtype, weight_dtype = model.activation_dtype, model.embed_tokens.weight.dtype
+    dtype, weight_dtype = model.activation_dtype, model.weight_matrix.dtype
     ours = capture_engine(model, token_ids, block_size=block_size, chunk_size=chunk_size)
     return report_against_reference(
         ours,

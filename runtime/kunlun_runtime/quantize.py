@@ -45,7 +45,7 @@ class LayerCalibration:
 
 def _run(model: DecoderModel, token_chunks: list[list[int]]) -> None:
     config = model.config
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.weight_matrix.dtype
     for chunk in token_chunks:
         spec = KVCacheSpec.for_model(config, 16, dtype)
         num_blocks = -(-len(chunk) // 16)

@@ -20,14 +20,14 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.config import DEFAULT_MASTER_PORT, EngineConfig
 from kunlun_runtime.detokenizer import IncrementalDetokenizer
 from kunlun_runtime.engine.model_runner import ModelRunner, StepLogits
 from kunlun_runtime.engine.outputs import CompletionOutput, RequestOutput, RequestTimes
@@ -43,7 +43,9 @@ from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.linear import choose_linear_backend
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.sharding import shard_model_config
-from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup, build_rank
+from kunlun_runtime.parallel.group import free_port
+from kunlun_runtime.parallel.layout import ParallelLayout, stage_layers
+from kunlun_runtime.parallel.workers import LeaderGroup, RankSpec, build_rank, run_worker_node
 from kunlun_runtime.platforms import Platform, detect
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.structured.grammar import GrammarCompiler, GrammarMatcher
@@ -78,6 +80,89 @@ def resolve_weight_dtype(name: str, platform: Platform) -> torch.dtype:
     return platform.default_weight_dtype() if name == "auto" else resolve_dtype(name, platform)
 
 
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    window = model_config.sliding_window
+    wanted = config.max_model_len
+    if window is not None and wanted is not None and wanted > window:
+        raise ConfigError(
+            f"max_model_len: {wanted} exceeds the sliding window ({window}) of {model_config.architecture}; "
+            "sliding-window attention beyond the window is not supported",
+            field="max_model_len",
+        )
+    if wanted is not None and wanted > limit:
+        raise ConfigError(
+            f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})",
+            field="max_model_len",
+        )
+    return wanted or (min(limit, window) if window else limit)
+
+
+def plan_ranks(
+    config: EngineConfig, platform: Platform, model_config: ModelConfig, model_dir: Path, max_model_len: int
+) -> RankSpec:
+    """What every rank builds: its stage and shard, and a KV cache of as many blocks as fit the
+    budget on the rank with the most layers (every stage's cache has the same block count: the
+    leader's scheduler hands out one block id for all of them). Every node computes it from its
+    own flags; the preflight checks that they agree."""
+    dtype = resolve_dtype(config.dtype, platform)
+    weight_dtype = resolve_weight_dtype(config.dtype, platform)
+    layout = ParallelLayout(
+        config.tensor_parallel_size, config.pipeline_parallel_size, config.nnodes, config.node_rank
+    ).validate()
+    local_config = shard_model_config(model_config, layout.tensor) if layout.tensor > 1 else model_config
+    stages = stage_layers(model_config, layout.pipeline)
+    largest = replace(local_config, num_layers=max(len(stage) for stage in stages))
+    spec = KVCacheSpec.for_model(largest, config.block_size, dtype)
+    probe = KVCache(
+        spec,
+        1,
+        torch.device("meta"),
+        cache_line_bytes=platform.cache_line_bytes,
+        cache_num_sets=platform.cache_num_sets,
+        skew=config.kv_block_skew,
+    )
+    if config.master_port is not None:
+        port = config.master_port
+    else:
+        port = free_port() if layout.nnodes == 1 and layout.world > 1 else DEFAULT_MASTER_PORT
+    return RankSpec(
+        model_dir=str(model_dir),
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        max_positions=max_model_len,
+        num_blocks=plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, max_model_len),
+        block_size=config.block_size,
+        cache_line_bytes=platform.cache_line_bytes,
+        cache_num_sets=platform.cache_num_sets,
+        kv_block_skew=config.kv_block_skew,
+        linear_backend=choose_linear_backend(config.linear_backend, dtype, platform.device(), weight_dtype),
+        quantization=config.quantization,
+        fused_attention=config.fused_attention,
+        native_kernels=config.native_kernels,
+        layout=layout,
+        stages=tuple(stages),
+        backend=platform.distributed_backend,
+        master_addr=config.master_addr,
+        master_port=port,
+        platform=platform,
+        timeout_seconds=config.distributed_timeout_seconds,
+        vocab_size=model_config.vocab_size,
+        hidden_size=model_config.hidden_size,
+    )
+
+
+def serve_worker_node(config: EngineConfig) -> int:
+    """Run a node after the first (``node_rank`` ≥ 1): its ranks follow the leader's steps until it
+    stops them (0) or the group fails (1). It serves nothing itself."""
+    config = config.validate()
+    platform = detect(config.device)
+    model_dir = resolve_model_dir(config.model)
+    model_config = load_model_config(model_dir)
+    spec = plan_ranks(config, platform, model_config, model_dir, resolve_max_model_len(config, model_config))
+    return run_worker_node(spec)
+
+
 @dataclass(slots=True)
 class _Tracked:
     request: Request
@@ -107,21 +192,22 @@ class LLMEngine:
         self.weight_dtype = resolve_weight_dtype(config.dtype, self.platform)
         self.model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(self.model_dir)
-        self.max_model_len = self._resolve_max_model_len(model_config)
+        self.max_model_len = resolve_max_model_len(config, model_config)
         self.model_config = model_config
         self.tokenizer = Tokenizer(self.model_dir)  # before any worker starts: fail fast, leak nothing
-        self.tp_group: TensorParallelGroup | None = None
-        rank_spec = self._plan_ranks(model_config)
+        self.group: LeaderGroup | None = None
+        rank_spec = plan_ranks(config, self.platform, model_config, self.model_dir, self.max_model_len)
         num_blocks = rank_spec.num_blocks
-        if rank_spec.world > 1:
-            self.tp_group = TensorParallelGroup(rank_spec)
-        try:
+        if config.node_rank != 0:
+            raise ConfigError(
+                f"node_rank: {config.node_rank} follows the leader (run_worker_node); only node 0 runs the engine",
+                field="node_rank",
+            )
+        if rank_spec.layout.world > 1:
+            self.group = LeaderGroup(rank_spec)
+            self.model, self.kv_cache, _ = self.group.start()  # closes the group if it fails
+        else:
             self.model, self.kv_cache, _ = build_rank(rank_spec, 0)
-            if self.tp_group is not None:
-                self.tp_group.wait_ready(self.device)
-        except BaseException:
-            self.close()
-            raise
         self.served_model_name = config.served_model_name or (
             config.model.rstrip("/").split("/")[-1] if config.model else "SmolLM2-135M-Instruct"
         )
@@ -130,7 +216,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader()
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, broadcaster=self.tp_group)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.device, model_config.vocab_size, group=self.group
+        )
         self.eos_token_ids = model_config.eos_token_ids
         # Greedy picks through our argmax where the model runs our kernels: the same results as
         # torch.argmax, whose generic reduction runs far below memory bandwidth over a large vocabulary.
@@ -155,41 +243,6 @@ class LLMEngine:
             self.kv_cache.nbytes / 2**20,
         )
 
-    def _plan_ranks(self, model_config: ModelConfig) -> RankSpec:
-        """What every tensor-parallel rank builds: its shard's KV cache sized from the budget."""
-        config, world = self.config, self.config.tensor_parallel_size
-        local_config = shard_model_config(model_config, world) if world > 1 else model_config
-        spec = KVCacheSpec.for_model(local_config, config.block_size, self.dtype)
-        probe = KVCache(
-            spec,
-            1,
-            torch.device("meta"),
-            cache_line_bytes=self.platform.cache_line_bytes,
-            cache_num_sets=self.platform.cache_num_sets,
-            skew=self.config.kv_block_skew,
-        )
-        return RankSpec(
-            model_dir=str(self.model_dir),
-            dtype=self.dtype,
-            weight_dtype=self.weight_dtype,
-            max_positions=self.max_model_len,
-            num_blocks=plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, self.max_model_len),
-            block_size=config.block_size,
-            cache_line_bytes=self.platform.cache_line_bytes,
-            cache_num_sets=self.platform.cache_num_sets,
-            kv_block_skew=config.kv_block_skew,
-            linear_backend=choose_linear_backend(
-                config.linear_backend, self.dtype, self.device, self.weight_dtype
-            ),
-            quantization=config.quantization,
-            fused_attention=config.fused_attention,
-            native_kernels=config.native_kernels,
-            world=world,
-            backend=self.platform.distributed_backend,
-            port=TensorParallelGroup.new_port() if world > 1 else 0,
-            platform=self.platform,
-        )
-
     def _utilization_reader(self) -> Callable[[], float | None] | None:
         """Device utilisation for the feedback policy, read at most once a second (xpu-smi is a
         subprocess). None on CPU: psutil reports the whole machine, not this engine's device."""
@@ -206,31 +259,14 @@ class LLMEngine:
         return read
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (no-op without tensor parallelism)."""
-        if self.tp_group is not None:
-            self.tp_group.close()
-            self.tp_group = None
+        """Stop the other ranks (no-op on one rank)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
         pool = getattr(self, "_mask_pool", None)  # close() also runs on a half-built engine
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
             self._mask_pool = None
-
-    def _resolve_max_model_len(self, model_config: ModelConfig) -> int:
-        limit = model_config.max_position_embeddings
-        window = model_config.sliding_window
-        wanted = self.config.max_model_len
-        if window is not None and wanted is not None and wanted > window:
-            raise ConfigError(
-                f"max_model_len: {wanted} exceeds the sliding window ({window}) of {model_config.architecture}; "
-                "sliding-window attention beyond the window is not supported",
-                field="max_model_len",
-            )
-        if wanted is not None and wanted > limit:
-            raise ConfigError(
-                f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})",
-                field="max_model_len",
-            )
-        return wanted or (min(limit, window) if window else limit)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(

@@ -1,9 +1,11 @@
 """Runs one scheduled step through the model: builds the flat batch, calls forward, returns logits.
 
 Owns the model and the KV cache tensors. Input building is vectorised (block tables, positions
-and slot mapping come from a handful of tensor ops per step, not per-token Python). Under tensor
-parallelism, rank 0 (this runner) sends each step's ``StepInputs`` to the worker ranks, which run
-the same forward in lockstep; the all-reduces inside the model keep them together.
+and slot mapping come from a handful of tensor ops per step, not per-token Python). With more
+than one rank, rank 0 (this runner) hands each step to the group (``parallel/``): under tensor
+parallelism every rank runs the same forward in lockstep, the all-reduces inside the model keeping
+them together; under pipeline parallelism the step's sequences are split into micro-batches that
+flow through the stages, and the last stage returns the logits of the rows asked for.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.kv.cache import KVCache
 from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.models.forward import StepInputs, run_forward
+from kunlun_runtime.parallel.layout import ParallelLayout
+from kunlun_runtime.parallel.pipeline import StepPlan, plan_step
 
 
 @dataclass(slots=True)
@@ -28,10 +32,12 @@ class StepLogits:
     ]  # request id → (first position, [n, V]) for prompt logprobs
 
 
-class StepBroadcaster(Protocol):
-    """Sends a step's inputs to the other tensor-parallel ranks (see parallel/workers.py)."""
+class RankGroup(Protocol):
+    """Runs a step on every rank and returns the wanted logits (``parallel.workers.LeaderGroup``)."""
 
-    def broadcast(self, inputs: StepInputs) -> None: ...
+    layout: ParallelLayout
+
+    def execute(self, plan: StepPlan) -> list[torch.Tensor]: ...
 
 
 class ModelRunner:
@@ -40,12 +46,17 @@ class ModelRunner:
         model: DecoderModel,
         kv_cache: KVCache,
         device: torch.device,
-        broadcaster: StepBroadcaster | None = None,
+        vocab_size: int,
+        group: RankGroup | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.broadcaster = broadcaster
+        self.vocab_size = vocab_size
+        self.group = group
+        # Micro-batches per step: one per stage keeps every stage busy (1: no overlap, the
+        # baseline the pipeline benchmark compares with).
+        self.micro_batches = group.layout.pipeline if group is not None else 1
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
@@ -67,13 +78,27 @@ class ModelRunner:
             if start + count == request.num_tokens:
                 sample_rows.append(row0 + count - 1)
                 sample_ids.append(request.request_id)
-        if self.broadcaster is not None:
-            self.broadcaster.broadcast(inputs)
-        hidden = run_forward(self.model, self.kv_cache, inputs, self.device)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        sample_logits = self.model.compute_logits(hidden.index_select(0, rows))
-        prompt_logits = {
-            request_id: (first_pos, self.model.compute_logits(hidden[row0 : row0 + count]))
-            for request_id, (row0, count, first_pos) in prompt_rows.items()
-        }
+        wanted = sample_rows + [
+            row for row0, count, _ in prompt_rows.values() for row in range(row0, row0 + count)
+        ]
+        logits = self._logits(inputs, wanted)
+        sample_logits = logits[: len(sample_rows)]
+        prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
+        offset = len(sample_rows)
+        for request_id, (_, count, first_pos) in prompt_rows.items():
+            prompt_logits[request_id] = (first_pos, logits[offset : offset + count])
+            offset += count
         return StepLogits(sample_logits, sample_ids, prompt_logits)
+
+    def _logits(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor:
+        """FP32 logits [len(rows), V] of the step's ``rows``, in that order."""
+        if self.group is None:
+            hidden = run_forward(self.model, self.kv_cache, inputs, self.device)
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden.index_select(0, index))
+        plan, order = plan_step(inputs, rows, self.micro_batches)
+        parts = self.group.execute(plan)
+        logits = torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
+        if order != list(range(len(order))):
+            logits = logits.index_select(0, torch.tensor(order, dtype=torch.long, device=logits.device))
+        return logits

@@ -273,6 +273,13 @@ def _replace(
     return count
 
 
+def first_matrix(module: nn.Module) -> torch.Tensor:
+    """The module's first parameter with two or more dimensions (a weight matrix, not a norm's
+    vector), else its first parameter."""
+    matrix = next((p for p in module.parameters() if p.dim() >= 2), None)
+    return next(module.parameters()) if matrix is None else matrix
+
+
 def convert_linears(
     model: nn.Module, *, backend: str, quantization: str | None, compute_dtype: torch.dtype | None = None
 ) -> int:
@@ -292,9 +299,10 @@ def convert_linears(
     count = 0
     if quantization == "int8":
         count += _replace(model, Int8Linear.from_linear)
-    # ``embed_tokens`` is an nn.Embedding where a model has one (ours, HF's inner model).
+    # ``embed_tokens`` is an nn.Embedding where a model has one (ours, HF's inner model; not a
+    # later pipeline stage, whose first parameter is a norm's vector in the compute dtype).
     embed_tokens = getattr(model, "embed_tokens", None)
-    weight: torch.Tensor = next(model.parameters()) if embed_tokens is None else embed_tokens.weight
+    weight: torch.Tensor = embed_tokens.weight if embed_tokens is not None else first_matrix(model)
     compute_dtype = compute_dtype or getattr(model, "compute_dtype", None) or weight.dtype
     if backend == "native":
         _require_native(compute_dtype)

@@ -4,20 +4,28 @@ Module names mirror the HF reference (``embed_tokens``, ``layers.N.self_attn``, 
 ``lm_head``) so that golden runs can compare layer by layer. Inputs are flat: all tokens of a
 batch in one [T] tensor with their positions, attention over the paged KV cache. Projections are
 fused at load time (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``).
+
+Under pipeline parallelism a model is one stage: a contiguous range of the layers, the embedding
+only on the first stage and the final norm and ``lm_head`` only on the last. A stage's layers
+index its own KV cache from 0 (it holds the KV of its layers only); ``first_layer`` maps them
+back to the checkpoint's numbering.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from kunlun_runtime.kv.cache import KVCache
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import AttentionMetadata
 from kunlun_runtime.layers.attention_backend import AttentionShape, PagedAttention
-from kunlun_runtime.layers.linear import Int8Linear, NativeLinear
+from kunlun_runtime.layers.linear import Int8Linear, NativeLinear, first_matrix
 from kunlun_runtime.layers.norm import RMSNorm
 from kunlun_runtime.layers.rotary import RotaryEmbedding
 from kunlun_runtime.models.model_config import ModelConfig
@@ -34,7 +42,8 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, tp_world: int = 1) -> None:
         super().__init__()
         self.tp_world = tp_world
-        self.layer_index = layer_index
+        self.tp_group: ProcessGroup | None = None  # None: the default group (tensor parallelism alone)
+        self.layer_index = layer_index  # in this stage's KV cache
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads,
             config.num_kv_heads,
@@ -72,7 +81,7 @@ class Attention(nn.Module):
         k_blocks, v_blocks = kv_cache.k_blocks[self.layer_index], kv_cache.v_blocks[self.layer_index]
         out = self.o_proj(self.attn.forward(q, k, v, cos_sin, k_blocks, v_blocks, meta))
         if self.tp_world > 1:  # row-parallel: sum the ranks' partial outputs
-            dist.all_reduce(out)
+            dist.all_reduce(out, group=self.tp_group)
         return out
 
 
@@ -80,6 +89,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp_world: int = 1) -> None:
         super().__init__()
         self.tp_world = tp_world
+        self.tp_group: ProcessGroup | None = None
         self.intermediate_size = config.intermediate_size
         self.native = False  # SiLU(gate) * up through our CPU kernel
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -93,7 +103,7 @@ class MLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             out = self.down_proj(F.silu(gate) * up)
         if self.tp_world > 1:
-            dist.all_reduce(out)
+            dist.all_reduce(out, group=self.tp_group)
         return out
 
 
@@ -116,17 +126,31 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, tp_world: int = 1) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp_world: int = 1, layers: range | None = None
+    ) -> None:
+        """``layers``: the stage's range of the model's layers (default: all of them)."""
         super().__init__()
-        self.config = config  # per-rank shapes under tensor parallelism
+        layers = range(config.num_layers) if layers is None else layers
+        self.is_first_stage = layers.start == 0
+        self.is_last_stage = layers.stop == config.num_layers
+        self.first_layer = layers.start
+        # Per-rank shapes under tensor parallelism, and the stage's layer count under pipeline
+        # parallelism (what its KV cache is sized for).
+        self.config = replace(config, num_layers=len(layers))
         self.tp_world = tp_world
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens: nn.Embedding | None = None
+        if self.is_first_stage:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp_world) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp_world) for i in range(len(layers)))
+        self.norm: RMSNorm | None = None
+        self.lm_head: nn.Linear | None = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)
         # Set by enable_native_kernels where one C++ call can run every layer of a decode step of
         # up to decode_max_rows sequences.
         self.decode_weights: list[torch.Tensor] | None = None
@@ -137,14 +161,27 @@ class DecoderModel(nn.Module):
         self.compute_dtype: torch.dtype | None = None
 
     @property
+    def weight_matrix(self) -> torch.Tensor:
+        """A matrix in the model's weight dtype, on its device: the embedding, or on a later
+        pipeline stage its first linear's weight."""
+        return self.embed_tokens.weight if self.embed_tokens is not None else first_matrix(self)
+
+    @property
     def activation_dtype(self) -> torch.dtype:
-        return self.compute_dtype or self.embed_tokens.weight.dtype
+        return self.compute_dtype or self.weight_matrix.dtype
+
+    def set_tensor_parallel_group(self, group: ProcessGroup | None) -> None:
+        """The group the layers all-reduce over (a stage's ranks under pipeline parallelism)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.tp_group = group
 
     def enable_native_kernels(self) -> bool:
         """Routes RMSNorm, SiLU·up and decode attention through our CPU kernels of the tier that
         computes in the model's activation dtype (``cpu_kernels``); returns False, changing
         nothing, where they are unavailable or the weights are not BF16."""
-        if self.embed_tokens.weight.dtype != torch.bfloat16 or self.embed_tokens.weight.device.type != "cpu":
+        weight = self.weight_matrix
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
             return False
         if not cpu_kernels.load(self.activation_dtype):
             return False
@@ -202,9 +239,15 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
-        x = self.embed_tokens(input_ids).to(self.activation_dtype)
+        """Hidden states [T, hidden]: after the final norm on the last stage, else the residual
+        stream to hand to the next stage. Stages after the first take that stream as ``hidden``."""
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(input_ids).to(self.activation_dtype)
+        else:
+            assert hidden is not None, "a later pipeline stage starts from the previous stage's output"
+            x = hidden
         cos_sin = self.rotary.lookup(positions, x.dtype)
         if self._runs_fused_decode(meta):
             assert self.decode_weights is not None  # _runs_fused_decode checked it
@@ -223,10 +266,10 @@ class DecoderModel(nn.Module):
                 self.config.head_dim**-0.5,
                 meta.sliding_window,
             )
-            return self.norm(x)
+            return x if self.norm is None else self.norm(x)
         for layer in self.layers:
             x = layer(x, cos_sin, kv_cache, meta)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def _runs_fused_decode(self, meta: AttentionMetadata) -> bool:
         # Forward hooks on the layers (golden runs, calibration) need the per-layer path.
@@ -238,5 +281,6 @@ class DecoderModel(nn.Module):
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in FP32 for the given rows of hidden states."""
+        """Logits in FP32 for the given rows of hidden states (the last stage only)."""
+        assert self.lm_head is not None, "only the last pipeline stage has lm_head"
         return self.lm_head(hidden).float()

@@ -29,9 +29,15 @@ class StepInputs:
 
 @torch.inference_mode()
 def run_forward(
-    model: DecoderModel, kv_cache: KVCache, inputs: StepInputs, device: torch.device
+    model: DecoderModel,
+    kv_cache: KVCache,
+    inputs: StepInputs,
+    device: torch.device,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One forward pass over a step's flat batch; returns final hidden states [T, hidden]."""
+    """One forward pass over a step's flat batch; returns final hidden states [T, hidden] (a
+    pipeline stage before the last: its output stream; a stage after the first starts from
+    ``hidden``, the previous stage's)."""
     meta = build_attention_metadata(
         inputs.query_lens,
         inputs.context_lens,
@@ -45,4 +51,5 @@ def run_forward(
         torch.tensor(inputs.positions, dtype=torch.long, device=device),
         kv_cache,
         meta,
+        hidden,
     )

@@ -4,7 +4,8 @@ HF weight names are mapped onto ours (q/k/v → ``qkv_proj``, gate/up → ``gate
 missing weight is an error naming it; a tied checkpoint without ``lm_head.weight`` shares the
 embedding. Matrices (linears, embedding) are cast once to the weight dtype, vectors (norms,
 biases) to the compute dtype: on CPUs without native BF16 the weights stay BF16 while the
-activations are FP32.
+activations are FP32. A pipeline stage keeps only its layers (renumbered from 0), the embedding
+on the first stage and the final norm and ``lm_head`` on the last; other weights are skipped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,31 @@ _LAYER_RE = re.compile(
     r"^model\.layers\.(\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.(weight|bias)$"
 )
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_LAYER_PREFIX = re.compile(r"^layers\.(\d+)\.")
+
+
+def _in_stage(name: str, layers: range, num_layers: int) -> str | None:
+    """``name`` (ours, without ``model.``) as the stage holding ``layers`` numbers it, or None
+    where another stage holds it."""
+    match = _LAYER_PREFIX.match(name)
+    if match:
+        index = int(match.group(1))
+        return f"layers.{index - layers.start}.{name[match.end() :]}" if index in layers else None
+    if name.startswith("embed_tokens."):
+        return name if layers.start == 0 else None
+    if name.startswith(("norm.", "lm_head.")) or name in ("norm", "lm_head"):
+        return name if layers.stop == num_layers else None
+    return name
+
+
+def _stage_part(named: dict, layers: range, num_layers: int) -> dict:
+    """The entries of ``named`` the stage holding ``layers`` keeps, renamed as it numbers them."""
+    kept = {}
+    for name, value in named.items():
+        ours = _in_stage(name, layers, num_layers)
+        if ours is not None:
+            kept[ours] = value
+    return kept
 
 
 def load_model(
@@ -45,19 +71,21 @@ def load_model(
     tp_rank: int = 0,
     tp_world: int = 1,
     compute_dtype: torch.dtype | None = None,
+    layers: range | None = None,
 ) -> tuple[DecoderModel, ModelConfig]:
     """Load ``model_dir`` into a DecoderModel on ``device`` with weights in ``dtype`` and
     activations in ``compute_dtype`` (default: ``dtype``); with ``tp_world > 1`` only rank
-    ``tp_rank``'s shard (``model.config`` then holds the per-rank shapes). Returns the model and
-    the full model config.
+    ``tp_rank``'s shard (``model.config`` then holds the per-rank shapes); with ``layers`` only
+    that pipeline stage. Returns the model and the full model config.
 
     Raises ModelLoadError for an unsupported architecture, a missing/truncated file or weight,
     ConfigError when the model cannot be split ``tp_world`` ways.
     """
     config = load_model_config(model_dir)
     local_config = shard_model_config(config, tp_world) if tp_world > 1 else config
+    layers = range(config.num_layers) if layers is None else layers
     with torch.device("meta"):
-        model = DecoderModel(local_config, max_positions, tp_world=tp_world)
+        model = DecoderModel(local_config, max_positions, tp_world=tp_world, layers=layers)
     params = dict(model.named_parameters())
     parts: dict[str, dict[int, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
@@ -75,10 +103,7 @@ def load_model(
             fused, index = _FUSED[proj]
             parts.setdefault(f"layers.{layer}.{fused}.{kind}", {})[index] = tensor
             continue
-        ours = name.removeprefix("model.")
-        if ours not in params:
-            raise ModelLoadError(f"{model_dir}: unexpected weight {name!r} for {config.architecture}")
-        state[ours] = tensor
+        state[name.removeprefix("model.")] = tensor
     for name, pieces in parts.items():
         expected = 3 if "qkv" in name else 2
         if len(pieces) != expected:
@@ -86,6 +111,11 @@ def load_model(
         state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
     if "lm_head.weight" not in state and "lm_head" not in quantized and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    state = _stage_part(state, layers, config.num_layers)  # another stage's weights are its to check
+    quantized = _stage_part(quantized, layers, config.num_layers)
+    unexpected = sorted(set(state) - set(params))
+    if unexpected:
+        raise ModelLoadError(f"{model_dir}: unexpected weight {unexpected[0]!r} for {config.architecture}")
     if quantized and tp_world > 1:
         raise ConfigError(
             "tensor_parallel_size: INT8 checkpoints are served on one rank; quantize after sharding is not supported",

@@ -1,24 +1,35 @@
-"""The tensor-parallel process group and its collective preflight.
+"""The process group of all ranks, its subgroups, and the collective preflight.
 
-Before a TP engine reports ready, every rank all-reduces a tensor of known values; a wrong sum or
-a failing collective names the rank and backend (a known Kunlun pain: XCCL errors at TP=2 that
-otherwise surface as wrong tokens or a hang mid-request). Every rank also reports the device it is
-bound to (``Platform.set_device``): rank r must be on device r (its local rank), else two ranks
-share a card and the preflight names the rank.
+Every rank joins one torch.distributed group over TCP at the leader's address (``init_group``),
+then makes the groups it serves with: all ranks with the step timeout (``--distributed-timeout``:
+a rank that dies or stops answering fails the next collective within that bound instead of
+hanging it), and each stage's tensor-parallel ranks. Joining and loading use the much longer
+startup timeout: nodes start and load at their own pace.
+
+Before the leader reports ready every rank runs the collective preflight
+(``collective_preflight``): each rank's load result and bound device are gathered, the whole
+group and each stage all-reduce known values, and every stage boundary (and the way back to the
+leader) carries a known tensor. A failure names the rank, its node and host, and the backend (a
+known Kunlun pain: XCCL errors that otherwise surface as wrong tokens or a hang mid-request).
+Rank r must be bound to its local device (``Platform.set_device``), else two ranks share a card.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from kunlun_runtime.errors import EngineDeadError
+from kunlun_runtime.parallel.layout import ParallelLayout
 
-INIT_TIMEOUT = timedelta(seconds=120)
+STARTUP_TIMEOUT = timedelta(minutes=30)  # joining (nodes start when they are scheduled) and loading
+DEFAULT_TIMEOUT_SECONDS = 60.0  # every collective while serving
 
 
 def free_port() -> int:
@@ -27,65 +38,202 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_group(rank: int, world: int, port: int, backend: str) -> None:
-    """Join the group of ``world`` ranks rendezvousing on 127.0.0.1:``port``."""
+@dataclass(frozen=True, slots=True)
+class RankGroups:
+    """The groups one rank communicates over once loaded."""
+
+    serving: ProcessGroup  # all ranks, with the step timeout
+    tensor: ProcessGroup | None  # this rank's stage; None without tensor parallelism
+
+
+def init_group(
+    layout: ParallelLayout,
+    rank: int,
+    backend: str,
+    master_addr: str,
+    master_port: int,
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+) -> RankGroups:
+    """Join the group of all ranks at ``master_addr:master_port`` (rank 0 listens there) and
+    make the serving subgroups. Raises EngineDeadError naming the rank, node and backend."""
+    where = f"rank {rank} (node {layout.node_of(rank)}, backend {backend})"
     try:
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=INIT_TIMEOUT
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=layout.world,
+            timeout=STARTUP_TIMEOUT,
         )
+        timeout = timedelta(seconds=timeout_seconds)
+        serving = dist.new_group(list(range(layout.world)), timeout=timeout)
+        tensor = None
+        for stage in range(layout.pipeline):  # every rank makes every group, in the same order
+            group = dist.new_group(list(layout.stage_ranks(stage)), timeout=timeout)
+            if stage == layout.stage_of(rank) and layout.tensor > 1:
+                tensor = group
     except Exception as error:  # any backend failure here is fatal and must be named
         raise EngineDeadError(
-            f"tensor parallel: rank {rank} could not join the {backend} group: {error}"
+            f"parallel group: {where} could not join the group at {master_addr}:{master_port}: {error}"
         ) from error
+    return RankGroups(serving, tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """What every rank tells the others at the preflight."""
+
+    host: str
+    load_error: str | None
+    device_index: int | None
+    agreement: tuple = ()  # what every rank must have planned alike (the leader's is the truth)
 
 
 def collective_preflight(
-    rank: int, world: int, backend: str, device: torch.device, device_index: int | None = None
+    layout: ParallelLayout,
+    rank: int,
+    groups: RankGroups,
+    backend: str,
+    device: torch.device,
+    device_index: int | None = None,
+    load_error: str | None = None,
+    agreement: tuple = (),
 ) -> None:
-    """All-reduce known values on every rank and gather each rank's bound device index
-    (``device_index``, None where the platform binds none); raise EngineDeadError naming the rank
-    and backend if a sum is wrong or a rank is not on its own device."""
-    values = torch.full((4,), float(rank + 1), device=device)
+    """Run on every rank once it has loaded (or failed to: ``load_error``); raise
+    EngineDeadError on every rank, naming the first rank that failed."""
+    reports: list[RankReport | None] = [None] * layout.world
+    own = RankReport(socket.gethostname(), load_error, device_index, agreement)
     try:
-        dist.all_reduce(values)
+        dist.all_gather_object(reports, own)  # the startup group: waits for the slowest load
     except Exception as error:
         raise EngineDeadError(
-            f"tensor parallel preflight: all-reduce failed on rank {rank} of {world} (backend {backend}): {error}"
-        ) from error
-    expected = world * (world + 1) / 2
-    if not torch.all(values == expected):
-        raise EngineDeadError(
-            f"tensor parallel preflight: rank {rank} of {world} (backend {backend}) got {values.tolist()}, "
-            f"expected {expected} everywhere"
-        )
-    reported: list[int | None] = [None] * world
-    try:
-        dist.all_gather_object(reported, device_index)
-    except Exception as error:
-        raise EngineDeadError(
-            f"tensor parallel preflight: gathering the ranks' devices failed on rank {rank} of {world} "
+            f"collective preflight: gathering the ranks' reports failed on {_name(layout, rank, own.host)} "
             f"(backend {backend}): {error}"
         ) from error
-    check_device_binding(reported, backend)
+    complete = [report or RankReport("?", "no report", None) for report in reports]
+    for other, report in enumerate(complete):
+        if report.load_error is not None:
+            raise EngineDeadError(
+                f"collective preflight: {_name(layout, other, report.host)} failed to start: {report.load_error}"
+            )
+        if report.agreement != complete[0].agreement:
+            raise EngineDeadError(
+                f"collective preflight: {_name(layout, other, report.host)} planned {report.agreement}, "
+                f"the leader {complete[0].agreement} (tensor, pipeline, nodes, dtype, weight dtype, "
+                "positions, KV blocks, block size, quantization, stages, vocabulary, hidden size): "
+                "start every node with the same model and engine flags"
+            )
+    check_device_binding([report.device_index for report in complete], backend, layout)
+    hosts = [report.host for report in complete]
+    _check_sum(layout, rank, hosts, backend, device, groups.serving, range(layout.world), "all ranks")
+    if groups.tensor is not None:
+        stage = layout.stage_of(rank)
+        ranks = layout.stage_ranks(stage)
+        _check_sum(layout, rank, hosts, backend, device, groups.tensor, ranks, f"stage {stage}")
+    problem = _check_boundaries(layout, rank, hosts, backend, device, groups.serving)
+    problems: list[str | None] = [None] * layout.world
+    dist.all_gather_object(problems, problem, group=groups.serving)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise EngineDeadError(f"collective preflight: {first}")
 
 
-def check_device_binding(reported: Sequence[int | None], backend: str) -> None:
-    """Rank r must report device r; all None (a platform without devices, the CPU) passes.
+def _name(layout: ParallelLayout, rank: int, host: str) -> str:
+    return f"rank {rank} of {layout.world} (node {layout.node_of(rank)}, host {host})"
+
+
+def _check_sum(
+    layout: ParallelLayout,
+    rank: int,
+    hosts: Sequence[str],
+    backend: str,
+    device: torch.device,
+    group: ProcessGroup,
+    ranks: range,
+    what: str,
+) -> None:
+    values = torch.full((4,), float(rank + 1), device=device)
+    try:
+        dist.all_reduce(values, group=group)
+    except Exception as error:
+        raise EngineDeadError(
+            f"collective preflight: all-reduce over {what} failed on {_name(layout, rank, hosts[rank])} "
+            f"(backend {backend}): {error}"
+        ) from error
+    expected = float(sum(r + 1 for r in ranks))
+    if not torch.all(values == expected):
+        raise EngineDeadError(
+            f"collective preflight: all-reduce over {what} on {_name(layout, rank, hosts[rank])} "
+            f"(backend {backend}) got {values.tolist()}, expected {expected} everywhere"
+        )
+
+
+def _check_boundaries(
+    layout: ParallelLayout,
+    rank: int,
+    hosts: Sequence[str],
+    backend: str,
+    device: torch.device,
+    group: ProcessGroup,
+) -> str | None:
+    """Send a known tensor across every stage boundary this rank is on, and from the last stage
+    back to the leader; returns what went wrong on this rank, or None."""
+    if layout.pipeline == 1:
+        return None
+    stage = layout.stage_of(rank)
+    links: list[tuple[str, int, int]] = []  # (direction, peer, tag)
+    if stage > 0:
+        links.append(("recv", layout.previous_rank(rank), 0))
+    if stage < layout.pipeline - 1:
+        links.append(("send", layout.next_rank(rank), 0))
+    if rank == layout.last_stage_leader:
+        links.append(("send", 0, 1))
+    if rank == 0:
+        links.append(("recv", layout.last_stage_leader, 1))
+    pending = []
+    try:
+        for direction, peer, tag in links:  # sends first, without waiting: no rank waits in turn
+            if direction == "send":
+                payload = torch.arange(8, dtype=torch.float32, device=device) + 1000 * rank + tag
+                work = dist.isend(payload, dst=peer, group=group, tag=tag)
+                pending.append((work, payload))
+        for direction, peer, tag in links:
+            if direction == "recv":
+                received = torch.empty(8, dtype=torch.float32, device=device)
+                dist.recv(received, src=peer, group=group, tag=tag)
+                expected = torch.arange(8, dtype=torch.float32, device=device) + 1000 * peer + tag
+                if not torch.equal(received, expected):
+                    return (
+                        f"{_name(layout, rank, hosts[rank])} received {received.tolist()} from "
+                        f"{_name(layout, peer, hosts[peer])} across a stage boundary (backend {backend}), "
+                        f"expected {expected.tolist()}"
+                    )
+        for work, _ in pending:
+            if work is not None:
+                work.wait()
+    except Exception as error:
+        return f"a stage boundary failed on {_name(layout, rank, hosts[rank])} (backend {backend}): {error}"
+    return None
+
+
+def check_device_binding(
+    reported: Sequence[int | None], backend: str, layout: ParallelLayout | None = None
+) -> None:
+    """Rank r must report its local device (r itself on one node); all None (a platform without
+    devices, the CPU) passes.
 
     Raises:
         EngineDeadError: naming the first rank on another device, or without one while others have one.
     """
     if all(index is None for index in reported):
         return
+    layout = layout or ParallelLayout(tensor=len(reported))
     for rank, index in enumerate(reported):
-        if index != rank:
+        local = layout.local_rank_of(rank)
+        if index != local:
             where = "no device" if index is None else f"device {index}"
             raise EngineDeadError(
-                f"tensor parallel preflight: rank {rank} of {len(reported)} (backend {backend}) is bound "
-                f"to {where}, expected device {rank} (its local rank); devices by rank: {list(reported)}"
+                f"collective preflight: rank {rank} of {len(reported)} (node {layout.node_of(rank)}, "
+                f"backend {backend}) is bound to {where}, expected device {local} (its local rank); "
+                f"devices by rank: {list(reported)}"
             )
-
-
-def all_reduce_(tensor: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(tensor)
-    return tensor

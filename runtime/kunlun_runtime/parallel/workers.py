@@ -1,20 +1,30 @@
-"""Tensor-parallel worker processes: ranks 1..N-1 run every step in lockstep with rank 0.
+"""The ranks' processes: what each builds, how the others follow the leader, and the leader's handle.
 
-Rank 0 is the engine process: it schedules, samples and answers requests, and broadcasts each
-step's inputs; the workers hold their weight and KV-cache shards and run the same forward, the
-model's all-reduces joining the partial results. Every rank binds its own device first
-(``Platform.set_device(rank)``: ranks are local, one node), before it joins the group or runs any
-collective. Startup ends with the collective preflight on every rank, which also checks that rank
-r is on device r; a worker that fails reports its rank and reason, and the engine refuses to start.
+Rank 0 is the engine process: it schedules, samples and answers requests, and sends each step's
+plan to every other rank (``LeaderGroup.execute``); the others (``follow_leader``) hold their
+stage's weight and KV-cache shards and run their part of every step (``StageRunner``). A node's
+first rank is the process the node was started as; it starts the node's other ranks as local
+worker processes (``spawn``). Every rank binds its local device first
+(``Platform.set_device``), before it joins the group or runs any collective, and startup ends
+with the collective preflight on every rank.
+
+While the engine is idle the leader sends a keepalive round (a broadcast and a barrier) every
+third of the collective timeout: the others, waiting for the next step, see a live leader, and
+the leader sees a dead or silent rank within the timeout even when no request comes, and
+reports it (``on_failure``) so the server can fail its health and exit. A rank that loses the
+leader fails its next collective within the timeout and exits 1.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import multiprocessing
 import os
-import queue
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,18 +35,25 @@ from kunlun_runtime.errors import EngineDeadError
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers.linear import convert_linears
 from kunlun_runtime.models.decoder import DecoderLayer, DecoderModel
-from kunlun_runtime.models.forward import StepInputs, run_forward
 from kunlun_runtime.models.loader import load_model
-from kunlun_runtime.parallel.group import collective_preflight, free_port, init_group
+from kunlun_runtime.parallel.group import (
+    DEFAULT_TIMEOUT_SECONDS,
+    RankGroups,
+    collective_preflight,
+    init_group,
+)
+from kunlun_runtime.parallel.layout import ParallelLayout
+from kunlun_runtime.parallel.pipeline import StageRunner, StepPlan, receive_logits
 from kunlun_runtime.platforms import Platform
 
 logger = logging.getLogger(__name__)
-READY_TIMEOUT_SECONDS = 300.0
+KEEPALIVE = "keepalive"  # the message of an idle leader's keepalive round
+POLL_SECONDS = 0.2  # how often the leader checks its local workers while the group starts
 
 
 @dataclass(frozen=True, slots=True)
 class RankSpec:
-    """What every rank needs to build its shard (picklable, sent to the workers)."""
+    """What every rank needs to build its shard (picklable, sent to the local workers)."""
 
     model_dir: str
     dtype: torch.dtype  # activations and KV cache
@@ -51,23 +68,49 @@ class RankSpec:
     quantization: str | None
     fused_attention: bool
     native_kernels: bool
-    world: int
+    layout: ParallelLayout
+    stages: tuple[range, ...]  # the layers of each pipeline stage
     backend: str
-    port: int
+    master_addr: str
+    master_port: int
     platform: Platform  # the engine's platform (pickled to the workers); binds each rank's device
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    vocab_size: int = 0  # of the logits the last stage returns
+    hidden_size: int = 0
+
+    def agreement(self) -> tuple:
+        """What every node must have computed alike (nodes plan independently, from their own
+        flags): a node started with other flags would build a different model or cache."""
+        return (
+            self.layout.tensor,
+            self.layout.pipeline,
+            self.layout.nnodes,
+            str(self.dtype),
+            str(self.weight_dtype),
+            self.max_positions,
+            self.num_blocks,
+            self.block_size,
+            self.quantization,
+            tuple((stage.start, stage.stop) for stage in self.stages),
+            self.vocab_size,
+            self.hidden_size,
+        )
 
 
 def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.device]:
-    """Load rank ``rank``'s model shard and allocate its KV cache."""
-    device = spec.platform.device(rank)
+    """Load rank ``rank``'s shard (its stage's layers, its tensor-parallel part of them) and
+    allocate its KV cache (its stage's layers only)."""
+    layout = spec.layout
+    device = spec.platform.device(layout.local_rank_of(rank))
     model, _ = load_model(
         Path(spec.model_dir),
         spec.weight_dtype,
         device,
         spec.max_positions,
-        tp_rank=rank,
-        tp_world=spec.world,
+        tp_rank=layout.tensor_rank_of(rank),
+        tp_world=layout.tensor,
         compute_dtype=spec.dtype,
+        layers=spec.stages[layout.stage_of(rank)],
     )
     convert_linears(
         model, backend=spec.linear_backend, quantization=spec.quantization, compute_dtype=spec.dtype
@@ -89,89 +132,246 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
     return model, cache, device
 
 
-def threads_per_rank(world: int) -> int:
-    return max(1, len(os.sched_getaffinity(0)) // world)
+def threads_per_rank(layout: ParallelLayout) -> int:
+    """The node's CPUs shared by its ranks; ``OMP_NUM_THREADS`` wins where set (several "nodes"
+    on one machine)."""
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, len(os.sched_getaffinity(0)) // layout.ranks_per_node)
 
 
-def worker_main(spec: RankSpec, rank: int, status: multiprocessing.Queue) -> None:
-    """Entry point of worker ``rank``: join, load, preflight, then follow rank 0's steps."""
-    torch.set_num_threads(threads_per_rank(spec.world))
-    platform = spec.platform
+def join_and_load(spec: RankSpec, rank: int) -> tuple[StageRunner, RankGroups]:
+    """Bind the device, join the group, load this rank's shard and pass the preflight; a load
+    failure is reported to every rank by the preflight, which then fails everywhere."""
+    layout, platform = spec.layout, spec.platform
+    platform.set_device(layout.local_rank_of(rank))  # before any collective: NCCL/XCCL bind to it
+    groups = init_group(layout, rank, spec.backend, spec.master_addr, spec.master_port, spec.timeout_seconds)
+    device = platform.device(layout.local_rank_of(rank))
+    built, load_error = None, None
     try:
-        platform.set_device(rank)  # before any collective: NCCL/XCCL bind to the current device
-        init_group(rank, spec.world, spec.port, spec.backend)
-        model, cache, device = build_rank(spec, rank)
-    except Exception as error:  # reported to rank 0 with the rank, never swallowed
-        status.put((rank, f"{type(error).__name__}: {error}"))
-        return
-    status.put((rank, None))
-    # rank 0 reports a failure
-    collective_preflight(rank, spec.world, spec.backend, device, platform.current_device_index())
+        built = build_rank(spec, rank)
+        built[0].set_tensor_parallel_group(groups.tensor)
+    except Exception as error:  # reported with the rank by the preflight
+        load_error = f"{type(error).__name__}: {error}"
+    collective_preflight(
+        layout,
+        rank,
+        groups,
+        spec.backend,
+        device,
+        platform.current_device_index(),
+        load_error,
+        spec.agreement(),
+    )
+    assert built is not None  # the preflight raised otherwise
+    model, cache, device = built
+    return StageRunner(model, cache, device, layout, rank, groups.serving), groups
+
+
+def follow_leader(runner: StageRunner, groups: RankGroups) -> None:
+    """Run every step rank 0 sends until it sends the stop; raises when the group fails."""
     while True:
-        box: list[StepInputs | None] = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
+        box: list[StepPlan | str | None] = [None]
+        dist.broadcast_object_list(box, src=0, group=groups.serving)
+        message = box[0]
+        if message is None:
             break
-        run_forward(model, cache, box[0], device)
+        if message == KEEPALIVE:
+            dist.barrier(group=groups.serving)
+            continue
+        assert isinstance(message, StepPlan)  # rank 0 sends nothing else
+        runner.run(message)
     dist.destroy_process_group()
 
 
-class TensorParallelGroup:
-    """Rank 0's handle on the workers: start them, broadcast steps, stop them."""
+def worker_main(spec: RankSpec, rank: int) -> None:
+    """Entry point of a local worker process: join, load, preflight, follow; exit 1 on failure."""
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank}: %(levelname)s %(message)s")
+    torch.set_num_threads(threads_per_rank(spec.layout))
+    try:
+        runner, groups = join_and_load(spec, rank)
+        follow_leader(runner, groups)
+    except Exception as error:
+        logger.error("rank %d stops: %s", rank, error)
+        os._exit(1)  # skip torch.distributed's teardown, which can block on a dead peer
+
+
+def start_local_workers(spec: RankSpec) -> list[multiprocessing.process.BaseProcess]:
+    """Start this node's ranks after its first (which is the calling process)."""
+    context = multiprocessing.get_context("spawn")
+    workers = [
+        context.Process(target=worker_main, args=(spec, rank), daemon=True, name=f"rank-{rank}")
+        for rank in spec.layout.node_ranks[1:]
+    ]
+    for worker in workers:
+        worker.start()
+    return workers
+
+
+def start_watching(
+    spec: RankSpec, rank: int, workers: list[multiprocessing.process.BaseProcess]
+) -> tuple[StageRunner, RankGroups]:
+    """``join_and_load`` for the node's first rank, while watching the node's local workers: one
+    that exits before the group is ready fails the start at once, naming it (the group would
+    otherwise wait for it until the startup timeout)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="join")
+    future = pool.submit(join_and_load, spec, rank)
+    pool.shutdown(wait=False)
+    while True:
+        try:
+            return future.result(timeout=POLL_SECONDS)
+        except concurrent.futures.TimeoutError:
+            pass
+        for worker in workers:
+            if worker.exitcode is not None:
+                raise EngineDeadError(
+                    f"parallel group: {worker.name} (node {spec.layout.node_rank}) exited with code "
+                    f"{worker.exitcode} while the group was starting"
+                )
+
+
+def stop_workers(workers: list[multiprocessing.process.BaseProcess], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+
+
+def run_worker_node(spec: RankSpec) -> int:
+    """A node after the first (``node_rank`` ≥ 1): run its ranks until the leader stops (exit 0)
+    or the group fails (exit 1, so that LeaderWorkerSet restarts the group)."""
+    layout = spec.layout
+    rank = layout.node_ranks[0]
+    torch.set_num_threads(threads_per_rank(layout))
+    workers = start_local_workers(spec)
+    try:
+        runner, groups = start_watching(spec, rank, workers)
+        logger.info(
+            "node %d ready: ranks %s, stage(s) %s (backend %s); following the leader at %s:%d",
+            layout.node_rank,
+            list(layout.node_ranks),
+            sorted({layout.stage_of(r) for r in layout.node_ranks}),
+            spec.backend,
+            spec.master_addr,
+            spec.master_port,
+        )
+        follow_leader(runner, groups)
+    except Exception as error:
+        logger.error("node %d: the parallel group failed: %s", layout.node_rank, error)
+        for worker in workers:
+            worker.kill()
+        return 1
+    stop_workers(workers)
+    logger.info("node %d: the leader stopped the group", layout.node_rank)
+    return 0
+
+
+class LeaderGroup:
+    """Rank 0's handle on all the other ranks: start them, run steps, keep them alive, stop them."""
 
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
-        context = multiprocessing.get_context("spawn")
-        self._status = context.Queue()
-        self._workers = [
-            context.Process(
-                target=worker_main, args=(spec, rank, self._status), daemon=True, name=f"tp-rank-{rank}"
-            )
-            for rank in range(1, spec.world)
-        ]
-        for worker in self._workers:
-            worker.start()
-        torch.set_num_threads(threads_per_rank(spec.world))
-        spec.platform.set_device(0)
-        init_group(0, spec.world, spec.port, spec.backend)
+        self.layout = spec.layout
+        self.on_failure: Callable[[BaseException], None] | None = None  # called from the keepalive
+        self.failure: BaseException | None = None
+        self._lock = threading.Lock()  # one collective at a time: steps and keepalives
+        self._last_activity = time.monotonic()  # of the last collective
         self._closed = False
+        self._groups: RankGroups | None = None
+        self.runner: StageRunner | None = None
+        self._workers = start_local_workers(spec)
+        torch.set_num_threads(threads_per_rank(spec.layout))
         atexit.register(self.close)
 
-    @staticmethod
-    def new_port() -> int:
-        return free_port()
-
-    def wait_ready(self, device: torch.device) -> None:
-        """Wait until every worker has loaded its shard, then run the collective preflight.
-
-        Raises EngineDeadError naming the failed rank (or the preflight's rank and backend)."""
-        for _ in self._workers:
-            try:
-                rank, error = self._status.get(timeout=READY_TIMEOUT_SECONDS)
-            except queue.Empty as timeout:
-                self.close()
-                raise EngineDeadError("tensor parallel: a worker did not report ready in time") from timeout
-            if error is not None:
-                self.close()
-                raise EngineDeadError(f"tensor parallel: rank {rank} failed to start: {error}")
-        collective_preflight(
-            0, self.spec.world, self.spec.backend, device, self.spec.platform.current_device_index()
+    def start(self) -> tuple[DecoderModel, KVCache, torch.device]:
+        """Join, load rank 0's shard and pass the preflight with every rank; returns rank 0's
+        model, cache and device. Raises EngineDeadError naming the rank that failed."""
+        try:
+            self.runner, self._groups = start_watching(self.spec, 0, self._workers)
+        except BaseException:
+            self.close()
+            raise
+        logger.info(
+            "parallel group ready: %d ranks (tensor %d × pipeline %d) on %d node(s), backend %s, layers by stage %s",
+            self.layout.world,
+            self.layout.tensor,
+            self.layout.pipeline,
+            self.layout.nnodes,
+            self.spec.backend,
+            [f"{s.start}-{s.stop - 1}" for s in self.spec.stages],
         )
-        logger.info("tensor parallel: %d ranks ready (backend %s)", self.spec.world, self.spec.backend)
+        interval = max(0.5, min(10.0, self.spec.timeout_seconds / 3))
+        threading.Thread(
+            target=self._keep_alive, args=(interval,), name="group-keepalive", daemon=True
+        ).start()
+        return self.runner.model, self.runner.kv_cache, self.runner.device
 
-    def broadcast(self, inputs: StepInputs) -> None:
-        dist.broadcast_object_list([inputs], src=0)
+    def execute(self, plan: StepPlan) -> list[torch.Tensor]:
+        """Run one step on every rank; returns the logits of each micro-batch's wanted rows.
+        Raises EngineDeadError when a rank fails or does not answer within the timeout."""
+        assert self.runner is not None and self._groups is not None, "start() first"
+        with self._lock:
+            self._raise_if_failed()
+            try:
+                dist.broadcast_object_list([plan], src=0, group=self._groups.serving)
+                logits = self.runner.run(plan)
+                if self.layout.pipeline > 1:
+                    logits = receive_logits(
+                        plan,
+                        self.spec.vocab_size,
+                        self.layout.last_stage_leader,
+                        self._groups.serving,
+                        self.runner.device,
+                    )
+            except Exception as error:
+                self.failure = error
+                raise EngineDeadError(f"parallel group: a step failed: {error}") from error
+            self._last_activity = time.monotonic()
+            return logits
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise EngineDeadError(f"parallel group: failed earlier: {self.failure}")
+
+    def _keep_alive(self, interval: float) -> None:
+        while not self._closed and self.failure is None:
+            time.sleep(interval / 4)
+            if time.monotonic() - self._last_activity < interval:
+                continue
+            with self._lock:
+                if self._closed or self.failure is not None:
+                    return
+                assert self._groups is not None  # started before this thread
+                try:
+                    dist.broadcast_object_list([KEEPALIVE], src=0, group=self._groups.serving)
+                    dist.barrier(group=self._groups.serving)
+                except Exception as error:
+                    self.failure = error
+                else:
+                    self._last_activity = time.monotonic()
+                    continue
+            logger.error("parallel group: a rank stopped answering while idle: %s", self.failure)
+            if self.on_failure is not None:
+                self.on_failure(EngineDeadError(f"parallel group: a rank stopped answering: {self.failure}"))
+            return
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if dist.is_initialized():
-            try:
-                dist.broadcast_object_list([None], src=0)
-            finally:
-                for worker in self._workers:
-                    worker.join(timeout=30)
-                    if worker.is_alive():
-                        worker.kill()
+        with self._lock:
+            if self._groups is not None and self.failure is None:
+                try:
+                    dist.broadcast_object_list([None], src=0, group=self._groups.serving)
+                except Exception as error:  # a rank already gone: it is stopping anyway
+                    logger.warning("parallel group: could not send the stop to every rank: %s", error)
+                    self.failure = error
+            if self._groups is not None and self.failure is None:
+                stop_workers(self._workers)  # they got the stop
+            for worker in self._workers:
+                if worker.is_alive():
+                    worker.kill()
+            if dist.is_initialized() and self.failure is None:
                 dist.destroy_process_group()

@@ -161,6 +161,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from kunlun_runtime.server.app import create_app
 
     config = engine_config_from_args(args)
+    if config.node_rank != 0:  # a node after the first follows the leader and serves nothing
+        from kunlun_runtime.engine.llm_engine import serve_worker_node
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return serve_worker_node(config)
     if args.max_queue_len < 1:
         raise SystemExit("kunlun-runtime serve: error: --max-queue-len must be at least 1")
     if args.max_request_body_bytes < 1:

@@ -154,6 +154,9 @@ class Lifecycle:
             on_dead=self._engine_died,
         )
         async_engine.start(asyncio.get_running_loop())
+        if engine.group is not None:  # a rank that stops answering while the engine is idle
+            loop = asyncio.get_running_loop()
+            engine.group.on_failure = lambda error: loop.call_soon_threadsafe(self._group_failed, error)
         self.served = ServedModel.of(async_engine, max_prompt_chars=self.max_prompt_chars)
         self.served.tool_call_parser = self.tool_call_parser
         self.served.enable_auto_tool_choice = self.enable_auto_tool_choice
@@ -169,6 +172,15 @@ class Lifecycle:
         """The engine loop failed: not ready any more, and the process should be restarted."""
         logger.error("engine failed: %s", error)
         self.state, self.error = ServerState.FAILED, error
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _group_failed(self, error: BaseException) -> None:
+        """Another rank died or stopped answering while idle: as when the engine loop fails."""
+        logger.error("parallel group failed: %s", error)
+        self.state, self.error = ServerState.FAILED, error
+        if self.served is not None:
+            self.served.engine.fail(error)
         if self.on_fatal is not None:
             self.on_fatal(error)
 

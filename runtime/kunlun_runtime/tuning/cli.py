@@ -16,7 +16,8 @@ import yaml
 
 from kunlun_runtime.cli_args import Command
 from kunlun_runtime.tuning.measurements import Measurements
-from kunlun_runtime.tuning.recommender import Recommendation, Targets, recommend, size
+from kunlun_runtime.tuning.recommender import Recommendation, recommend
+from kunlun_runtime.tuning.targets import Targets, size
 
 
 def build_document(measurements: Measurements, recommendation: Recommendation) -> dict[str, Any]:
@@ -76,6 +77,24 @@ def _tune_args(parser: argparse.ArgumentParser) -> None:
         default=500.0,
         help="max_num_batched_tokens: cap on one prefill step (default 500)",
     )
+    add(
+        "--cards-per-node",
+        type=int,
+        default=None,
+        help="cards of a node to serve on, for tensor_parallel_size (default: the cards seen here)",
+    )
+    add(
+        "--max-nodes",
+        type=int,
+        default=16,
+        help="pipeline_parallel_size: at most this many nodes per replica (default 16)",
+    )
+    add(
+        "--stage-boundary-ms",
+        type=float,
+        default=None,
+        help="time one pipeline stage boundary adds to a decode step, measured or assumed (for the reason)",
+    )
     add("--seed", type=int, default=0)
 
 
@@ -87,6 +106,12 @@ def run_tune(args: argparse.Namespace) -> int:
         raise _config_error("budget_s", f"must be positive, got {args.budget_s:g}")
     if not 0 < args.memory_fraction <= 1:
         raise _config_error("memory_fraction", f"must be in (0, 1], got {args.memory_fraction:g}")
+    if args.cards_per_node is not None and args.cards_per_node < 1:
+        raise _config_error("cards_per_node", f"must be >= 1, got {args.cards_per_node}")
+    if args.max_nodes < 1:
+        raise _config_error("max_nodes", f"must be >= 1, got {args.max_nodes}")
+    if args.stage_boundary_ms is not None and not 0 <= args.stage_boundary_ms < float("inf"):
+        raise _config_error("stage_boundary_ms", f"must be a time in ms >= 0, got {args.stage_boundary_ms:g}")
     EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len
     ).validate()
@@ -102,6 +127,9 @@ def run_tune(args: argparse.Namespace) -> int:
         memory_fraction=args.memory_fraction,
         decode_step_target_seconds=args.decode_step_target_ms / 1000,
         max_prefill_step_seconds=args.max_prefill_step_ms / 1000,
+        cards_per_node=args.cards_per_node,
+        max_nodes=args.max_nodes,
+        stage_boundary_seconds=None if args.stage_boundary_ms is None else args.stage_boundary_ms / 1000,
     )
     measurements = Profiler(options).run()
     recommendation = recommend(measurements, targets)

@@ -1,4 +1,5 @@
-"""Facts the profiler reads off the platform and the loaded model: card count and model memory.
+"""Facts the profiler reads off the platform and the loaded model: card count and model memory,
+in all and by part (what pipeline stages are made of).
 
 Owns the two questions the ``Platform`` interface does not answer directly. Reads only; measures
 no time.
@@ -41,3 +42,17 @@ def model_bytes(model: torch.nn.Module) -> int:
                 seen.add(key)
                 total += size
     return total
+
+
+def part_bytes(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(one decoder layer, the token embedding, the final norm with lm_head) in bytes, each part on
+    its own (a tied lm_head counted in full: a last stage that is not the first holds a copy);
+    None for a model without those parts. Layers are all alike, so the largest stands for each."""
+    layers = getattr(model, "layers", None)
+    embedding, norm, head = (getattr(model, name, None) for name in ("embed_tokens", "norm", "lm_head"))
+    if not (isinstance(layers, torch.nn.ModuleList) and len(layers) > 0):
+        return None
+    if not all(isinstance(part, torch.nn.Module) for part in (embedding, norm, head)):
+        return None
+    layer = max(model_bytes(module) for module in layers)
+    return layer, model_bytes(embedding), model_bytes(norm) + model_bytes(head)

@@ -38,6 +38,12 @@ class ModelFacts:
     # Where the weights are narrower than the activations (FP32 over BF16 weights on CPUs without
     # native BF16, what --dtype auto runs there); None when they are the same.
     weight_dtype: str | None = None
+    # What pipeline parallelism needs (None: not recorded, as in tune files written before it):
+    hidden_size: int | None = None  # width of the hidden states that cross a stage boundary
+    intermediate_size: int | None = None  # MLP width, which a TP size must divide
+    layer_bytes: int | None = None  # one decoder layer (all alike)
+    embedding_bytes: int | None = None  # the token embedding, held by the first stage
+    head_bytes: int | None = None  # final norm + lm_head, held by the last stage (a tied one in full)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from kunlun_runtime.models.model_config import load_model_config
 from kunlun_runtime.platforms import detect
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.tuning.budget import Budget
-from kunlun_runtime.tuning.facts import count_cards, model_bytes
+from kunlun_runtime.tuning.facts import count_cards, model_bytes, part_bytes
 from kunlun_runtime.tuning.measurements import (
     BlockSizePoint,
     DecodePoint,
@@ -44,7 +44,7 @@ from kunlun_runtime.tuning.measurements import (
     PlatformFacts,
     PrefillPoint,
 )
-from kunlun_runtime.tuning.recommender import TuningError
+from kunlun_runtime.tuning.targets import TuningError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -285,6 +285,8 @@ class Profiler:
     def _model_facts(self, engine: LLMEngine) -> ModelFacts:
         mc = engine.model_config
         narrower_weights = engine.weight_dtype != engine.dtype
+        parts = part_bytes(engine.model)
+        layer, embedding, head = parts if parts is not None else (None, None, None)
         return ModelFacts(
             name=self.model_dir.name,
             dtype=str(engine.dtype).removeprefix("torch."),
@@ -295,6 +297,11 @@ class Profiler:
             head_dim=mc.head_dim,
             weight_bytes=model_bytes(engine.model),
             max_model_len=self.target_len,
+            hidden_size=mc.hidden_size,
+            intermediate_size=mc.intermediate_size,
+            layer_bytes=layer,
+            embedding_bytes=embedding,
+            head_bytes=head,
         )
 
     def _platform_facts(self, free_before: int) -> PlatformFacts:
