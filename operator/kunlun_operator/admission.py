@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kunlun_operator.builders.leaderworkerset import require_leaderworkerset
 from kunlun_operator.errors import SpecError
 from kunlun_operator.feasibility import estimate_memory
 from kunlun_operator.matrix import Matrix, check_versions, select_image
@@ -35,8 +36,11 @@ def review(
     matrix: Matrix,
     default_image: str,
     policy: AdmissionPolicy = STRICTEST,
+    *,
+    leaderworkerset_served: bool = False,
 ) -> Review:
-    """The webhook's verdict on ``raw_spec``: a denial naming the field, or warnings."""
+    """The webhook's verdict on ``raw_spec``: a denial naming the field, or warnings.
+    ``leaderworkerset_served``: the cluster serves LeaderWorkerSet (a multi-node service needs it)."""
     try:
         spec = parse_spec(raw_spec)
     except SpecError as error:
@@ -44,6 +48,9 @@ def review(
     violation = check_policy(spec, policy)
     if violation is not None:
         return Review(denial=violation)
+    missing = require_leaderworkerset(spec, leaderworkerset_served)
+    if missing is not None:
+        return Review(denial=missing)
     strict = spec.versions.policy == "Strict"
     warnings: list[str] = []
     if spec.versions.policy != "Off":
@@ -88,7 +95,7 @@ def _memory_finding(spec: InferenceSpec, matrix: Matrix) -> SpecError | None:
     card = product or "the largest known card"
     return SpecError(
         "spec.resources.xpus",
-        f"the model does not fit {spec.resources.xpus} × {card}: {estimate.describe()}",
+        f"the model does not fit {estimate.cards()} × {card}: {estimate.describe()}",
         reason="InsufficientMemory",
     )
 

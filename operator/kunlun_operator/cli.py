@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         "turn off only where no node agent sets it (it would keep the pods NotReady)",
     )
     run.add_argument(
+        "--leaderworkerset",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve multi-node services (spec.runtime.pipelineParallelSize > 1) as LeaderWorkerSets where "
+        "the cluster serves leaderworkerset.x-k8s.io/v1 (discovery); --no-leaderworkerset: never (the "
+        "operator has no rights on them), such services are rejected",
+    )
+    run.add_argument(
         "--preflight-kml-version-file",
         default=names.HOST_KML_VERSION_FILE,
         metavar="HOST_PATH",
@@ -176,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             xpu_health_gate=args.xpu_health_gate,
             policy=_admission_policy(args.admission_policy),
             preflight_host=parse_preflight_host(args),
+            leaderworkerset=args.leaderworkerset,
         ),
         metrics,
         post_event,

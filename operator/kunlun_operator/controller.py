@@ -79,6 +79,15 @@ class ControllerConfig:
     preflight_host: PreflightHost = (
         DEFAULT_PREFLIGHT_HOST  # --preflight-kml-version-file, --preflight-xpu-smi
     )
+    #: --[no-]leaderworkerset: multi-node services may use LeaderWorkerSet where the cluster serves it
+    leaderworkerset: bool = True
+
+
+def pipeline_stages(spec: Mapping[str, Any]) -> int:
+    """``spec.runtime.pipelineParallelSize`` of a raw spec, 1 when unset or malformed (the parser
+    reports a malformed one): which workload kind to read before the spec is parsed."""
+    value = (spec.get("runtime") or {}).get("pipelineParallelSize", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 class Controller:
@@ -128,10 +137,33 @@ class Controller:
             logger.error("%s; using the packaged compatibility matrix", error)
             return self.default_matrix
 
+    def leaderworkerset_served(self) -> bool:
+        """Whether multi-node services can be served: allowed (``--leaderworkerset``) and the
+        cluster serves ``leaderworkersets`` in ``leaderworkerset.x-k8s.io/v1`` (discovery).
+
+        Raises:
+            ApiError: discovery failed (other than "not served").
+        """
+        if not self.config.leaderworkerset:
+            return False
+        return names.LEADER_WORKER_SET.plural in self.client.served_plurals(names.LWS_GROUP_VERSION)
+
     def read_facts(
         self, ref: ServiceRef, spec: Mapping[str, Any], nodes: Iterable[NodeFacts]
     ) -> ClusterFacts:
-        deployment = self.client.get(names.DEPLOYMENT, ref.namespace, ref.name)
+        lws_served = self.leaderworkerset_served()
+        workload: DeploymentFacts | None = None
+        if pipeline_stages(spec) > 1:
+            if lws_served:
+                lws = self.client.get(
+                    names.LEADER_WORKER_SET,
+                    ref.namespace,
+                    names.owned_name(ref.name, names.LEADER_WORKER_SET),
+                )
+                workload = DeploymentFacts.from_leaderworkerset(lws) if lws else None
+        else:
+            deployment = self.client.get(names.DEPLOYMENT, ref.namespace, ref.name)
+            workload = DeploymentFacts.from_object(deployment) if deployment else None
         source = (spec.get("model") or {}).get("source") or {}
         pvc_exists = None
         if isinstance(source.get("pvc"), Mapping) and source["pvc"].get("claimName"):
@@ -154,7 +186,8 @@ class Controller:
             matrix=self.load_matrix(),
             default_image=self.config.default_image,
             monitoring_plurals=self.client.served_plurals(names.MONITORING_GROUP_VERSION),
-            deployment=DeploymentFacts.from_object(deployment) if deployment else None,
+            deployment=workload,
+            leaderworkerset_served=lws_served,
             pods=pods,
             pvc_exists=pvc_exists,
             image_volumes=self.config.image_volumes,
@@ -327,8 +360,11 @@ class Controller:
         changes: list[Change] = []
         with self.lock(ref.namespace, ref.name):
             served = self.client.served_plurals(names.MONITORING_GROUP_VERSION)
+            lws_served = self.leaderworkerset_served()
             for kind in reversed(names.OWNED_KINDS):
                 if kind in names.MONITORING_KINDS and kind.plural not in served:
+                    continue
+                if kind == names.LEADER_WORKER_SET and not lws_served:
                     continue
                 name = names.owned_name(ref.name, kind)
                 change = delete_object(

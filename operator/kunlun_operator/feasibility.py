@@ -4,7 +4,10 @@ Owns: the memory estimate the admission webhook reports (with its numbers) and t
 budget that grows with model size. Pure; a rough, documented estimate, not a profiler:
 weights = parameters × bytes per parameter (2 for 16-bit, 4 for float32, 1 for int8);
 KV cache = 2 × layers × KV heads × head dim × 2 bytes × maxModelLen; usable memory = 90 % of
-xpus × card memory (the rest is activations, the runtime and fragmentation).
+xpus × card memory (the rest is activations, the runtime and fragmentation). A multi-node replica
+(``pipelineParallelSize`` P pods of ``xpus`` cards, T = ``tensorParallelSize``) splits the layers
+into P stages and each stage T ways, so every card holds weights / (T·P) and its share of the KV
+cache: the check is the same sum against the memory of all P × xpus cards.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ STARTUP_BASE_SECONDS = 300
 STARTUP_SECONDS_PER_GIB = 20
 STARTUP_UNKNOWN_SIZE_SECONDS = 900
 STARTUP_MAX_SECONDS = 3600
+#: A multi-node group also waits for its workers (scheduled and pulled on other nodes) and for the
+#: collective preflight across every rank before the leader reports healthy.
+STARTUP_GROUP_SECONDS = 180
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +34,8 @@ class MemoryEstimate:
     kv_cache_bytes: int | None  # None when the architecture or maxModelLen is unknown
     available_bytes: int
     card_memory_bytes: int
-    num_xpus: int
+    num_xpus: int  # all cards of one replica: xpus per pod × pods
+    num_nodes: int = 1  # pods (pipeline stages) of one replica
 
     @property
     def required_bytes(self) -> int:
@@ -47,8 +54,14 @@ class MemoryEstimate:
         return (
             f"weights {self.weights_bytes / GiB:.1f} GiB + KV cache {kv} = "
             f"{self.required_bytes / GiB:.1f} GiB; available {self.available_bytes / GiB:.1f} GiB "
-            f"({USABLE_FRACTION:.0%} of {self.num_xpus} × {self.card_memory_bytes / GiB:.0f} GiB)"
+            f"({USABLE_FRACTION:.0%} of {self.cards()} × {self.card_memory_bytes / GiB:.0f} GiB)"
         )
+
+    def cards(self) -> str:
+        """``"8"``, or ``"2 nodes × 8"`` for a multi-node replica."""
+        if self.num_nodes == 1:
+            return str(self.num_xpus)
+        return f"{self.num_nodes} nodes × {self.num_xpus // self.num_nodes}"
 
 
 def bytes_per_parameter(spec: InferenceSpec) -> float:
@@ -74,17 +87,30 @@ def estimate_memory(spec: InferenceSpec, card_memory_bytes: int) -> MemoryEstima
         if arch is None or max_len is None
         else 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2 * max_len
     )
-    num_xpus = spec.resources.xpus
+    num_nodes = spec.runtime.pipeline_parallel_size
+    num_xpus = spec.resources.xpus * num_nodes
     return MemoryEstimate(
-        weights, kv, int(num_xpus * card_memory_bytes * USABLE_FRACTION), card_memory_bytes, num_xpus
+        weights,
+        kv,
+        int(num_xpus * card_memory_bytes * USABLE_FRACTION),
+        card_memory_bytes,
+        num_xpus,
+        num_nodes,
     )
 
 
 def startup_budget_seconds(spec: InferenceSpec) -> int:
-    """How long a replica may take to load before the startup probe gives up."""
+    """How long a replica may take to load before the startup probe gives up.
+
+    A multi-node replica is ready when its whole group is: the load time of the whole model (the
+    stages read their shares at once, usually from one shared source, so its bandwidth bounds
+    them), plus ``STARTUP_GROUP_SECONDS`` for the workers and the group's collective preflight.
+    """
     if spec.runtime.startup_timeout_seconds is not None:
         return spec.runtime.startup_timeout_seconds
+    group = STARTUP_GROUP_SECONDS if spec.multi_node else 0
     weights = weights_bytes(spec)
     if weights is None:
-        return STARTUP_UNKNOWN_SIZE_SECONDS
-    return min(STARTUP_MAX_SECONDS, STARTUP_BASE_SECONDS + round(STARTUP_SECONDS_PER_GIB * weights / GiB))
+        return STARTUP_UNKNOWN_SIZE_SECONDS + group
+    load = min(STARTUP_MAX_SECONDS, STARTUP_BASE_SECONDS + round(STARTUP_SECONDS_PER_GIB * weights / GiB))
+    return load + group

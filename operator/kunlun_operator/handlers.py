@@ -118,6 +118,11 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
     generations: dict[tuple[str, str], Any] = {}
     node_prints: dict[str, tuple[Any, ...]] = {}
     pod_prints: dict[tuple[str, str], tuple[Any, ...]] = {}
+    # LeaderWorkerSets only where the operator may use them (the chart grants no rights on them
+    # otherwise); kopf watches them once the cluster serves the kind.
+    watched_owned_kinds = WATCHED_OWNED_KINDS + (
+        (names.LEADER_WORKER_SET,) if controller.config.leaderworkerset else ()
+    )
 
     @kopf.on.startup(registry=registry, id="configure")
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -134,7 +139,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         settings.admission.server = config.webhook
         # Only our own objects, filtered by the API server. The runtime pods carry the managed-by
         # label from the Deployment's template: a change of their card health wakes their service.
-        for kind in (*WATCHED_OWNED_KINDS, POD):
+        for kind in (*watched_owned_kinds, POD):
             group, version = group_version(kind)
             settings.watching.label_selectors[group, version, kind.plural] = (
                 f"{names.LABEL_MANAGED_BY}={names.MANAGER}"
@@ -208,7 +213,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         if type == "DELETED":
             generations.pop((namespace, name), None)
 
-    for kind in WATCHED_OWNED_KINDS:
+    for kind in watched_owned_kinds:
         group, version = group_version(kind)
 
         @kopf.on.event(
@@ -272,8 +277,17 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
             except ApiError as error:  # do not block admission on a flaky read: use the packaged copy
                 matrix = controller.default_matrix
                 warnings.append(f"compatibility matrix not readable ({error}); the packaged matrix was used")
+            try:
+                lws_served = controller.leaderworkerset_served()
+            except ApiError as error:  # do not deny on a flaky discovery: reconcile reports it
+                lws_served = True
+                warnings.append(f"LeaderWorkerSet discovery failed ({error}); multi-node not checked")
             verdict = admission.review(
-                dict(spec), matrix, controller.config.default_image, controller.config.policy
+                dict(spec),
+                matrix,
+                controller.config.default_image,
+                controller.config.policy,
+                leaderworkerset_served=lws_served,
             )
             warnings.extend(verdict.warnings)
             result = "denied" if not verdict.allowed else "warned" if verdict.warnings else "allowed"

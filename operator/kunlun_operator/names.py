@@ -40,6 +40,18 @@ PLURAL = "kunluninferenceservices"
 #: The Prometheus Operator's API group (ServiceMonitor, PrometheusRule), discovered at run time.
 MONITORING_GROUP_VERSION = "monitoring.coreos.com/v1"
 
+#: LeaderWorkerSet (kubernetes-sigs/lws): multi-node replicas, discovered at run time. Its label on
+#: every pod of a group: the pod's index in its group, "0" on the leader (LWS reference, "Labels,
+#: Annotations and Environment Variables"), and the environment LWS injects into every container.
+LWS_GROUP_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_LABEL_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_LEADER_INDEX = "0"
+LWS_ENV_WORKER_INDEX = "LWS_WORKER_INDEX"
+LWS_ENV_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+#: The torch.distributed rendezvous port of a multi-node group (``--master-port``, on the leader).
+RENDEZVOUS_PORT = 29500
+RENDEZVOUS_PORT_NAME = "dist"
+
 #: ``--default-runtime-image``: the image of a service without ``spec.runtime.image`` only when no
 #: compatibility-matrix entry certifying its versions names one (``matrix.select_image``).
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
@@ -79,6 +91,11 @@ def selector_labels(instance: str) -> dict[str, str]:
     return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: instance}
 
 
+def leader_selector_labels(instance: str) -> dict[str, str]:
+    """The labels that select the leader pods of a multi-node service (the pods that serve HTTP)."""
+    return {**selector_labels(instance), LWS_LABEL_WORKER_INDEX: LWS_LEADER_INDEX}
+
+
 def common_labels(instance: str) -> dict[str, str]:
     """The labels on every object the operator owns for one KunlunInferenceService."""
     return {
@@ -106,6 +123,7 @@ class Kind:
 CONFIGMAP = Kind("v1", "ConfigMap", "configmaps")
 SERVICE = Kind("v1", "Service", "services")
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
+LEADER_WORKER_SET = Kind(LWS_GROUP_VERSION, "LeaderWorkerSet", "leaderworkersets")
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 HPA = Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers")
 SERVICE_MONITOR = Kind(MONITORING_GROUP_VERSION, "ServiceMonitor", "servicemonitors")
@@ -113,10 +131,28 @@ PROMETHEUS_RULE = Kind(MONITORING_GROUP_VERSION, "PrometheusRule", "prometheusru
 KIS = Kind(API_VERSION, KIND, PLURAL)
 
 #: Every kind the operator may own, in the order it applies them (config before its consumers).
-OWNED_KINDS: tuple[Kind, ...] = (CONFIGMAP, SERVICE, DEPLOYMENT, PDB, HPA, SERVICE_MONITOR, PROMETHEUS_RULE)
+OWNED_KINDS: tuple[Kind, ...] = (
+    CONFIGMAP,
+    SERVICE,
+    DEPLOYMENT,
+    LEADER_WORKER_SET,
+    PDB,
+    HPA,
+    SERVICE_MONITOR,
+    PROMETHEUS_RULE,
+)
 MONITORING_KINDS = frozenset({SERVICE_MONITOR, PROMETHEUS_RULE})
 
 
 def owned_name(instance: str, kind: Kind) -> str:
-    """The name of the object of ``kind`` owned by the service ``instance`` (deterministic)."""
-    return f"{instance}-config" if kind == CONFIGMAP else instance
+    """The name of the object of ``kind`` owned by the service ``instance`` (deterministic).
+
+    The LeaderWorkerSet gets a suffix: LWS creates a headless Service named like itself for its
+    pods' DNS names (``LWS_LEADER_ADDRESS``) and skips that when a Service of the name exists, so
+    it must not share its name with the service's own (ClusterIP) Service.
+    """
+    if kind == CONFIGMAP:
+        return f"{instance}-config"
+    if kind == LEADER_WORKER_SET:
+        return f"{instance}-lws"
+    return instance

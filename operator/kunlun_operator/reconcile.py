@@ -7,6 +7,7 @@ in). Invariant: the same input gives the same plan, so a restarted operator conv
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +21,11 @@ from kunlun_operator.builders.deployment import (
     model_path,
 )
 from kunlun_operator.builders.hpa import build_hpa
+from kunlun_operator.builders.leaderworkerset import (
+    LEADERWORKERSET_RECHECK_SECONDS,
+    build_leaderworkerset,
+    require_leaderworkerset,
+)
 from kunlun_operator.builders.pdb import build_pdb
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service, endpoint_url
@@ -63,7 +69,10 @@ class ClusterFacts:
     #: --default-runtime-image: only when no matrix entry certifying the versions names an image
     default_image: str = names.DEFAULT_RUNTIME_IMAGE
     monitoring_plurals: frozenset[str] = frozenset()  # served monitoring.coreos.com/v1 plurals
+    #: The runtime workload's report: the Deployment, or the LeaderWorkerSet of a multi-node service.
     deployment: DeploymentFacts | None = None
+    #: The cluster serves leaderworkerset.x-k8s.io/v1 (discovery) and the operator may use it.
+    leaderworkerset_served: bool = False
     pods: tuple[PodFacts, ...] = ()
     pvc_exists: bool | None = None  # None: not a PVC source, or not looked up
     image_volumes: bool = False
@@ -115,6 +124,11 @@ def reconcile(
         # Admitted under an older policy: stop serving it. The runtime pods go (they may mount a
         # host path or run an image the admin no longer allows); the rest is harmless and stays.
         return _failed_plan(ref, previous, violation, now, delete=(names.DEPLOYMENT, names.HPA))
+    missing = require_leaderworkerset(spec, facts.leaderworkerset_served)
+    if missing is not None:
+        # Builds nothing; checked again soon, so installing LeaderWorkerSet needs no spec change.
+        plan = _failed_plan(ref, previous, missing, now)
+        return dataclasses.replace(plan, requeue_after_seconds=LEADERWORKERSET_RECHECK_SECONDS)
     image = spec.runtime.image or select_image(facts.matrix, spec.versions, facts.default_image)
     problems = [] if spec.versions.policy == "Off" else check_versions(facts.matrix, image, spec.versions)
     if problems and spec.versions.policy == "Strict":
@@ -124,11 +138,13 @@ def reconcile(
     report = assess_nodes(facts.nodes, spec)
     desired = _desired_replicas(spec, facts.deployment)
     ready = facts.deployment.ready_replicas if facts.deployment else 0
+    workload = names.LEADER_WORKER_SET if spec.multi_node else names.DEPLOYMENT
     phase, reason, message = decide_phase(
         facts.deployment,
         desired,
         num_compatible_nodes=len(report.compatible_node_names),
         locked=spec.versions.policy != "Off",
+        workload=workload.kind,
     )
     conditions = [
         Condition("Ready", bool_status(phase == READY), reason, message),
@@ -157,7 +173,7 @@ def reconcile(
         status["lastFailure"] = previous["lastFailure"]
     status.update(_replacement_status(facts.replacements, previous, now))
     events = (*_transition_events(previous, status), *_replacement_events(facts.replacements, previous))
-    live = {names.DEPLOYMENT.kind: (("spec", "replicas"),)} if spec.autoscaling.enabled else {}
+    live = {workload.kind: (("spec", "replicas"),)} if spec.autoscaling.enabled else {}
     return Plan(
         apply=tuple(objects),
         delete=tuple(absent),
@@ -212,10 +228,13 @@ def desired_objects(
     configmap = build_configmap(ref, spec, path)
     # With autoscaling the HPA owns the count: mirror what the Deployment has (never reset it).
     replicas = _desired_replicas(spec, facts.deployment)
+    # A multi-node service's replicas are LeaderWorkerSet groups; switching either way removes the
+    # other workload (a leftover LeaderWorkerSet only where the cluster serves the kind).
+    build_workload = build_leaderworkerset if spec.multi_node else build_deployment
     objects = [
         configmap,
         build_service(ref, spec),
-        build_deployment(
+        build_workload(
             ref,
             spec,
             image=image,
@@ -228,6 +247,10 @@ def desired_objects(
         build_pdb(ref, spec),
     ]
     absent: list[names.Kind] = []
+    if spec.multi_node:
+        absent.append(names.DEPLOYMENT)
+    elif facts.leaderworkerset_served:
+        absent.append(names.LEADER_WORKER_SET)
     if spec.autoscaling.enabled:
         objects.append(build_hpa(ref, spec))
     else:

@@ -46,6 +46,8 @@ DEFAULT_TARGETS: Mapping[Metric, float] = {
     "requestsRunning": 16.0,
     "kvCacheUsage": 0.8,
 }
+#: The most pipeline stages (nodes per replica) ``spec.runtime.pipelineParallelSize`` allows.
+MAX_PIPELINE_PARALLEL_SIZE = 16
 _PARAMETERS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([MB])$")
 _VERSION = re.compile(r"^[0-9A-Za-z]([0-9A-Za-z._-]{0,61}[0-9A-Za-z])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -92,7 +94,9 @@ class RuntimeSpec:
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     kv_cache_memory: str | None = None
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # cards one pod's engine is split over
+    #: Pipeline stages = pods (nodes) per replica; above 1 a replica is a LeaderWorkerSet group.
+    pipeline_parallel_size: int = 1
     enable_prefix_caching: bool | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
@@ -196,6 +200,11 @@ class InferenceSpec:
     metrics_token_secret: SecretKeyRef | None = None  # → env KUNLUN_METRICS_TOKEN; ServiceMonitor auth
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
 
+    @property
+    def multi_node(self) -> bool:
+        """A replica spans several pods (nodes): served by a LeaderWorkerSet, not a Deployment."""
+        return self.runtime.pipeline_parallel_size > 1
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceRef:
@@ -246,6 +255,13 @@ def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
             "spec.resources.xpus",
             f"{resources.xpus} is not a multiple of "
             f"spec.runtime.tensorParallelSize ({runtime.tensor_parallel_size})",
+        )
+    stages = runtime.pipeline_parallel_size
+    if model.architecture is not None and stages > model.architecture.num_layers:
+        raise SpecError(
+            "spec.runtime.pipelineParallelSize",
+            f"{stages} stages exceed spec.model.architecture.numLayers ({model.architecture.num_layers}): "
+            "every stage needs at least one layer",
         )
     return InferenceSpec(
         model=model,
@@ -382,6 +398,9 @@ def _parse_runtime(rt: Mapping[str, Any]) -> RuntimeSpec:
         block_size=block_size,
         kv_cache_memory=kv,
         tensor_parallel_size=read_int(rt, "tensorParallelSize", p, minimum=1, maximum=16, default=1),
+        pipeline_parallel_size=read_int(
+            rt, "pipelineParallelSize", p, minimum=1, maximum=MAX_PIPELINE_PARALLEL_SIZE, default=1
+        ),
         enable_prefix_caching=read_bool(rt, "enablePrefixCaching", p, None),
         extra_args=tuple(args),
         env=tuple(dict(v) for v in env),

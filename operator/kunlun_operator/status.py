@@ -24,7 +24,8 @@ PHASES: tuple[Phase, ...] = get_args(Phase)
 
 @dataclass(frozen=True, slots=True)
 class DeploymentFacts:
-    """What the runtime Deployment reports (its spec replicas and status)."""
+    """What the runtime workload reports (its spec replicas and status): the Deployment, or for a
+    multi-node service the LeaderWorkerSet, whose replicas are groups."""
 
     spec_replicas: int | None
     replicas: int = 0
@@ -54,6 +55,20 @@ class DeploymentFacts:
             progressing_message=cond.get("message"),
         )
 
+    @classmethod
+    def from_leaderworkerset(cls, obj: Mapping[str, Any]) -> DeploymentFacts:
+        """A LeaderWorkerSet's report: the same counts, in groups (a group is ready when all its pods
+        are). LWS has no progress deadline, so its conditions never make the phase Degraded."""
+        status = obj.get("status") or {}
+        return cls(
+            spec_replicas=(obj.get("spec") or {}).get("replicas"),
+            replicas=status.get("replicas") or 0,
+            ready_replicas=status.get("readyReplicas") or 0,
+            updated_replicas=status.get("updatedReplicas") or 0,
+            generation=(obj.get("metadata") or {}).get("generation") or 0,
+            observed_generation=status.get("observedGeneration") or 0,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Condition:
@@ -69,11 +84,17 @@ def bool_status(flag: bool) -> ConditionStatus:
 
 
 def decide_phase(
-    deployment: DeploymentFacts | None, desired: int, *, num_compatible_nodes: int, locked: bool
+    deployment: DeploymentFacts | None,
+    desired: int,
+    *,
+    num_compatible_nodes: int,
+    locked: bool,
+    workload: str = "Deployment",
 ) -> tuple[Phase, str, str]:
-    """``(phase, reason, message)`` from the Deployment's report and the desired replica count."""
+    """``(phase, reason, message)`` from the workload's report and the desired replica count;
+    ``workload``: its kind (``Deployment``, ``LeaderWorkerSet``)."""
     if deployment is None:
-        return PENDING, "DeploymentNotCreated", "the runtime Deployment does not exist yet"
+        return PENDING, f"{workload}NotCreated", f"the runtime {workload} does not exist yet"
     ready, updated = deployment.ready_replicas, deployment.updated_replicas
     if deployment.progressing_reason == "ProgressDeadlineExceeded":
         return DEGRADED, "ProgressDeadlineExceeded", deployment.progressing_message or "rollout is stuck"

@@ -140,7 +140,9 @@ class EngineConfig:
             f"at most {self.pipeline_parallel_size} nodes, a divisor of it)",
         )
         if self.master_port is not None:
-            _check(1 <= self.master_port <= 65535, "master_port", f"must be a TCP port, got {self.master_port}")
+            _check(
+                1 <= self.master_port <= 65535, "master_port", f"must be a TCP port, got {self.master_port}"
+            )
         _check(
             0 < self.distributed_timeout_seconds < float("inf"),
             "distributed_timeout",

@@ -48,8 +48,9 @@ class GoldenReport:
     layers: tuple[LayerError, ...]
     first_divergent_layer: str | None
     passed: bool
-    tensor_parallel_size: int = 1  # how many ranks the engine side was split into
+    tensor_parallel_size: int = 1  # how many ranks each stage of the engine side was split into
     weight_dtype: str | None = None  # where the engine's weights are narrower than its activations
+    pipeline_parallel_size: int = 1  # how many stages the engine side's layers were split into
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,7 +85,8 @@ def capture_engine(
     cache = KVCache(spec, num_blocks, device, cache_line_bytes=64, cache_num_sets=64, skew=True)
     # Reverse block order: the paged path must not depend on blocks being contiguous.
     table = list(reversed(range(num_blocks)))
-    modules = {"embed_tokens": model.embed_tokens, "norm": model.norm}
+    assert model.embed_tokens is not None and model.norm is not None, "a whole model (one pipeline stage)"
+    modules: dict[str, torch.nn.Module] = {"embed_tokens": model.embed_tokens, "norm": model.norm}
     modules.update({f"layers.{i}": layer for i, layer in enumerate(model.layers)})
     store: dict[str, list[torch.Tensor]] = {}
     handles = _hook_outputs(modules, store)
@@ -187,9 +189,11 @@ def report_against_reference(
     tolerance: float | None = None,
     tensor_parallel_size: int = 1,
     weight_dtype: torch.dtype | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> GoldenReport:
-    """Compare already captured engine layer outputs (from ``tensor_parallel_size`` ranks) with the
-    FP32 reference (over weights rounded to ``weight_dtype`` where the engine keeps them so)."""
+    """Compare already captured engine layer outputs (from ``tensor_parallel_size`` ranks in each
+    of ``pipeline_parallel_size`` stages) with the FP32 reference (over weights rounded to
+    ``weight_dtype`` where the engine keeps them so)."""
     if tolerance is None:
         tolerance = WIDENED_TOLERANCE if weight_dtype is not None else TOLERANCES.get(dtype, 1e-2)
     names = layer_names(num_layers)
@@ -205,6 +209,7 @@ def report_against_reference(
         passed=first is None,
         tensor_parallel_size=tensor_parallel_size,
         weight_dtype=None if weight_dtype is None else str(weight_dtype).removeprefix("torch."),
+        pipeline_parallel_size=pipeline_parallel_size,
     )
 
 
@@ -213,6 +218,7 @@ def format_report(report: GoldenReport) -> str:
         f"golden: {report.model} dtype={report.dtype}"
         + (f" weights={report.weight_dtype}" if report.weight_dtype else "")
         + f" tensor_parallel_size={report.tensor_parallel_size}"
+        + f" pipeline_parallel_size={report.pipeline_parallel_size}"
         f" tokens={report.num_tokens} (reference: HF transformers FP32)",
         f"{'layer':<16}{'max_abs_err':>14}{'max_rel_err':>14}{'tolerance':>12}  result",
     ]

@@ -1,53 +1,136 @@
-"""Golden runs under tensor parallelism: every rank runs the engine's paged path on its shard in
-lockstep; rank 0's layer outputs (full hidden states, after the all-reduces) come back for
-comparison with TP=1 or with the HF reference."""
+"""Golden runs split over ranks: tensor parallelism, pipeline stages, or both.
+
+Every rank is a process that joins the group, loads its shard and passes the collective preflight
+exactly as the engine's ranks do (``parallel.workers.join_and_load``), then runs the prompt as one
+step through its stage (``StageRunner``: the real sends and receives at the stage boundaries, the
+real return of the logits to rank 0). Tensor rank 0 of each stage captures its layers' outputs
+(full hidden states, after the all-reduces) under their checkpoint names; together they are every
+layer, for comparison with one rank or with the HF reference.
+"""
 
 from __future__ import annotations
 
 import multiprocessing
+import queue
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from kunlun_runtime.errors import EngineDeadError
-from kunlun_runtime.golden import capture_engine
-from kunlun_runtime.layers.linear import convert_linears
-from kunlun_runtime.models.loader import load_model
-from kunlun_runtime.parallel.group import collective_preflight, free_port, init_group
-from kunlun_runtime.parallel.workers import threads_per_rank
+from kunlun_runtime.golden import _hook_outputs
+from kunlun_runtime.models.forward import StepInputs
+from kunlun_runtime.models.model_config import load_model_config
+from kunlun_runtime.parallel.group import free_port
+from kunlun_runtime.parallel.layout import ParallelLayout, stage_layers
+from kunlun_runtime.parallel.pipeline import StepPlan, receive_logits
+from kunlun_runtime.parallel.workers import RankSpec, join_and_load, threads_per_rank
+from kunlun_runtime.platforms import CpuPlatform
+
+BLOCK_SIZE = 16
 
 
-def _rank_main(
-    model_dir: str,
-    dtypes: tuple[torch.dtype, torch.dtype],
-    token_ids: list[int],
-    world: int,
-    port: int,
-    rank: int,
-    results,
-) -> None:
-    torch.set_num_threads(threads_per_rank(world))
-    compute_dtype, weight_dtype = dtypes
+def _rank_main(spec: RankSpec, rank: int, token_ids: list[int], results) -> None:
+    torch.set_num_threads(threads_per_rank(spec.layout))
     try:
-        init_group(rank, world, port, "gloo")
-        collective_preflight(rank, world, "gloo", torch.device("cpu"))
-        model, _ = load_model(
-            Path(model_dir),
-            weight_dtype,
-            torch.device("cpu"),
-            len(token_ids) + 1,
-            tp_rank=rank,
-            tp_world=world,
-            compute_dtype=compute_dtype,
+        runner, groups = join_and_load(spec, rank)
+        model, layout = runner.model, spec.layout
+        modules: dict[str, torch.nn.Module] = {
+            f"layers.{model.first_layer + i}": layer for i, layer in enumerate(model.layers)
+        }
+        if model.embed_tokens is not None:
+            modules["embed_tokens"] = model.embed_tokens
+        if model.norm is not None:
+            modules["norm"] = model.norm
+        store: dict[str, list[torch.Tensor]] = {}
+        handles = _hook_outputs(modules, store) if layout.tensor_rank_of(rank) == 0 else []
+        # Reverse block order: the paged path must not depend on blocks being contiguous.
+        table = list(reversed(range(spec.num_blocks)))
+        inputs = StepInputs(
+            list(token_ids), list(range(len(token_ids))), [len(token_ids)], [len(token_ids)], [table]
         )
-        convert_linears(model, backend="plain", quantization=None)  # widened where weights are narrower
-        captured = capture_engine(model, token_ids)
+        plan = StepPlan([inputs], [list(range(len(token_ids)))])
+        logits = runner.run(plan)
+        if rank == 0 and layout.pipeline > 1:
+            logits = receive_logits(
+                plan, spec.vocab_size, layout.last_stage_leader, groups.serving, runner.device
+            )
+        for handle in handles:
+            handle.remove()
         # numpy arrays: torch tensors would travel as shared-memory handles of an exiting process
-        arrays = {name: t.numpy() for name, t in captured.items()} if rank == 0 else None
+        arrays = {name: torch.cat(parts).numpy() for name, parts in store.items()}
+        if rank == 0:
+            arrays["logits"] = torch.cat(logits).numpy()
         results.put((rank, arrays, None))
     except Exception as error:  # reported with the rank
         results.put((rank, None, f"{type(error).__name__}: {error}"))
+
+
+def capture_parallel(
+    model_dir: Path,
+    token_ids: Sequence[int],
+    tensor: int = 1,
+    pipeline: int = 1,
+    dtype: torch.dtype = torch.float32,
+    weight_dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
+    """Layer outputs of the model split ``tensor`` ways within each of ``pipeline`` stages (CPU,
+    gloo, one process per rank), computing in ``dtype`` over weights in ``weight_dtype`` (default:
+    the same). Raises EngineDeadError naming the rank that failed."""
+    config = load_model_config(model_dir)
+    layout = ParallelLayout(tensor, pipeline).validate()
+    spec = RankSpec(
+        model_dir=str(model_dir),
+        dtype=dtype,
+        weight_dtype=weight_dtype or dtype,
+        max_positions=len(token_ids) + 1,
+        num_blocks=-(-len(token_ids) // BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
+        cache_line_bytes=64,
+        cache_num_sets=64,
+        kv_block_skew=True,
+        linear_backend="plain",  # widened where weights are narrower
+        quantization=None,
+        fused_attention=True,
+        native_kernels=False,
+        layout=layout,
+        stages=tuple(stage_layers(config, pipeline)),
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+        platform=CpuPlatform(),
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+    )
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=_rank_main, args=(spec, rank, list(token_ids), results))
+        for rank in range(layout.world)
+    ]
+    for process in processes:
+        process.start()
+    captured: dict[str, torch.Tensor] = {}
+    errors = []
+    try:
+        for _ in processes:
+            try:
+                rank, data, error = results.get(timeout=300)
+            except queue.Empty:
+                errors.append("a rank did not report within 300 s")
+                break
+            if error:
+                errors.append(f"rank {rank}: {error}")
+            else:
+                captured.update({name: torch.from_numpy(array) for name, array in data.items()})
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    if errors or "logits" not in captured:
+        raise EngineDeadError("parallel golden run failed: " + "; ".join(errors or ["no logits came back"]))
+    return captured
 
 
 def capture_tensor_parallel(
@@ -57,42 +140,5 @@ def capture_tensor_parallel(
     dtype: torch.dtype = torch.float32,
     weight_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Layer outputs of the model split ``world`` ways (CPU, gloo), computing in ``dtype`` over
-    weights in ``weight_dtype`` (default: the same). Raises EngineDeadError naming the rank that
-    failed."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(
-            target=_rank_main,
-            args=(
-                str(model_dir),
-                (dtype, weight_dtype or dtype),
-                list(token_ids),
-                world,
-                port,
-                rank,
-                results,
-            ),
-        )
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    captured, errors = None, []
-    try:
-        for _ in processes:
-            rank, data, error = results.get(timeout=300)
-            if error:
-                errors.append(f"rank {rank}: {error}")
-            if rank == 0:
-                captured = data
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    if errors or captured is None:
-        raise EngineDeadError("tensor parallel golden run failed: " + "; ".join(errors))
-    return {name: torch.from_numpy(array) for name, array in captured.items()}
+    """``capture_parallel`` with tensor parallelism alone (``world`` ranks, one stage)."""
+    return capture_parallel(model_dir, token_ids, world, 1, dtype, weight_dtype)

@@ -55,9 +55,12 @@ def table_after(text: str, heading: str) -> list[dict[str, str]]:
     return [dict(zip(header, _cells(ln), strict=True)) for ln in block[2:]]
 
 
-def operator_calls() -> set[Grant]:
+def operator_calls(*, leaderworkerset: bool = False) -> set[Grant]:
+    """The operator's calls; those on LeaderWorkerSet (rules marked `leaderworkerset`) only when
+    ``leaderworkerset`` (the chart's leaderWorkerSet.installed)."""
     assert OPERATOR_API_CALLS.is_file(), f"{OPERATOR_API_CALLS} is missing: no record of the operator's calls"
-    return calls_from_api_calls_yaml(yaml.safe_load(OPERATOR_API_CALLS.read_text()))
+    rules = yaml.safe_load(OPERATOR_API_CALLS.read_text())
+    return calls_from_api_calls_yaml([r for r in rules if leaderworkerset or not r.get("leaderworkerset")])
 
 
 def calls_from_api_calls_yaml(data: object) -> set[Grant]:
@@ -87,6 +90,24 @@ def test_operator_cluster_role_is_exactly_its_api_calls(default_render: Rendered
     granted, needed = grants_of_rules(role["rules"]), operator_calls()
     assert needed - granted == set(), "calls the operator makes that the chart does not grant"
     assert granted - needed == set(), "grants nobody needs (least privilege)"
+
+
+def test_leaderworkerset_rights_only_where_it_is_stated_installed() -> None:
+    """leaderWorkerSet.installed=true grants exactly the LeaderWorkerSet calls and leaves the
+    operator's --leaderworkerset on; by default the operator runs with --no-leaderworkerset."""
+    from kunlun_operator import cli as operator_cli
+
+    lws_calls = operator_calls(leaderworkerset=True) - operator_calls()
+    assert lws_calls == {
+        ("leaderworkerset.x-k8s.io", "leaderworkersets", v)
+        for v in ("get", "list", "watch", "create", "patch", "delete")
+    }
+    for installed in (False, True):
+        rendered = render(overrides={"leaderWorkerSet": {"installed": installed}})
+        role = rendered.one("ClusterRole", "-operator")
+        assert grants_of_rules(role["rules"]) == operator_calls(leaderworkerset=installed)
+        container = rendered.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+        assert operator_cli.build_parser().parse_args(container["args"]).leaderworkerset is installed
 
 
 def test_namespaced_operator_peers_through_kopfpeerings_instead(rendered_sets: dict[str, Rendered]) -> None:
@@ -163,12 +184,21 @@ def test_doc_table_parser_reads_groups_resources_and_verbs(tmp_path: Path) -> No
 
 def test_rbac_table_in_docs_chart_md_lists_the_rendered_operator_rules(default_render: Rendered) -> None:
     doc = (REPO / "docs" / "chart.md").read_text()
-    rows = table_after(doc, "Operator ClusterRole")
-    documented = {
-        (g, r, v)
-        for row in rows
-        for g in _names(row["api group"])
-        for r in _names(row["resource"])
-        for v in _names(row["verbs"])
-    }
-    assert documented == grants_of_rules(default_render.one("ClusterRole", "-operator")["rules"])
+
+    def documented(heading: str) -> set[Grant]:
+        return {
+            (g, r, v)
+            for row in table_after(doc, heading)
+            for g in _names(row["api group"])
+            for r in _names(row["resource"])
+            for v in _names(row["verbs"])
+        }
+
+    assert documented("Operator ClusterRole") == grants_of_rules(
+        default_render.one("ClusterRole", "-operator")["rules"]
+    )
+    installed = render(overrides={"leaderWorkerSet": {"installed": True}}).one("ClusterRole", "-operator")
+    assert documented("With leaderWorkerSet.installed") == (
+        grants_of_rules(installed["rules"])
+        - grants_of_rules(default_render.one("ClusterRole", "-operator")["rules"])
+    )

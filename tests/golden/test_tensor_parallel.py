@@ -11,7 +11,9 @@ from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.golden import capture_engine, compare, layer_names
 from kunlun_runtime.golden_tp import capture_tensor_parallel
 from kunlun_runtime.models.loader import load_model
-from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup
+from kunlun_runtime.parallel.group import free_port
+from kunlun_runtime.parallel.layout import ParallelLayout
+from kunlun_runtime.parallel.workers import LeaderGroup, RankSpec
 from kunlun_runtime.platforms import CpuPlatform
 
 TOKENS = [(13 * i + 5) % 300 for i in range(40)]
@@ -96,14 +98,18 @@ def test_tp2_ranks_each_bind_their_own_device_and_the_preflight_sees_it(tiny_mod
         quantization=None,
         fused_attention=False,
         native_kernels=False,
-        world=2,
+        layout=ParallelLayout(tensor=2),
+        stages=(range(2),),
         backend="gloo",
-        port=TensorParallelGroup.new_port(),
+        master_addr="127.0.0.1",
+        master_port=free_port(),
         platform=platform,
+        vocab_size=320,
+        hidden_size=64,
     )
-    group = TensorParallelGroup(spec)
+    group = LeaderGroup(spec)
     try:
+        group.start()
         assert platform.bound == 0
-        group.wait_ready(torch.device("cpu"))
     finally:
         group.close()

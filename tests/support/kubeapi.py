@@ -17,8 +17,9 @@ or as a pytest fixture: ``from tests.support.kubeapi import fake_kube_api  # noq
 test module, then take ``fake_kube_api`` (a ``RunningKubeAPI``). ``kube.url`` is the base URL,
 ``kube.kubeconfig`` a kubeconfig file pointing at it (token auth, plain HTTP) for kopf, kubectl-less
 clients and subprocesses. ``running_fake_api(tmp_path, monitoring=True)`` also serves the
-Prometheus Operator's ``monitoring.coreos.com/v1`` kinds; kopf's peering kinds (``kopf.dev/v1``) are
-always served.
+Prometheus Operator's ``monitoring.coreos.com/v1`` kinds, ``leaderworkerset=True`` LeaderWorkerSet's
+``leaderworkerset.x-k8s.io/v1`` (stored objects only: no groups, no pods); kopf's peering kinds
+(``kopf.dev/v1``) are always served.
 
 kmock (``KubernetesScaffold``) gives the HTTP server, request parsing, the request log and API
 discovery from the declared resources. This layer keeps the objects and adds what kmock 0.8 lacks:
@@ -123,6 +124,17 @@ PEERING_KINDS = (
 MONITORING_KINDS = (
     Kind("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor"),
     Kind("monitoring.coreos.com", "v1", "prometheusrules", "PrometheusRule"),
+)
+
+
+LEADERWORKERSET_KINDS = (
+    Kind(
+        "leaderworkerset.x-k8s.io",
+        "v1",
+        "leaderworkersets",
+        "LeaderWorkerSet",
+        subresources=("status", "scale"),
+    ),
 )
 
 
@@ -246,11 +258,16 @@ def _as_status_errors() -> Iterator[None]:
 class FakeKubeAPI(kmock.KubernetesScaffold):
     """The handler: kmock's scaffold for discovery, this class for objects, watches and faults."""
 
-    def __init__(self, *, monitoring: bool = False) -> None:
+    def __init__(self, *, monitoring: bool = False, leaderworkerset: bool = False) -> None:
         super().__init__()
         self.kinds = {
             (k.group, k.version, k.plural): k
-            for k in (*BUILT_IN_KINDS, *PEERING_KINDS, *(MONITORING_KINDS if monitoring else ()))
+            for k in (
+                *BUILT_IN_KINDS,
+                *PEERING_KINDS,
+                *(MONITORING_KINDS if monitoring else ()),
+                *(LEADERWORKERSET_KINDS if leaderworkerset else ()),
+            )
         }
         for k in self.kinds.values():
             self.resources[f"{k.group}/{k.version}/{k.plural}" if k.group else f"v1/{k.plural}"] = (
@@ -648,13 +665,15 @@ def write_kubeconfig(path: Path, url: str) -> Path:
 
 
 @contextlib.contextmanager
-def running_fake_api(tmp_path: Path, *, monitoring: bool = False) -> Iterator[RunningKubeAPI]:
+def running_fake_api(
+    tmp_path: Path, *, monitoring: bool = False, leaderworkerset: bool = False
+) -> Iterator[RunningKubeAPI]:
     """Serve a ``FakeKubeAPI`` on 127.0.0.1 (a free port) from a background thread until exit."""
     started = threading.Event()
     handle: dict[str, Any] = {}
 
     async def serve() -> None:
-        api = FakeKubeAPI(monitoring=monitoring)
+        api = FakeKubeAPI(monitoring=monitoring, leaderworkerset=leaderworkerset)
         stop = asyncio.Event()
         async with api, kmock.Server(api) as server:
             handle.update(

@@ -129,6 +129,9 @@ seccompProfile:
 - --compatibility-configmap={{ .Release.Namespace }}/{{ include "kunlun-inference.compatibility.fullname" . }}
 {{- end }}
 - --default-runtime-image={{ include "kunlun-inference.image" (dict "ctx" . "image" .Values.runtime.image) }}
+{{- if not .Values.leaderWorkerSet.installed }}
+- --no-leaderworkerset
+{{- end }}
 {{- $preflight := .Values.runtime.preflight | default dict }}
 {{- if (ne $preflight.hostMounts false) }}
 - --preflight-kml-version-file={{ $preflight.kmlVersionFile | default (printf "%s/kml/VERSION" (trimSuffix "/" .Values.devicePlugin.hostPaths.kunlunHome)) }}

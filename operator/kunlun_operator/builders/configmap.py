@@ -31,6 +31,8 @@ def runtime_flags(spec: InferenceSpec, model_path: str) -> list[tuple[str, Any]]
         ("--dtype", rt.dtype),
         ("--tensor-parallel-size", rt.tensor_parallel_size),
     ]
+    if spec.multi_node:  # absent for one node: a single-node service's config (and hash) is unchanged
+        flags.append(("--pipeline-parallel-size", rt.pipeline_parallel_size))
     optional = [
         ("--quantization", rt.quantization),
         ("--max-model-len", rt.max_model_len),
@@ -52,12 +54,35 @@ def runtime_flags(spec: InferenceSpec, model_path: str) -> list[tuple[str, Any]]
     return flags
 
 
+def rendezvous_args(spec: InferenceSpec) -> list[str]:
+    """The multi-node group's torch.distributed rendezvous (empty for one node).
+
+    Kubernetes expands ``$(VAR)`` in container arguments from the container's environment, which
+    LeaderWorkerSet fills in every pod (``LWS_WORKER_INDEX``: 0 on the leader; ``LWS_LEADER_ADDRESS``:
+    the leader's DNS name); explicit flags show the rendezvous in ``kubectl describe``. Not in the
+    ConfigMap: the values differ per pod.
+    """
+    if not spec.multi_node:
+        return []
+    return [
+        "--nnodes",
+        str(spec.runtime.pipeline_parallel_size),
+        "--node-rank",
+        f"$({names.LWS_ENV_WORKER_INDEX})",
+        "--master-addr",
+        f"$({names.LWS_ENV_LEADER_ADDRESS})",
+        "--master-port",
+        str(names.RENDEZVOUS_PORT),
+    ]
+
+
 def runtime_args(spec: InferenceSpec, model_path: str) -> list[str]:
-    """The container arguments: ``serve`` then the flags, then ``spec.runtime.extraArgs``."""
+    """The container arguments: ``serve``, the flags, the rendezvous (multi-node), then
+    ``spec.runtime.extraArgs``."""
     args = ["serve"]
     for flag, value in runtime_flags(spec, model_path):
         args += [flag] if value is None else [flag, str(value)]
-    return args + list(spec.runtime.extra_args)
+    return args + rendezvous_args(spec) + list(spec.runtime.extra_args)
 
 
 def build_config_data(spec: InferenceSpec, model_path: str) -> dict[str, str]:

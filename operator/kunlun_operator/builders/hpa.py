@@ -2,7 +2,9 @@
 
 The metric reaches the HPA through the custom metrics API (a Prometheus adapter rule exposing the
 runtime's ``vllm:*`` series under the same names; docs/operator.md). The HPA scales the
-Deployment; the operator then leaves the Deployment's replicas alone.
+Deployment, or for a multi-node service the LeaderWorkerSet (its scale subresource counts groups,
+and its pod selector, ``status.hpaPodSelector``, selects the leaders: the pods that serve and export
+the metric); the operator then leaves the workload's replicas alone.
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ def quantity(value: float) -> str:
 
 def build_hpa(ref: ServiceRef, spec: InferenceSpec) -> dict[str, Any]:
     auto = spec.autoscaling
+    target = names.LEADER_WORKER_SET if spec.multi_node else names.DEPLOYMENT
     return {
         **header(names.HPA),
         "metadata": build_metadata(ref, names.HPA),
         "spec": {
             "scaleTargetRef": {
-                "apiVersion": names.DEPLOYMENT.api_version,
-                "kind": names.DEPLOYMENT.kind,
-                "name": names.owned_name(ref.name, names.DEPLOYMENT),
+                "apiVersion": target.api_version,
+                "kind": target.kind,
+                "name": names.owned_name(ref.name, target),
             },
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.max_replicas,

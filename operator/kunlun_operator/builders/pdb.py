@@ -5,6 +5,13 @@
 costs no availability. Under the default (IfHealthyBudget) the API server evicts a NotReady pod only
 while the budget is otherwise satisfied and ``desiredHealthy > 0``: with one replica, or when every
 replica's card failed, each eviction would be refused (429) forever.
+
+A multi-node service gets the same single budget over every pod of every group, not one per group:
+its selector matches leaders and workers alike (both templates carry the service's labels), and its
+``maxUnavailable`` counts pods. Losing any pod takes its whole group down (LeaderWorkerSet recreates
+the group), which uses up the budget at once, so with the default of 1 a drain disrupts one group at
+a time; a budget per group would let every group lose a pod at the same moment, and would have to
+follow the group count as the HPA scales.
 """
 
 from __future__ import annotations

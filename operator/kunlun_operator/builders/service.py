@@ -1,4 +1,8 @@
-"""The Service in front of the runtime pods (OpenAI API and /metrics on port ``http``)."""
+"""The Service in front of the runtime pods (OpenAI API and /metrics on port ``http``).
+
+A multi-node service's Service selects the groups' leaders only (LeaderWorkerSet's
+``leaderworkerset.sigs.k8s.io/worker-index: "0"``): workers serve no HTTP.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ def build_service(ref: ServiceRef, spec: InferenceSpec) -> dict[str, Any]:
         "metadata": build_metadata(ref, names.SERVICE, annotations=spec.service.annotations),
         "spec": {
             "type": spec.service.type,
-            "selector": names.selector_labels(ref.name),
+            "selector": (
+                names.leader_selector_labels(ref.name) if spec.multi_node else names.selector_labels(ref.name)
+            ),
             "ports": [
                 {
                     "name": names.RUNTIME_PORT_NAME,

@@ -2,7 +2,9 @@
 
 With ``spec.metricsTokenSecretRef`` the runtime wants ``Authorization: Bearer <token>`` on
 ``/metrics``: the endpoint's ``authorization`` (Prometheus Operator ≥ 0.48; ``bearerTokenSecret``
-is its deprecated predecessor) makes Prometheus read the token from the same Secret.
+is its deprecated predecessor) makes Prometheus read the token from the same Secret. It selects the
+service's Service, so Prometheus scrapes that Service's endpoints: for a multi-node service the
+leaders only (the workers serve no /metrics).
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ def _golden_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="run the engine side split N ways"
     )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="run the engine side's layers as N pipeline stages, one process per rank",
+    )
     parser.add_argument("--json", action="store_true")
 
 
@@ -39,11 +45,13 @@ def run_golden_command(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, CpuPlatform())
     weight_dtype = resolve_weight_dtype(args.dtype, CpuPlatform())
     token_ids = Tokenizer(model_dir).encode(args.prompt)
-    if args.tensor_parallel_size > 1:
-        from kunlun_runtime.golden_tp import capture_tensor_parallel
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        from kunlun_runtime.golden_tp import capture_parallel
         from kunlun_runtime.models.model_config import load_model_config
 
-        ours = capture_tensor_parallel(model_dir, token_ids, args.tensor_parallel_size, dtype, weight_dtype)
+        ours = capture_parallel(
+            model_dir, token_ids, args.tensor_parallel_size, args.pipeline_parallel_size, dtype, weight_dtype
+        )
         num_layers = load_model_config(model_dir).num_layers
         report = report_against_reference(
             ours,
@@ -54,6 +62,7 @@ def run_golden_command(args: argparse.Namespace) -> int:
             args.tolerance,
             args.tensor_parallel_size,
             weight_dtype=None if weight_dtype == dtype else weight_dtype,
+            pipeline_parallel_size=args.pipeline_parallel_size,
         )
     else:
         from kunlun_runtime.layers.linear import choose_linear_backend, convert_linears

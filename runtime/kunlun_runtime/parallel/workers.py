@@ -200,7 +200,7 @@ def worker_main(spec: RankSpec, rank: int) -> None:
 def start_local_workers(spec: RankSpec) -> list[multiprocessing.process.BaseProcess]:
     """Start this node's ranks after its first (which is the calling process)."""
     context = multiprocessing.get_context("spawn")
-    workers = [
+    workers: list[multiprocessing.process.BaseProcess] = [
         context.Process(target=worker_main, args=(spec, rank), daemon=True, name=f"rank-{rank}")
         for rank in spec.layout.node_ranks[1:]
     ]

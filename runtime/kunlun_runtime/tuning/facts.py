@@ -49,10 +49,12 @@ def part_bytes(model: torch.nn.Module) -> tuple[int, int, int] | None:
     its own (a tied lm_head counted in full: a last stage that is not the first holds a copy);
     None for a model without those parts. Layers are all alike, so the largest stands for each."""
     layers = getattr(model, "layers", None)
-    embedding, norm, head = (getattr(model, name, None) for name in ("embed_tokens", "norm", "lm_head"))
+    parts = [getattr(model, name, None) for name in ("embed_tokens", "norm", "lm_head")]
     if not (isinstance(layers, torch.nn.ModuleList) and len(layers) > 0):
         return None
-    if not all(isinstance(part, torch.nn.Module) for part in (embedding, norm, head)):
+    modules = [part for part in parts if isinstance(part, torch.nn.Module)]
+    if len(modules) < len(parts):
         return None
+    embedding, norm, head = modules
     layer = max(model_bytes(module) for module in layers)
     return layer, model_bytes(embedding), model_bytes(norm) + model_bytes(head)

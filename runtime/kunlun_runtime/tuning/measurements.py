@@ -38,12 +38,17 @@ class ModelFacts:
     # Where the weights are narrower than the activations (FP32 over BF16 weights on CPUs without
     # native BF16, what --dtype auto runs there); None when they are the same.
     weight_dtype: str | None = None
-    # What pipeline parallelism needs (None: not recorded, as in tune files written before it):
-    hidden_size: int | None = None  # width of the hidden states that cross a stage boundary
-    intermediate_size: int | None = None  # MLP width, which a TP size must divide
-    layer_bytes: int | None = None  # one decoder layer (all alike)
-    embedding_bytes: int | None = None  # the token embedding, held by the first stage
-    head_bytes: int | None = None  # final norm + lm_head, held by the last stage (a tied one in full)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelParts:
+    """The model by part, as tensor and pipeline parallelism split it."""
+
+    hidden_size: int  # width of the hidden states that cross a stage boundary
+    intermediate_size: int  # MLP width, which a TP size must divide (as the head counts)
+    layer_bytes: int  # one decoder layer (all alike), split T ways
+    embedding_bytes: int  # the token embedding: on the first stage, whole on each of its cards
+    head_bytes: int  # final norm + lm_head: on the last stage, whole (a tied lm_head counted in full)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +106,7 @@ class Measurements:
     budget_seconds: float
     elapsed_seconds: float
     skipped: tuple[str, ...] = field(default=())  # sweep points left out to stay within the budget
+    parts: ModelParts | None = None  # None: not recorded (tune files from before pipeline parallelism)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,4 +124,5 @@ class Measurements:
             budget_seconds=data["budget_seconds"],
             elapsed_seconds=data["elapsed_seconds"],
             skipped=tuple(data.get("skipped", ())),
+            parts=ModelParts(**data["parts"]) if data.get("parts") else None,
         )

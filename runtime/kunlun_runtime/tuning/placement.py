@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kunlun_runtime.tuning.measurements import Measurements, ModelFacts
+from kunlun_runtime.tuning.measurements import Measurements, ModelFacts, ModelParts
 from kunlun_runtime.tuning.stages import (
     DTYPE_BYTES,
     Stage,
@@ -31,7 +31,7 @@ class Placement:
     tp: int
     pp: int
     kv_cache_bytes: int  # per card, on the stage with the most layers (all stages hold as many blocks)
-    reasons: dict[str, str]  # tensor_parallel_size, pipeline_parallel_size, kv_cache_memory_bytes
+    reasons: dict[str, str]  # kv_cache_memory_bytes, tensor_parallel_size, pipeline_parallel_size where P > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,7 @@ class _Scope:
     """What every reason quotes: the model, the card budget and the node's cards."""
 
     model: ModelFacts
+    parts: ModelParts | None
     activation: int
     budget: int
     memory: str  # "90% of 96.00 GiB (device memory per card)"
@@ -84,19 +85,23 @@ def choose_placement(
     model, platform = m.model, m.platform
     cards = targets.cards_per_node or platform.num_cards
     where = f"{cards} card(s) {'here' if targets.cards_per_node is None else 'per node'}"
-    valid = valid_tp_sizes(model, targets.tp_sizes, cards)
+    valid = valid_tp_sizes(model, m.parts, targets.tp_sizes, cards)
     if not valid:
+        counts = f"{model.num_heads} heads, {model.num_kv_heads} KV heads"
+        if m.parts is not None:
+            counts += f" and intermediate size {m.parts.intermediate_size}"
         raise TuningError(
-            f"no TP size of {list(targets.tp_sizes)} within {where} divides the model's {model.num_heads} "
-            f"heads, {model.num_kv_heads} KV heads and intermediate size {model.intermediate_size}"
+            f"no TP size of {list(targets.tp_sizes)} within {where} divides the model's {counts}"
         )
     of_memory = f"{targets.memory_fraction:.0%} of {size(platform.memory_bytes_per_card)}"
     budget = int(targets.memory_fraction * platform.memory_bytes_per_card)
-    scope = _Scope(model, activation_bytes, budget, f"{of_memory} ({platform.memory_source})", where, valid)
+    scope = _Scope(
+        model, m.parts, activation_bytes, budget, f"{of_memory} ({platform.memory_source})", where, valid
+    )
     blocks_per_seq = -(-model.max_model_len // block_size)
 
     def fit(tp: int, pp: int) -> _Fit:
-        return _Fit.of(tp, plan_stages(model, block_bytes, tp, pp), activation_bytes, blocks_per_seq)
+        return _Fit.of(tp, plan_stages(model, m.parts, block_bytes, tp, pp), activation_bytes, blocks_per_seq)
 
     single = {tp: fit(tp, 1) for tp in valid}
     tp = next((tp for tp in valid if single[tp].need <= budget), valid[-1])
@@ -123,8 +128,9 @@ def choose_placement(
     reasons = {
         "kv_cache_memory_bytes": kv_reason,
         "tensor_parallel_size": _tp_reason(scope, single[tp], tp, pp),
-        "pipeline_parallel_size": _pp_reason(scope, chosen, single[tp], max_pp, num_seqs, targets),
     }
+    if pp > 1:  # one node: the option is left at the engine's default, and the TP reason says why
+        reasons["pipeline_parallel_size"] = _pp_reason(scope, chosen, single[tp], max_pp, num_seqs, targets)
     return Placement(tp, pp, kv, reasons)
 
 
@@ -145,11 +151,6 @@ def _pp_reason(
     scope: _Scope, chosen: _Fit, one_node: _Fit, max_pp: int, num_seqs: int, targets: Targets
 ) -> str:
     pp, tp = len(chosen.stages), chosen.tp
-    if pp == 1:
-        return (
-            f"one node suffices: at TP {tp} a card needs {size(one_node.need)} of its {size(scope.budget)} "
-            "budget; no stage boundary"
-        )
     layers = [s.num_layers for s in chosen.stages]
     reason = (
         f"smallest number of nodes (of up to {max_pp}) at which every card fits: {pp} nodes × {tp} cards = "
@@ -157,12 +158,12 @@ def _pp_reason(
         f"the fullest card (stage {chosen.fullest}) holds {scope.card(chosen)} of its {size(scope.budget)} "
         f"budget, against {size(one_node.need)} on one node"
     )
-    moved = boundary_bytes_per_step(scope.model, num_seqs)
-    if moved is None:
-        return reason + "; hidden_size unknown: the bytes crossing a stage boundary are not computed"
+    moved = boundary_bytes_per_step(scope.model, scope.parts, num_seqs)
+    if moved is None or scope.parts is None:
+        return reason + "; hidden_size not recorded: the bytes crossing a stage boundary are not computed"
     boundaries = "the stage boundary" if pp == 2 else f"each of the {pp - 1} stage boundaries"
     reason += (
-        f"; {boundaries} moves max_num_seqs={num_seqs} × hidden_size={scope.model.hidden_size} × "
+        f"; {boundaries} moves max_num_seqs={num_seqs} × hidden_size={scope.parts.hidden_size} × "
         f"{DTYPE_BYTES[scope.model.dtype]} B = {size(moved)} of hidden states per decode step"
     )
     if targets.stage_boundary_seconds is None:

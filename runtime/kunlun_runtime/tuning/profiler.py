@@ -41,6 +41,7 @@ from kunlun_runtime.tuning.measurements import (
     DecodePoint,
     Measurements,
     ModelFacts,
+    ModelParts,
     PlatformFacts,
     PrefillPoint,
 )
@@ -248,7 +249,7 @@ class Profiler:
         engines[16].add_request("tune-warm-up", self._tokens(16), warm_up)  # not recorded
         while engines[16].has_unfinished_requests():
             engines[16].step()
-        model = self._model_facts(engines[16])
+        model, parts = self._model_facts(engines[16]), self._model_parts(engines[16])
         self.budget.phase(0.35)
         prefill = self._sweep(
             "prefill tokens", self.prefill_sizes, lambda n: self.prefill_point(engines[16], n)
@@ -280,13 +281,12 @@ class Profiler:
             budget_seconds=self.options.budget_seconds,
             elapsed_seconds=round(self.budget.elapsed(), 3),
             skipped=tuple(self.skipped),
+            parts=parts,
         )
 
     def _model_facts(self, engine: LLMEngine) -> ModelFacts:
         mc = engine.model_config
         narrower_weights = engine.weight_dtype != engine.dtype
-        parts = part_bytes(engine.model)
-        layer, embedding, head = parts if parts is not None else (None, None, None)
         return ModelFacts(
             name=self.model_dir.name,
             dtype=str(engine.dtype).removeprefix("torch."),
@@ -297,12 +297,15 @@ class Profiler:
             head_dim=mc.head_dim,
             weight_bytes=model_bytes(engine.model),
             max_model_len=self.target_len,
-            hidden_size=mc.hidden_size,
-            intermediate_size=mc.intermediate_size,
-            layer_bytes=layer,
-            embedding_bytes=embedding,
-            head_bytes=head,
         )
+
+    @staticmethod
+    def _model_parts(engine: LLMEngine) -> ModelParts | None:
+        parts = part_bytes(engine.model)
+        if parts is None:
+            return None
+        mc = engine.model_config
+        return ModelParts(mc.hidden_size, mc.intermediate_size, *parts)
 
     def _platform_facts(self, free_before: int) -> PlatformFacts:
         if self.platform.name == "cpu":

@@ -15,9 +15,9 @@ The rules (each reason in the output quotes the numbers it used):
   activations and the KV of one ``max_model_len`` sequence within ``memory_fraction`` of its
   memory; where none does, the largest, and then:
 - ``pipeline_parallel_size``: the smallest number of nodes (stages, at most ``max_nodes`` and the
-  layer count) at which the fullest card of any stage holds the same; 1 (left out of the options,
-  the engine's default) wherever one node suffices. Its reason gives the hidden-state bytes each
-  stage boundary moves per decode step, and their time where one is given.
+  layer count) at which the fullest card of any stage holds the same; left out (the engine's
+  default, 1) wherever one node suffices. Its reason gives the hidden-state bytes each stage
+  boundary moves per decode step, and their time where one is given.
 - ``kv_cache_memory_bytes``: the room left on a card at that layout, but no more than
   ``max_num_seqs`` full-length sequences can use (per card of the stage with the most layers).
 
@@ -44,7 +44,7 @@ from kunlun_runtime.tuning.targets import Targets, TuningError, ms
 @dataclass(frozen=True, slots=True)
 class Recommendation:
     options: dict[str, Any]  # EngineConfig field names → values
-    reasons: dict[str, str]  # the same keys → why, with the numbers (pipeline_parallel_size always)
+    reasons: dict[str, str]  # the same keys → why, with the numbers
 
 
 def choose_num_seqs(points: tuple[DecodePoint, ...], targets: Targets) -> tuple[int, str]:
@@ -163,6 +163,6 @@ def recommend(m: Measurements, targets: Targets | None = None) -> Recommendation
         "block_size": block_reason,
         "max_num_seqs": seqs_reason,
         "max_num_batched_tokens": tokens_reason,
-        **placement.reasons,
+        **placement.reasons,  # pipeline_parallel_size only with the option
     }
     return Recommendation(options, reasons)

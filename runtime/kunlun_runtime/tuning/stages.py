@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kunlun_runtime.tuning.measurements import ModelFacts
+from kunlun_runtime.tuning.measurements import ModelFacts, ModelParts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -28,12 +28,14 @@ class Stage:
     kv_block_bytes: int  # one KV block of the stage's layers for this card's KV heads
 
 
-def valid_tp_sizes(model: ModelFacts, candidates: tuple[int, ...], num_cards: int) -> list[int]:
+def valid_tp_sizes(
+    model: ModelFacts, parts: ModelParts | None, candidates: tuple[int, ...], num_cards: int
+) -> list[int]:
     """The TP sizes of ``candidates`` that fit ``num_cards`` and divide the head counts and the
     intermediate size (when known), as ``models.sharding.validate_tensor_parallel`` requires."""
     counts = [model.num_heads, model.num_kv_heads]
-    if model.intermediate_size is not None:
-        counts.append(model.intermediate_size)
+    if parts is not None:
+        counts.append(parts.intermediate_size)
     return [tp for tp in candidates if tp <= num_cards and all(count % tp == 0 for count in counts)]
 
 
@@ -75,21 +77,21 @@ def split_layers(
     return tuple(layers)
 
 
-def plan_stages(model: ModelFacts, block_bytes: int, tp: int, pp: int) -> tuple[Stage, ...]:
+def plan_stages(
+    model: ModelFacts, parts: ModelParts | None, block_bytes: int, tp: int, pp: int
+) -> tuple[Stage, ...]:
     """The P stages at TP ``tp``, each as one of its cards sees it.
 
-    ``block_bytes``: one KV block of all layers on one card at TP 1, padding included. Where the
-    model's parts are unknown (``layer_bytes`` etc. unset: measurements from before they were
-    recorded), its weights are taken as spread evenly over the layers, all of them split T ways.
+    ``block_bytes``: one KV block of all layers on one card at TP 1, padding included. Without
+    ``parts`` (measurements from before they were recorded) the weights are taken as spread evenly
+    over the layers, all of them split T ways.
     """
     n = model.num_layers
-    kv_share = model.num_kv_heads // tp
-    parts = (model.layer_bytes, model.embedding_bytes, model.head_bytes)
-    if parts[0] is None or parts[1] is None or parts[2] is None:
+    if parts is None:
         layers = split_layers(n, 1, 0, 0, pp)
         weights = [-(-model.weight_bytes * k // (n * tp)) for k in layers]
     else:
-        layer, first, last = parts
+        layer, first, last = parts.layer_bytes, parts.embedding_bytes, parts.head_bytes
         layers = split_layers(n, layer, first, last, pp)  # the engine balances whole stages, not cards
         ends = [0] * pp
         ends[0] += first
@@ -97,13 +99,14 @@ def plan_stages(model: ModelFacts, block_bytes: int, tp: int, pp: int) -> tuple[
         if pp == 1:  # a tied lm_head is the embedding's storage: the measured total counts it once
             ends[0] = min(first + last, max(0, model.weight_bytes - n * layer))
         weights = [-(-k * layer // tp) + end for k, end in zip(layers, ends, strict=True)]
+    kv_share = model.num_kv_heads // tp
     kv_blocks = [-(-block_bytes * kv_share * k // (model.num_kv_heads * n)) for k in layers]
     return tuple(Stage(k, w, b) for k, w, b in zip(layers, weights, kv_blocks, strict=True))
 
 
-def boundary_bytes_per_step(model: ModelFacts, num_seqs: int) -> int | None:
+def boundary_bytes_per_step(model: ModelFacts, parts: ModelParts | None, num_seqs: int) -> int | None:
     """Hidden states one decode step of ``num_seqs`` sequences sends across each stage boundary
     ([num_seqs, hidden_size] in the activation dtype); None where the hidden size is unknown."""
-    if model.hidden_size is None:
+    if parts is None:
         return None
-    return num_seqs * model.hidden_size * DTYPE_BYTES[model.dtype]
+    return num_seqs * parts.hidden_size * DTYPE_BYTES[model.dtype]

@@ -27,6 +27,7 @@ from tests.support import waiting
 from tests.support.kubeapi import RunningKubeAPI, running_fake_api
 
 GROUP, VERSION, PLURAL = "serving.kunlun.dev", "v1alpha1", "kunluninferenceservices"
+LWS_GROUP = "leaderworkerset.x-k8s.io"
 NAMESPACE = "ml"
 DEADLINE_SECONDS = 30
 #: The admission policy the tests' operators run with unless a test passes its own: the scenarios'
@@ -201,6 +202,29 @@ class Cluster:
             },
         )
 
+    def leaderworkerset(self, name: str = "qwen-lws") -> dict[str, Any] | None:
+        found = [o for o in self.kube.objects("leaderworkersets", LWS_GROUP) if o["metadata"]["name"] == name]
+        return found[0] if found else None
+
+    def patch_leaderworkerset(self, patch: dict[str, Any], name: str = "qwen-lws", **kwargs: Any) -> None:
+        self.custom.patch_namespaced_custom_object(
+            LWS_GROUP, "v1", NAMESPACE, "leaderworkersets", name, patch, **kwargs
+        )
+
+    def mark_leaderworkerset_ready(self, name: str = "qwen-lws") -> None:
+        """Play the LeaderWorkerSet controller: every group of the current template ready."""
+        lws = self.custom.get_namespaced_custom_object(LWS_GROUP, "v1", NAMESPACE, "leaderworkersets", name)
+        replicas = lws["spec"]["replicas"]
+        status = {
+            "observedGeneration": lws["metadata"]["generation"],
+            "replicas": replicas,
+            "readyReplicas": replicas,
+            "updatedReplicas": replicas,
+        }
+        self.custom.patch_namespaced_custom_object_status(
+            LWS_GROUP, "v1", NAMESPACE, "leaderworkersets", name, {"status": status}
+        )
+
     def event_reasons(self) -> list[str]:
         return [e.get("reason") for e in self.kube.objects("events")]
 
@@ -212,8 +236,9 @@ class Cluster:
 
 @pytest.fixture
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    marker = request.node.get_closest_marker("monitoring")
-    with running_fake_api(tmp_path, monitoring=marker is not None) as kube:
+    monitoring = request.node.get_closest_marker("monitoring") is not None
+    leaderworkerset = request.node.get_closest_marker("leaderworkerset") is not None
+    with running_fake_api(tmp_path, monitoring=monitoring, leaderworkerset=leaderworkerset) as kube:
         cluster = Cluster(kube, tmp_path)
         try:
             yield cluster
@@ -234,6 +259,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "monitoring: the fake API also serves monitoring.coreos.com/v1")
+    config.addinivalue_line(
+        "markers", "leaderworkerset: the fake API also serves leaderworkerset.x-k8s.io/v1 (LeaderWorkerSet)"
+    )
 
 
 def add_failed_pod(cluster: Cluster, name: str = "qwen-7d9f-abcde") -> None:

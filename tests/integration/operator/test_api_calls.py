@@ -4,7 +4,8 @@ The fake API records each call as (verb, group, resource); one run walks the ope
 code path that talks to the API (create, autoscaling on and off, Warn policy, a PVC source, the
 matrix ConfigMap, a node change, drift, a replica on a failed card evicted, admission, deletion).
 The observed table must equal ``kunlun_operator/api_calls.yaml`` minus the peering rules (tests
-run standalone).
+run standalone) and the LeaderWorkerSet rules, which a second run (a multi-node service on a cluster
+serving LeaderWorkerSet: create, scale, autoscaling, drift, deletion) must make exactly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from importlib import resources
 import pytest
 import yaml
 
-from tests.integration.operator.conftest import NAMESPACE, Cluster, add_failed_pod, wait_for
+from tests.integration.operator.conftest import LWS_GROUP, NAMESPACE, Cluster, add_failed_pod, wait_for
 from tests.integration.operator.test_admission import _accepts, review
 
 pytestmark = pytest.mark.slow
@@ -25,14 +26,21 @@ SPEC = {
     "autoscaling": {"enabled": True, "maxReplicas": 3},
     "faultTolerance": {"replaceAfter": "1s"},
 }
+MULTI_NODE = {
+    "model": {"name": "qwen", "source": {"hostPath": {"path": "/data/qwen"}}},
+    "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"},
+    "runtime": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
+    "resources": {"xpus": 8},
+}
 
 
-def documented() -> set[tuple[str, str, str]]:
+def documented(*, leaderworkerset: bool = False) -> set[tuple[str, str, str]]:
+    """The table's calls, without the peering rules; only the ``leaderworkerset`` rules when asked."""
     text = resources.files("kunlun_operator").joinpath("api_calls.yaml").read_text()
     return {
         (rule["group"], res, verb)
         for rule in yaml.safe_load(text)
-        if not rule.get("peering")
+        if not rule.get("peering") and bool(rule.get("leaderworkerset")) == leaderworkerset
         for res in rule["resources"]
         for verb in rule["verbs"]
     }
@@ -105,3 +113,28 @@ def test_the_operator_calls_exactly_the_documented_api(cluster: Cluster) -> None
     table = "\n".join(f"{g or 'core'} {r} {v}" for g, r, v in sorted(operator_calls))
     assert operator_calls - documented() == set(), f"undocumented calls:\n{table}"
     assert documented() - operator_calls == set(), f"documented but never made:\n{table}"
+
+
+@pytest.mark.leaderworkerset
+def test_a_multi_node_service_makes_exactly_the_documented_leaderworkerset_calls(cluster: Cluster) -> None:
+    cluster.add_node("xpu-1")
+    cluster.start_operator()
+    cluster.create_service(copy.deepcopy(MULTI_NODE))
+    wait_for(cluster.leaderworkerset, message="the LeaderWorkerSet")
+    cluster.patch_service({"spec": {"replicas": 2}})
+    wait_for(lambda: cluster.leaderworkerset()["spec"]["replicas"] == 2, message="scaled")
+    cluster.custom.delete_namespaced_custom_object(LWS_GROUP, "v1", NAMESPACE, "leaderworkersets", "qwen-lws")
+    wait_for(cluster.leaderworkerset, message="the LeaderWorkerSet restored")
+    cluster.custom.delete_namespaced_custom_object(
+        "serving.kunlun.dev", "v1alpha1", NAMESPACE, "kunluninferenceservices", "qwen"
+    )
+    wait_for(
+        lambda: not cluster.kube.objects("kunluninferenceservices", "serving.kunlun.dev"),
+        message="the service gone",
+    )
+    # No garbage collector here: only the operator's cleanup can have deleted it.
+    assert cluster.leaderworkerset() is None
+    observed = {
+        (group, resource, verb) for verb, group, resource, _ in cluster.kube.calls() if group == LWS_GROUP
+    }
+    assert observed == documented(leaderworkerset=True)

@@ -9,6 +9,7 @@ node it sits on. Each problem is reported with the path of the field it is about
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,10 @@ import celpy
 import jsonschema
 import yaml
 
-CRD_PATH = Path(__file__).resolve().parents[3] / "crds" / "serving.kunlun.dev_kunluninferenceservices.yaml"
+REPO = Path(__file__).resolve().parents[3]
+CRD_PATH = REPO / "crds" / "serving.kunlun.dev_kunluninferenceservices.yaml"
+#: The real LeaderWorkerSet CRD (kubernetes-sigs/lws; source and license in the folder's README).
+LWS_CRD_PATH = REPO / "tests" / "fixtures" / "external" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,13 @@ class Problem:
 
 def load_crd(path: Path = CRD_PATH) -> dict[str, Any]:
     with path.open() as f:
-        return yaml.safe_load(f)
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.cache
+def load_lws_crd() -> dict[str, Any]:
+    """The LeaderWorkerSet CRD (1.3 MB: parsed once per test run, shared: do not change it)."""
+    return load_crd(LWS_CRD_PATH)
 
 
 def openapi_schema(crd: Mapping[str, Any]) -> dict[str, Any]:

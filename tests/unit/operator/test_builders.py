@@ -27,6 +27,7 @@ from kunlun_operator.builders.service import build_service
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
 from kunlun_operator.reconcile import desired_objects
 from kunlun_operator.spec import parse_spec
+from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
 from tests.unit.operator.factories import example_names, load_example, make_facts, make_raw_spec, make_ref
 
 LABELS = {
@@ -524,12 +525,24 @@ def test_every_built_object_is_valid_for_kubernetes(example: str, k8s_version: s
         monitoring_plurals=frozenset(),
         preflight_host=PreflightHost(xpu_smi="/usr/local/bin/xpu-smi" if k8s_version >= "1.31" else None),
     )
-    objects, _ = desired_objects(make_ref(), parse_spec(raw), facts, IMAGE)
+    spec = parse_spec(raw)
+    objects, _ = desired_objects(make_ref(), spec, facts, IMAGE)
     kinds = set()
     for obj in objects:
-        kubernetes_validate.validate(obj, k8s_version, strict=True)
+        if obj["kind"] == "LeaderWorkerSet":  # a multi-node example: its own CRD, pods as PodTemplates
+            assert validate_cr(obj, load_lws_crd())[1] == []
+            for role, template in obj["spec"]["leaderWorkerTemplate"].items():
+                if role.endswith("Template"):
+                    pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}}
+                    kubernetes_validate.validate(
+                        {**pod_template, "template": template}, k8s_version, strict=True
+                    )
+        else:
+            kubernetes_validate.validate(obj, k8s_version, strict=True)
         kinds.add(obj["kind"])
-    assert kinds <= BUILT_IN_KINDS and {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"} <= kinds
+    workload = "LeaderWorkerSet" if spec.multi_node else "Deployment"
+    assert kinds <= BUILT_IN_KINDS | {workload}
+    assert {"ConfigMap", "Service", workload, "PodDisruptionBudget"} <= kinds
 
 
 def test_the_runtime_cli_accepts_every_command_the_operator_builds() -> None:
@@ -538,6 +551,7 @@ def test_the_runtime_cli_accepts_every_command_the_operator_builds() -> None:
 
     parser = runtime_cli.build_parser()
     raws = [load_example(name)["spec"] for name in example_names()]
+    raws = [raw for raw in raws if not parse_spec(raw).multi_node]  # test_leaderworkerset.py has those
     raws.append(
         make_raw_spec(runtime={"enablePrefixCaching": False, "kvCacheMemory": "2Gi", "blockSize": 32})
     )

@@ -2,7 +2,7 @@
 
 The platform here is a real subclass of the CPU platform that binds devices the way an accelerator
 platform does (it records ``set_device`` and reports the bound index), run through the real
-``TensorParallelGroup`` and a real gloo group in this process (world size 1: the worker processes
+``LeaderGroup`` and a real gloo group in this process (world size 1: the worker processes
 of larger worlds are exercised by tests/golden/test_tensor_parallel.py).
 """
 
@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from kunlun_runtime.errors import EngineDeadError
-from kunlun_runtime.parallel.group import check_device_binding
-from kunlun_runtime.parallel.workers import RankSpec, TensorParallelGroup
+from kunlun_runtime.parallel.group import check_device_binding, free_port
+from kunlun_runtime.parallel.layout import ParallelLayout
+from kunlun_runtime.parallel.workers import LeaderGroup, RankSpec
 from kunlun_runtime.platforms import CpuPlatform
+from tests.support.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
 
 
 class BindingPlatform(CpuPlatform):
@@ -34,9 +41,9 @@ class BindingPlatform(CpuPlatform):
         return self.bound
 
 
-def make_rank_spec(platform: CpuPlatform, world: int = 1) -> RankSpec:
+def make_rank_spec(platform: CpuPlatform, model_dir: str) -> RankSpec:
     return RankSpec(
-        model_dir="unused",
+        model_dir=model_dir,
         dtype=torch.float32,
         weight_dtype=torch.float32,
         max_positions=16,
@@ -49,33 +56,32 @@ def make_rank_spec(platform: CpuPlatform, world: int = 1) -> RankSpec:
         quantization=None,
         fused_attention=False,
         native_kernels=False,
-        world=world,
+        layout=ParallelLayout(),
+        stages=(range(2),),
         backend="gloo",
-        port=TensorParallelGroup.new_port(),
+        master_addr="127.0.0.1",
+        master_port=free_port(),
         platform=platform,
     )
 
 
-def test_rank_zero_binds_its_device_before_joining_and_the_preflight_passes() -> None:
+def test_rank_zero_binds_its_device_before_joining_and_the_preflight_passes(tiny_model_dir) -> None:
     platform = BindingPlatform()
-    group = TensorParallelGroup(make_rank_spec(platform))
+    group = LeaderGroup(make_rank_spec(platform, str(tiny_model_dir)))
     try:
+        group.start()  # binds, joins, loads, then the preflight: every rank's device: [0]
         assert platform.set_device_calls == [0]
-        group.wait_ready(torch.device("cpu"))  # all-reduce, then every rank's device: [0]
     finally:
         group.close()
 
 
-def test_a_rank_on_another_device_fails_the_preflight_naming_it() -> None:
+def test_a_rank_on_another_device_fails_the_preflight_naming_it(tiny_model_dir) -> None:
     platform = BindingPlatform(offset=1)
-    group = TensorParallelGroup(make_rank_spec(platform))
-    try:
-        with pytest.raises(EngineDeadError) as failure:
-            group.wait_ready(torch.device("cpu"))
-    finally:
-        group.close()
+    group = LeaderGroup(make_rank_spec(platform, str(tiny_model_dir)))
+    with pytest.raises(EngineDeadError) as failure:
+        group.start()
     assert str(failure.value) == (
-        "tensor parallel preflight: rank 0 of 1 (backend gloo) is bound to device 1, expected device 0 "
+        "collective preflight: rank 0 of 1 (node 0, backend gloo) is bound to device 1, expected device 0 "
         "(its local rank); devices by rank: [1]"
     )
 
@@ -93,17 +99,17 @@ def test_the_cpu_binds_nothing_and_reports_no_device() -> None:
         ([0, 1, 2, 3], None),
         (
             [0, 0],  # what TP did before ranks bound their devices: everyone on device 0
-            "rank 1 of 2 (backend nccl) is bound to device 0, expected device 1 (its local rank); "
+            "rank 1 of 2 (node 0, backend nccl) is bound to device 0, expected device 1 (its local rank); "
             "devices by rank: [0, 0]",
         ),
         (
             [0, 2, 1],
-            "rank 1 of 3 (backend nccl) is bound to device 2, expected device 1 (its local rank); "
+            "rank 1 of 3 (node 0, backend nccl) is bound to device 2, expected device 1 (its local rank); "
             "devices by rank: [0, 2, 1]",
         ),
         (
             [0, None],
-            "rank 1 of 2 (backend nccl) is bound to no device, expected device 1 (its local rank); "
+            "rank 1 of 2 (node 0, backend nccl) is bound to no device, expected device 1 (its local rank); "
             "devices by rank: [0, None]",
         ),
     ],
@@ -114,4 +120,4 @@ def test_rank_r_must_report_device_r(reported: list[int | None], message: str | 
         return
     with pytest.raises(EngineDeadError) as failure:
         check_device_binding(reported, "nccl")
-    assert str(failure.value) == f"tensor parallel preflight: {message}"
+    assert str(failure.value) == f"collective preflight: {message}"
