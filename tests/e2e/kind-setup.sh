@@ -2,6 +2,7 @@
 # Make a throwaway kind cluster for the operator's e2e tests (tests/e2e), where Docker exists.
 #
 #   tests/e2e/kind-setup.sh            # create (or reuse) the cluster, print the KUBECONFIG line
+#   LWS_VERSION=v0.8.0 tests/e2e/kind-setup.sh   # also install LeaderWorkerSet (multi-node e2e case)
 #   tests/e2e/kind-setup.sh --delete   # remove it
 #
 # Needs docker and kind (https://kind.sigs.k8s.io) on PATH; kubectl is optional. The cluster has
@@ -43,5 +44,13 @@ nodes:
 YAML
 fi
 kind get kubeconfig --name "$NAME" > "$KUBECONFIG_OUT"
+if [[ -n "${LWS_VERSION:-}" ]]; then
+    # LeaderWorkerSet's own release manifest (https://lws.sigs.k8s.io/docs/installation/); needs kubectl.
+    command -v kubectl >/dev/null || { echo "kind-setup: LWS_VERSION needs 'kubectl' on PATH" >&2; exit 2; }
+    kubectl --kubeconfig "$KUBECONFIG_OUT" apply --server-side \
+        -f "https://github.com/kubernetes-sigs/lws/releases/download/$LWS_VERSION/manifests.yaml"
+    kubectl --kubeconfig "$KUBECONFIG_OUT" wait deploy/lws-controller-manager -n lws-system \
+        --for=condition=available --timeout=5m
+fi
 echo "kind-setup: cluster '$NAME' ready. Run the e2e tests with:"
 echo "  KUBECONFIG=$KUBECONFIG_OUT .venv/bin/pytest -q tests/e2e"

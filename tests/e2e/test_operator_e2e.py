@@ -219,6 +219,45 @@ def test_node_label_change_is_reported(e2e: E2E) -> None:
     wait_for(lambda: e2e.status()["compatibleNodes"] == before, message="the node back")
 
 
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+
+
+def test_a_multi_node_service_is_a_leaderworkerset_the_api_server_accepts(e2e: E2E) -> None:
+    """Skipped unless the cluster has LeaderWorkerSet (``LWS_VERSION=... tests/e2e/kind-setup.sh``):
+    the real LWS admission and CRD validate what the operator builds; LWS makes its own headless
+    Service for the group's DNS beside ours; deleting the service removes the LeaderWorkerSet."""
+    if e2e.read(e2e.ext.read_custom_resource_definition, LWS_CRD) is None:
+        pytest.skip("the cluster has no LeaderWorkerSet (LWS_VERSION=v0.8.0 tests/e2e/kind-setup.sh)")
+    spec = {**copy.deepcopy(SPEC), "runtime": {"pipelineParallelSize": 2}}
+    created = e2e.create(spec, name="multi")
+    assert created["spec"]["runtime"]["tensorParallelSize"] == 1  # CRD defaulting
+
+    def lws() -> dict[str, Any] | None:
+        return e2e.read(
+            e2e.custom.get_namespaced_custom_object,
+            LWS_GROUP,
+            "v1",
+            e2e.namespace,
+            "leaderworkersets",
+            "multi-lws",
+        )
+
+    group = wait_for(lws, message="the LeaderWorkerSet")
+    assert group["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+    assert group["spec"]["leaderWorkerTemplate"]["size"] == 2
+    # LWS's headless Service (named like the LWS, for LWS_LEADER_ADDRESS) and ours, selecting leaders
+    wait_for(
+        lambda: e2e.read(e2e.core.read_namespaced_service, "multi-lws", e2e.namespace),
+        message="LWS's Service",
+    )
+    ours = e2e.core.read_namespaced_service("multi", e2e.namespace)
+    assert ours.spec.selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert e2e.read(e2e.apps.read_namespaced_deployment, "multi", e2e.namespace) is None
+    e2e.custom.delete_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, "multi")
+    wait_for(lambda: lws() is None, message="the LeaderWorkerSet gone")
+
+
 def test_deleting_the_service_removes_what_it_owns(e2e: E2E) -> None:
     e2e.custom.delete_namespaced_custom_object(GROUP, VERSION, e2e.namespace, PLURAL, "qwen")
     wait_for(

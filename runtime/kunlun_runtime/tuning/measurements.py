@@ -46,6 +46,7 @@ class ModelParts:
 
     hidden_size: int  # width of the hidden states that cross a stage boundary
     intermediate_size: int  # MLP width, which a TP size must divide (as the head counts)
+    vocab_size: int  # width of the logits the last stage returns to the leader
     layer_bytes: int  # one decoder layer (all alike), split T ways
     embedding_bytes: int  # the token embedding: on the first stage, whole on each of its cards
     head_bytes: int  # final norm + lm_head: on the last stage, whole (a tied lm_head counted in full)

@@ -11,11 +11,13 @@ Pure: no torch, no clock, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kunlun_runtime.tuning.measurements import Measurements, ModelFacts, ModelParts
 from kunlun_runtime.tuning.stages import (
     DTYPE_BYTES,
+    LOGIT_BYTES,
     Stage,
     boundary_bytes_per_step,
     plan_stages,
@@ -61,6 +63,7 @@ class _Scope:
     parts: ModelParts | None
     activation: int
     budget: int
+    of_memory: str  # "90% of 96.00 GiB"
     memory: str  # "90% of 96.00 GiB (device memory per card)"
     where: str  # "8 card(s) here" or "8 card(s) per node"
     valid: list[int]  # the TP sizes that divide the model within a node
@@ -95,43 +98,56 @@ def choose_placement(
         )
     of_memory = f"{targets.memory_fraction:.0%} of {size(platform.memory_bytes_per_card)}"
     budget = int(targets.memory_fraction * platform.memory_bytes_per_card)
-    scope = _Scope(
-        model, m.parts, activation_bytes, budget, f"{of_memory} ({platform.memory_source})", where, valid
-    )
+    memory = f"{of_memory} ({platform.memory_source})"
+    scope = _Scope(model, m.parts, activation_bytes, budget, of_memory, memory, where, valid)
     blocks_per_seq = -(-model.max_model_len // block_size)
 
     def fit(tp: int, pp: int) -> _Fit:
         return _Fit.of(tp, plan_stages(model, m.parts, block_bytes, tp, pp), activation_bytes, blocks_per_seq)
 
-    single = {tp: fit(tp, 1) for tp in valid}
-    tp = next((tp for tp in valid if single[tp].need <= budget), valid[-1])
-    chosen, pp = single[tp], 1
-    max_pp = min(targets.max_nodes, model.num_layers)
-    if chosen.need > budget and max_pp < 2:
-        raise TuningError(
-            f"the model does not fit: weights {size(model.weight_bytes)} + "
-            f"activations {size(activation_bytes)} + one {model.max_model_len}-token sequence of KV "
-            f"exceed {of_memory} per card at every TP size in {valid} "
-            f"({cards} card(s)); lower max_model_len or use more cards"
-        )
-    while chosen.need > budget and pp < max_pp:
-        pp += 1
-        chosen = fit(tp, pp)
-    if chosen.need > budget:
-        raise TuningError(
-            f"the model does not fit: at TP {tp} (the largest of {valid}, {where}) over {pp} nodes (at most "
-            f"--max-nodes {targets.max_nodes} and one per layer) the fullest card needs {scope.card(chosen)}, "
-            f"over {of_memory} ({size(budget)}); weights {size(model.weight_bytes)} in all; lower "
-            "max_model_len, use cards with more memory or allow more nodes"
-        )
+    one_node, chosen, max_pp = _search(scope, fit, targets, cards)
+    tp, pp = chosen.tp, len(chosen.stages)
     kv, kv_reason = _kv_cache(scope, chosen, num_seqs, block_size)
     reasons = {
         "kv_cache_memory_bytes": kv_reason,
-        "tensor_parallel_size": _tp_reason(scope, single[tp], tp, pp),
+        "tensor_parallel_size": _tp_reason(scope, one_node, tp, pp),
     }
     if pp > 1:  # one node: the option is left at the engine's default, and the TP reason says why
-        reasons["pipeline_parallel_size"] = _pp_reason(scope, chosen, single[tp], max_pp, num_seqs, targets)
+        reasons["pipeline_parallel_size"] = _pp_reason(scope, chosen, one_node, max_pp, num_seqs, targets)
     return Placement(tp, pp, kv, reasons)
+
+
+def _search(
+    scope: _Scope, fit: Callable[[int, int], _Fit], targets: Targets, cards: int
+) -> tuple[_Fit, _Fit, int]:
+    """(the chosen TP size on one node, the chosen layout, the most nodes allowed): the smallest
+    valid TP size that fits one node, else the largest and the fewest nodes that fit.
+
+    Raises:
+        TuningError: not even ``max_nodes`` nodes (or one per layer) fit, with the numbers.
+    """
+    model, budget, valid = scope.model, scope.budget, scope.valid
+    single = {tp: fit(tp, 1) for tp in valid}
+    tp = next((tp for tp in valid if single[tp].need <= budget), valid[-1])
+    chosen, max_pp = single[tp], min(targets.max_nodes, model.num_layers)
+    if chosen.need > budget and max_pp < 2:
+        raise TuningError(
+            f"the model does not fit: weights {size(model.weight_bytes)} + "
+            f"activations {size(scope.activation)} + one {model.max_model_len}-token sequence of KV "
+            f"exceed {scope.of_memory} per card at every TP size in {valid} "
+            f"({cards} card(s)); lower max_model_len or use more cards"
+        )
+    while chosen.need > budget and len(chosen.stages) < max_pp:
+        chosen = fit(tp, len(chosen.stages) + 1)
+    if chosen.need > budget:
+        raise TuningError(
+            f"the model does not fit: at TP {tp} (the largest of {valid}, {scope.where}) over "
+            f"{len(chosen.stages)} nodes (at most --max-nodes {targets.max_nodes} and one per layer) the fullest "
+            f"card needs {scope.card(chosen)}, over {scope.of_memory} ({size(budget)}); weights "
+            f"{size(model.weight_bytes)} in all; lower max_model_len, use cards with more memory or allow "
+            "more nodes"
+        )
+    return single[tp], chosen, max_pp
 
 
 def _tp_reason(scope: _Scope, one_node: _Fit, tp: int, pp: int) -> str:
@@ -167,9 +183,15 @@ def _pp_reason(
         f"{DTYPE_BYTES[scope.model.dtype]} B = {size(moved)} of hidden states per decode step"
     )
     if targets.stage_boundary_seconds is None:
-        return reason + " (its time not given: --stage-boundary-ms)"
-    total = (pp - 1) * targets.stage_boundary_seconds
-    return reason + f", {ms(targets.stage_boundary_seconds)} each: {ms(total)} per decode step in all"
+        reason += " (its time not given: --stage-boundary-ms)"
+    else:
+        total = (pp - 1) * targets.stage_boundary_seconds
+        reason += f", {ms(targets.stage_boundary_seconds)} each: {ms(total)} per decode step in all"
+    logits = num_seqs * scope.parts.vocab_size * LOGIT_BYTES  # as logits_bytes_per_step
+    return reason + (
+        f"; and the last stage returns max_num_seqs={num_seqs} × vocab_size={scope.parts.vocab_size} × "
+        f"{LOGIT_BYTES} B = {size(logits)} of FP32 logits to the leader per decode step"
+    )
 
 
 def _kv_cache(scope: _Scope, chosen: _Fit, num_seqs: int, block_size: int) -> tuple[int, str]:

@@ -305,7 +305,7 @@ class Profiler:
         if parts is None:
             return None
         mc = engine.model_config
-        return ModelParts(mc.hidden_size, mc.intermediate_size, *parts)
+        return ModelParts(mc.hidden_size, mc.intermediate_size, mc.vocab_size, *parts)
 
     def _platform_facts(self, free_before: int) -> PlatformFacts:
         if self.platform.name == "cpu":

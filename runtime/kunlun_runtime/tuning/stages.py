@@ -104,9 +104,20 @@ def plan_stages(
     return tuple(Stage(k, w, b) for k, w, b in zip(layers, weights, kv_blocks, strict=True))
 
 
+LOGIT_BYTES = 4  # the last stage returns FP32 logits of the sampled rows (parallel/pipeline.py)
+
+
 def boundary_bytes_per_step(model: ModelFacts, parts: ModelParts | None, num_seqs: int) -> int | None:
     """Hidden states one decode step of ``num_seqs`` sequences sends across each stage boundary
     ([num_seqs, hidden_size] in the activation dtype); None where the hidden size is unknown."""
     if parts is None:
         return None
     return num_seqs * parts.hidden_size * DTYPE_BYTES[model.dtype]
+
+
+def logits_bytes_per_step(parts: ModelParts | None, num_seqs: int) -> int | None:
+    """Logits one decode step of ``num_seqs`` sequences returns from the last stage to the leader
+    (one row per sequence, FP32); None where the vocabulary size is unknown."""
+    if parts is None:
+        return None
+    return num_seqs * parts.vocab_size * LOGIT_BYTES

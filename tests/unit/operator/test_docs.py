@@ -45,3 +45,16 @@ def test_the_documented_kubectl_get_row_matches_the_printer_columns() -> None:
     ]
     assert header.split() == ["NAME"] + [c["name"].upper() for c in columns]
     assert row.split()[:-1] == shown  # all but AGE
+
+
+def test_the_documented_multi_node_rejection_is_the_operators_message() -> None:
+    """docs/operator.md and docs/chart.md quote the denial a multi-node service gets without LWS."""
+    from kunlun_operator.builders.leaderworkerset import require_leaderworkerset
+    from kunlun_operator.spec import parse_spec
+
+    example = load_example("kis-multinode.yaml")
+    error = require_leaderworkerset(parse_spec(example["spec"]), served=False)
+    assert error is not None
+    for doc in (DOC, DOC.parent / "chart.md"):
+        quoted = re.findall(r"```text\n(spec\.runtime\.pipelineParallelSize: .+)\n```", doc.read_text())
+        assert quoted == [str(error)], doc.name

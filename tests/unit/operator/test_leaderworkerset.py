@@ -417,3 +417,12 @@ def _subparsers(parser: Any) -> list[Any]:
         if hasattr(action, "choices") and isinstance(action.choices, dict)
         for sub in action.choices.values()
     ]
+
+
+def test_the_controller_reads_the_stage_count_of_a_raw_spec_to_pick_the_workload() -> None:
+    from kunlun_operator.controller import pipeline_stages
+
+    assert pipeline_stages({"runtime": {"pipelineParallelSize": 2}}) == 2
+    assert pipeline_stages({}) == pipeline_stages({"runtime": None}) == 1
+    assert pipeline_stages({"runtime": {"pipelineParallelSize": "2"}}) == 1  # the parser reports it
+    assert pipeline_stages({"runtime": {"pipelineParallelSize": True}}) == 1

@@ -50,7 +50,7 @@ def make_model(
     head = vocab * hidden * linear_bytes + hidden * 2
     weights = num_layers * layer + embedding + head
     facts = ModelFacts(name, "bfloat16", num_layers, heads, kv_heads, head_dim, weights, max_model_len)
-    return facts, ModelParts(hidden, intermediate, layer, embedding, head)
+    return facts, ModelParts(hidden, intermediate, vocab, layer, embedding, head)
 
 
 QWEN2_7B = make_model("Qwen2-7B", 28, 3584, 18944, 28, 4, 152064, 32768)
@@ -102,7 +102,12 @@ def test_a_card_holds_its_share_of_the_layers_and_whole_ends() -> None:
 def test_a_tied_lm_head_is_counted_once_on_one_stage_and_copied_on_the_last() -> None:
     tied = ModelFacts("tied", "float32", 4, 4, 2, 8, 4 * 100 + 60 + 4, 64)  # lm_head is the embedding
     parts = ModelParts(
-        hidden_size=4, intermediate_size=8, layer_bytes=100, embedding_bytes=60, head_bytes=4 + 60
+        hidden_size=4,
+        intermediate_size=8,
+        vocab_size=15,
+        layer_bytes=100,
+        embedding_bytes=60,
+        head_bytes=4 + 60,
     )
     assert [s.weight_bytes for s in plan_stages(tied, parts, 1024, 1, 1)] == [4 * 100 + 64]
     assert [s.weight_bytes for s in plan_stages(tied, parts, 1024, 1, 2)] == [2 * 100 + 60, 2 * 100 + 64]
@@ -184,7 +189,8 @@ def test_four_hundred_b_bf16_needs_two_p800_nodes_and_names_the_boundary_cost() 
         "(stage 1) holds weights 50.67 GiB + activations 300.0 MiB + one 8192-token sequence of KV "
         "(252.0 MiB) = 51.21 GiB of its 86.40 GiB budget, against 102.13 GiB on one node; the stage boundary "
         "moves max_num_seqs=128 × hidden_size=16384 × 2 B = 4.0 MiB of hidden states per decode step, "
-        "0.5 ms each: 0.5 ms per decode step in all"
+        "0.5 ms each: 0.5 ms per decode step in all; and the last stage returns max_num_seqs=128 × "
+        "vocab_size=128256 × 4 B = 62.6 MiB of FP32 logits to the leader per decode step"
     )
     assert result.reasons["kv_cache_memory_bytes"] == (
         "min(room left on a card: 35.43 GiB, KV of max_num_seqs=128 sequences of max_model_len=8192: "
@@ -207,7 +213,9 @@ def test_too_big_for_the_nodes_allowed_raises_with_the_numbers() -> None:
 def test_no_tp_size_dividing_the_model_raises() -> None:
     odd = ModelFacts("odd", "bfloat16", 2, 6, 2, 64, GIB, 4096)
     with pytest.raises(TuningError) as info:
-        recommend(make_measurements((odd, ModelParts(384, 1000, GIB // 2, 0, 0))), Targets(tp_sizes=(4, 8)))
+        recommend(
+            make_measurements((odd, ModelParts(384, 1000, 32000, GIB // 2, 0, 0))), Targets(tp_sizes=(4, 8))
+        )
     assert str(info.value) == (
         "no TP size of [4, 8] within 8 card(s) here divides the model's 6 heads, 2 KV heads and intermediate "
         "size 1000"
@@ -256,7 +264,9 @@ def test_tune_writes_pipeline_parallel_size_and_serve_reads_it(
         8,
         2,
     )
-    assert document["why"]["pipeline_parallel_size"].endswith("0.5 ms each: 0.5 ms per decode step in all")
+    assert (
+        "4.0 MiB of hidden states per decode step, 0.5 ms each" in document["why"]["pipeline_parallel_size"]
+    )
     assert document["measurements"]["parts"]["layer_bytes"] == 6_375_407_616
     assert load_engine_options(out)["pipeline_parallel_size"] == 2
 

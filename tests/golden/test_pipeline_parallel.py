@@ -1,0 +1,134 @@
+"""Pipeline parallelism on CPU (gloo, one process per rank, over loopback): P=2 and P=2 × T=2 in
+FP32 equal P=1 layer by layer (1e-5), and the engine's greedy tokens and logprobs are identical."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kunlun_runtime import LLM, SamplingParams
+from kunlun_runtime.cli import main
+from kunlun_runtime.errors import ConfigError, EngineDeadError
+from kunlun_runtime.golden import capture_engine, compare, layer_names
+from kunlun_runtime.golden_tp import capture_parallel
+from kunlun_runtime.models.loader import load_model
+from tests.support.tiny_models import TINY_SPECS, make_tiny_model
+
+TOKENS = [(13 * i + 5) % 300 for i in range(40)]
+NUM_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def deep_models(tmp_path_factory):
+    """Tiny models with four layers (two per stage): untied and tied (the last stage then holds
+    its own copy of the embedding as ``lm_head``)."""
+    root = tmp_path_factory.mktemp("deep")
+    return {
+        name: make_tiny_model(root / name, replace(TINY_SPECS[name], num_layers=NUM_LAYERS))
+        for name in ("llama-gqa", "qwen2-bias")
+    }
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize(("tensor", "pipeline"), [(1, 2), (2, 2)])
+def test_pipeline_layer_outputs_equal_one_rank_within_1e5(deep_models, name, tensor, pipeline):
+    model_dir = deep_models[name]
+    model, config = load_model(model_dir, torch.float32, torch.device("cpu"), 64)
+    single = capture_engine(model, TOKENS)
+    split = capture_parallel(model_dir, TOKENS, tensor=tensor, pipeline=pipeline)
+    names = layer_names(config.num_layers)
+    assert sorted(split) == sorted(names)  # every layer came back from the stage that holds it
+    rows = compare(split, single, names, tolerance=1e-5)
+    assert all(row.passed for row in rows), [(row.name, row.max_rel_err) for row in rows]
+    if tensor == 1:  # the same arithmetic in another process: bit for bit
+        assert all(row.max_abs_err == 0 for row in rows)
+
+
+def test_golden_command_runs_pipeline_stages_against_hf_fp32(deep_models, capsys):
+    """``kunlun-runtime golden --pipeline-parallel-size 2``: the staged engine against HF FP32."""
+    argv = ["golden", "--model", str(deep_models["llama-gqa"]), "--pipeline-parallel-size", "2", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["pipeline_parallel_size"] == 2
+    assert [layer["name"] for layer in report["layers"]] == layer_names(NUM_LAYERS)
+    assert all(layer["max_rel_err"] <= 1e-5 for layer in report["layers"])
+
+
+@pytest.mark.parametrize(("tensor", "pipeline"), [(1, 2), (2, 2)])
+def test_pipeline_engine_generates_the_same_tokens_and_logprobs(deep_models, tensor, pipeline):
+    """Several sequences at once, so steps split into micro-batches in flight across the stages;
+    one with prompt logprobs (rows of a prefill chunk come back with the sampled rows)."""
+    model_dir = str(deep_models["llama-gqa"])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": TOKENS}, {"prompt_token_ids": [7]}]
+    with_prompt = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    single_llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16)
+    single = single_llm.generate(prompts, params)
+    single_prompt = single_llm.generate([{"prompt_token_ids": TOKENS}], with_prompt)[0]
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        kv_cache_memory="8MiB",
+        max_num_batched_tokens=16,  # the long prompt is prefilled in chunks beside running decodes
+        tensor_parallel_size=tensor,
+        pipeline_parallel_size=pipeline,
+    )
+    try:
+        assert llm.engine.runner.micro_batches == pipeline
+        assert llm.engine.model.first_layer == 0 and len(llm.engine.model.layers) == NUM_LAYERS // pipeline
+        split = llm.generate(prompts, params)
+        split_prompt = llm.generate([{"prompt_token_ids": TOKENS}], with_prompt)[0]
+    finally:
+        llm.engine.close()
+    for one, two in zip(single, split, strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        tokens = one.outputs[0].token_ids
+        got = [position[t].logprob for position, t in zip(two.outputs[0].logprobs, tokens, strict=True)]
+        want = [position[t].logprob for position, t in zip(one.outputs[0].logprobs, tokens, strict=True)]
+        assert got == pytest.approx(want, abs=1e-5)
+    assert split_prompt.outputs[0].token_ids == single_prompt.outputs[0].token_ids
+    got = [next(iter(p.values())).logprob for p in split_prompt.prompt_logprobs[1:]]
+    want = [next(iter(p.values())).logprob for p in single_prompt.prompt_logprobs[1:]]
+    assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_each_stage_holds_the_kv_of_its_own_layers_only(deep_models):
+    """The KV budget is per card: a stage of half the layers fits twice the blocks."""
+    model_dir = str(deep_models["llama-gqa"])
+    single = LLM(model_dir, dtype="float32", kv_cache_memory="4MiB")
+    staged = LLM(model_dir, dtype="float32", kv_cache_memory="4MiB", pipeline_parallel_size=2)
+    try:
+        assert staged.engine.kv_cache.spec.num_layers == NUM_LAYERS // 2
+        assert staged.engine.block_pool.num_blocks >= 2 * single.engine.block_pool.num_blocks - 1
+    finally:
+        staged.engine.close()
+
+
+def test_more_stages_than_layers_is_refused_naming_the_option(deep_models):
+    with pytest.raises(ConfigError, match="pipeline_parallel_size: 5 stages need at least that many layers"):
+        LLM(str(deep_models["llama-gqa"]), dtype="float32", pipeline_parallel_size=5)
+
+
+def test_a_rank_that_fails_to_load_fails_the_start_naming_it(tmp_path, deep_models):
+    """Stage 1 cannot find its layers' weights (a checkpoint truncated after layer 1): the leader,
+    which loaded fine, refuses to start and names rank 1, its node and the missing weights."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "truncated"
+    model_dir.mkdir()
+    source = deep_models["llama-gqa"]
+    for path in source.iterdir():
+        if path.suffix != ".safetensors":
+            (model_dir / path.name).write_bytes(path.read_bytes())
+    for path in source.glob("*.safetensors"):
+        tensors = load_file(path)
+        kept = {name: t for name, t in tensors.items() if ".layers.3." not in name}
+        save_file(kept, model_dir / path.name)
+    with pytest.raises(EngineDeadError) as failure:
+        capture_parallel(model_dir, TOKENS[:8], tensor=1, pipeline=2)
+    message = str(failure.value)
+    assert "rank 1 of 2 (node 0, host" in message and "failed to start" in message
+    assert "missing weights ['layers.1." in message  # the stage's own numbering of layer 3
