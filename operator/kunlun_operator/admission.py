@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kunlun_operator.builders.leaderworkerset import require_leaderworkerset
+from kunlun_operator.builders.leaderworkerset import leaderworkerset_name_error, require_leaderworkerset
 from kunlun_operator.errors import SpecError
 from kunlun_operator.feasibility import estimate_memory
 from kunlun_operator.matrix import Matrix, check_versions, select_image
@@ -38,9 +38,11 @@ def review(
     policy: AdmissionPolicy = STRICTEST,
     *,
     leaderworkerset_served: bool = False,
+    name: str | None = None,
 ) -> Review:
     """The webhook's verdict on ``raw_spec``: a denial naming the field, or warnings.
-    ``leaderworkerset_served``: the cluster serves LeaderWorkerSet (a multi-node service needs it)."""
+    ``leaderworkerset_served``: the cluster serves LeaderWorkerSet (a multi-node service needs it);
+    ``name``: the service's name, when known (not with ``generateName``)."""
     try:
         spec = parse_spec(raw_spec)
     except SpecError as error:
@@ -51,6 +53,8 @@ def review(
     missing = require_leaderworkerset(spec, leaderworkerset_served)
     if missing is not None:
         return Review(denial=missing)
+    if spec.multi_node and name and (bad_name := leaderworkerset_name_error(name)) is not None:
+        return Review(denial=bad_name)
     strict = spec.versions.policy == "Strict"
     warnings: list[str] = []
     if spec.versions.policy != "Off":

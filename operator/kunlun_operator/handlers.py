@@ -271,7 +271,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
     if config.webhook is not None:
 
         @kopf.on.validate(*KIS, id="validate-kis", registry=registry)
-        def validate_kis(spec: Mapping[str, Any], warnings: list[str], **_: Any) -> None:
+        def validate_kis(spec: Mapping[str, Any], name: str | None, warnings: list[str], **_: Any) -> None:
             try:
                 matrix = controller.load_matrix()
             except ApiError as error:  # do not block admission on a flaky read: use the packaged copy
@@ -288,6 +288,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
                 controller.config.default_image,
                 controller.config.policy,
                 leaderworkerset_served=lws_served,
+                name=name,
             )
             warnings.extend(verdict.warnings)
             result = "denied" if not verdict.allowed else "warned" if verdict.warnings else "allowed"

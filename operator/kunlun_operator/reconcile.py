@@ -24,6 +24,7 @@ from kunlun_operator.builders.hpa import build_hpa
 from kunlun_operator.builders.leaderworkerset import (
     LEADERWORKERSET_RECHECK_SECONDS,
     build_leaderworkerset,
+    leaderworkerset_name_error,
     require_leaderworkerset,
 )
 from kunlun_operator.builders.pdb import build_pdb
@@ -124,6 +125,8 @@ def reconcile(
         # Admitted under an older policy: stop serving it. The runtime pods go (they may mount a
         # host path or run an image the admin no longer allows); the rest is harmless and stays.
         return _failed_plan(ref, previous, violation, now, delete=(names.DEPLOYMENT, names.HPA))
+    if spec.multi_node and (bad_name := leaderworkerset_name_error(ref.name)) is not None:
+        return _failed_plan(ref, previous, bad_name, now)
     missing = require_leaderworkerset(spec, facts.leaderworkerset_served)
     if missing is not None:
         # Builds nothing; checked again soon, so installing LeaderWorkerSet needs no spec change.

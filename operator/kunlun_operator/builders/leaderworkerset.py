@@ -12,6 +12,7 @@ rejoin a running pipeline, so one failed pod recreates its whole group.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kunlun_operator import names
@@ -37,6 +38,7 @@ WORKER_STOP_SECONDS = TERMINATION_GRACE_SECONDS - 5
 #: How often a service waiting for LeaderWorkerSet to be installed is checked again.
 LEADERWORKERSET_RECHECK_SECONDS = 60.0
 _PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+_DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def require_leaderworkerset(spec: InferenceSpec, served: bool) -> SpecError | None:
@@ -51,6 +53,20 @@ def require_leaderworkerset(spec: InferenceSpec, served: bool) -> SpecError | No
         "(https://lws.sigs.k8s.io; with the kunlun-inference chart also set "
         "leaderWorkerSet.installed=true), or set pipelineParallelSize to 1",
         reason="LeaderWorkerSetNotInstalled",
+    )
+
+
+def leaderworkerset_name_error(instance: str) -> SpecError | None:
+    """The error of a multi-node service whose LeaderWorkerSet name would be refused: LWS names its
+    headless Service after itself, so the name must be a DNS-1035 label (LWS's own webhook checks it).
+    """
+    lws_name = names.owned_name(instance, names.LEADER_WORKER_SET)
+    if _DNS_1035_LABEL.match(lws_name):
+        return None
+    return SpecError(
+        "metadata.name",
+        f"a multi-node service's LeaderWorkerSet {lws_name!r} must be a DNS-1035 label (at most 63 "
+        "lower-case letters, digits and '-', starting with a letter): rename the service",
     )
 
 

@@ -164,7 +164,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if config.node_rank != 0:  # a node after the first follows the leader and serves nothing
         from kunlun_runtime.engine.llm_engine import serve_worker_node
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logger = logging.getLogger("kunlun_runtime")  # its start, stop and failure, whatever --log-level
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
         return serve_worker_node(config)
     if args.max_queue_len < 1:
         raise SystemExit("kunlun-runtime serve: error: --max-queue-len must be at least 1")

@@ -187,7 +187,7 @@ def _pp_reason(
     else:
         total = (pp - 1) * targets.stage_boundary_seconds
         reason += f", {ms(targets.stage_boundary_seconds)} each: {ms(total)} per decode step in all"
-    logits = num_seqs * scope.parts.vocab_size * LOGIT_BYTES  # as logits_bytes_per_step
+    logits = num_seqs * scope.parts.vocab_size * LOGIT_BYTES
     return reason + (
         f"; and the last stage returns max_num_seqs={num_seqs} × vocab_size={scope.parts.vocab_size} × "
         f"{LOGIT_BYTES} B = {size(logits)} of FP32 logits to the leader per decode step"

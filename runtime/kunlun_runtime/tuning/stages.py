@@ -113,11 +113,3 @@ def boundary_bytes_per_step(model: ModelFacts, parts: ModelParts | None, num_seq
     if parts is None:
         return None
     return num_seqs * parts.hidden_size * DTYPE_BYTES[model.dtype]
-
-
-def logits_bytes_per_step(parts: ModelParts | None, num_seqs: int) -> int | None:
-    """Logits one decode step of ``num_seqs`` sequences returns from the last stage to the leader
-    (one row per sequence, FP32); None where the vocabulary size is unknown."""
-    if parts is None:
-        return None
-    return num_seqs * parts.vocab_size * LOGIT_BYTES

@@ -23,7 +23,7 @@ from kunlun_operator.builders.service import build_service
 from kunlun_operator.feasibility import GiB, estimate_memory, startup_budget_seconds
 from kunlun_operator.matrix import load_default_matrix
 from kunlun_operator.reconcile import desired_objects, reconcile
-from kunlun_operator.spec import parse_spec
+from kunlun_operator.spec import ServiceRef, parse_spec
 from kunlun_operator.status import DeploymentFacts
 from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
 from tests.unit.operator.factories import NOW, load_example, make_facts, make_raw_spec, make_ref
@@ -426,3 +426,21 @@ def test_the_controller_reads_the_stage_count_of_a_raw_spec_to_pick_the_workload
     assert pipeline_stages({}) == pipeline_stages({"runtime": None}) == 1
     assert pipeline_stages({"runtime": {"pipelineParallelSize": "2"}}) == 1  # the parser reports it
     assert pipeline_stages({"runtime": {"pipelineParallelSize": True}}) == 1
+
+
+def test_a_multi_node_service_needs_a_name_lws_accepts() -> None:
+    """LWS names its headless Service after itself, so its name must be a DNS-1035 label."""
+    matrix = load_default_matrix()
+    dotted = ServiceRef(name="qwen2.5-7b", namespace="ml", uid="uid-1", generation=1)
+    plan = reconcile(dotted, make_multinode_spec(), None, make_facts(leaderworkerset_served=True), now=NOW)
+    assert (plan.apply, plan.status["lastFailure"]["message"]) == (
+        (),
+        "metadata.name: a multi-node service's LeaderWorkerSet 'qwen2.5-7b-lws' must be a DNS-1035 label "
+        "(at most 63 lower-case letters, digits and '-', starting with a letter): rename the service",
+    )
+    long_name = "a" * 60
+    denied = review(make_multinode_spec(), matrix, IMAGE, leaderworkerset_served=True, name=long_name)
+    assert denied.denial is not None and denied.denial.field == "metadata.name"
+    assert review(make_multinode_spec(), matrix, IMAGE, leaderworkerset_served=True, name="qwen").allowed
+    # a single-node service keeps any name the API server takes
+    assert reconcile(dotted, make_raw_spec(), None, make_facts(), now=NOW).apply
