@@ -9,10 +9,13 @@ Three engines on the same model and requests, interleaved in one run (``--reps``
 - ``overlapped``: the same P=2 group with two micro-batches per step, stage 1 working on the
   first while stage 0 works on the second; ``staged / overlapped`` is the micro-batching gain.
 
-Both P=2 variants are the same engine (``runner.micro_batches`` switched between rounds). Each
-round adds ``--batch`` requests of ``--prompt-len`` tokens and times every decode step after
-their prefills. On a shared 2-core machine every rank gets one thread (the CPUs split over the
-ranks of a node), so ``one`` runs on one thread too. Only ratios from one run mean anything.
+Both P=2 variants are the same engine (``runner.micro_batches`` switched between rounds); a step
+is split only into micro-batches of at least ``--min-micro-batch-tokens`` tokens (default: the
+engine's ``MIN_MICRO_BATCH_TOKENS``; 1 measures the split at every batch size). Each round adds
+``--batch`` requests of ``--prompt-len`` tokens and times every decode step after their prefills.
+Every rank gets the node's CPUs over its ranks (one thread each on 2 cores), so ``one`` runs on
+that many threads too; ``one_all_cores`` is the same process on every CPU, what one node would
+run without pipeline parallelism. Only ratios from one run mean anything.
 
     .venv/bin/python benchmarks/bench_pipeline.py                       # embedded SmolLM2
     .venv/bin/python benchmarks/bench_pipeline.py --quick --model DIR   # smoke run (the test suite)
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +34,7 @@ import torch
 
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.engine.llm_engine import LLMEngine
+from kunlun_runtime.parallel import pipeline
 
 
 def decode_step_seconds(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, tag: str) -> float:
@@ -62,10 +67,17 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--min-micro-batch-tokens",
+        type=int,
+        default=pipeline.MIN_MICRO_BATCH_TOKENS,
+        help="the split's floor",
+    )
     parser.add_argument("--quick", action="store_true", help="one small round (the test suite's smoke run)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    pipeline.MIN_MICRO_BATCH_TOKENS = args.min_micro_batch_tokens  # read by plan_step in this process
     reps, new_tokens = args.reps, args.new_tokens
     if args.quick:
         batches, reps, new_tokens = [4], 1, 4
@@ -73,8 +85,14 @@ def main() -> int:
     staged = LLM(args.model, pipeline_parallel_size=2, **options).engine
     threads = torch.get_num_threads()  # what the leader rank got: the node's CPUs over its ranks
     one = LLM(args.model, **options).engine
-    runs = {"one": (one, 1), "staged": (staged, 1), "overlapped": (staged, 2)}
-    results: dict[str, dict] = {"threads_per_rank": threads, "batches": {}}
+    all_cores = len(os.sched_getaffinity(0))
+    runs = {"one": (one, 1), "staged": (staged, 1), "overlapped": (staged, 2), "one_all_cores": (one, 1)}
+    results: dict[str, dict] = {
+        "threads_per_rank": threads,
+        "all_cores": all_cores,
+        "min_micro_batch_tokens": pipeline.MIN_MICRO_BATCH_TOKENS,
+        "batches": {},
+    }
     try:
         for name, (engine, micro) in runs.items():  # warm-up: kernels, allocator, first compile
             engine.runner.micro_batches = micro
@@ -95,13 +113,16 @@ def main() -> int:
                 "boundary_ms_per_step": 1000 * (median["staged"] - median["one"]),
                 "micro_batching_gain": median["staged"] / median["overlapped"],
                 "overlapped_vs_one": median["one"] / median["overlapped"],
+                "overlapped_vs_one_all_cores": median["one_all_cores"] / median["overlapped"],
             }
             results["batches"][str(batch)] = row
             print(
                 f"batch {batch:>3}: one {row['one_step_ms']:7.2f} ms  staged {row['staged_step_ms']:7.2f} ms  "
                 f"overlapped {row['overlapped_step_ms']:7.2f} ms | boundary {row['boundary_ms_per_step']:+6.2f} "
                 f"ms/step, micro-batching ×{row['micro_batching_gain']:.2f}, "
-                f"overlapped vs one process ×{row['overlapped_vs_one']:.2f}",
+                f"overlapped vs one process ×{row['overlapped_vs_one']:.2f} "
+                f"(on all {all_cores} cores: {row['one_all_cores_step_ms']:.2f} ms, "
+                f"×{row['overlapped_vs_one_all_cores']:.2f})",
                 flush=True,
             )
     finally:

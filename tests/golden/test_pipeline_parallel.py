@@ -15,6 +15,7 @@ from kunlun_runtime.errors import ConfigError, EngineDeadError
 from kunlun_runtime.golden import capture_engine, compare, layer_names
 from kunlun_runtime.golden_tp import capture_parallel
 from kunlun_runtime.models.loader import load_model
+from kunlun_runtime.parallel.pipeline import MIN_MICRO_BATCH_TOKENS
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
 
 TOKENS = [(13 * i + 5) % 300 for i in range(40)]
@@ -59,11 +60,13 @@ def test_golden_command_runs_pipeline_stages_against_hf_fp32(deep_models, capsys
 
 @pytest.mark.parametrize(("tensor", "pipeline"), [(1, 2), (2, 2)])
 def test_pipeline_engine_generates_the_same_tokens_and_logprobs(deep_models, tensor, pipeline):
-    """Several sequences at once, so steps split into micro-batches in flight across the stages;
-    one with prompt logprobs (rows of a prefill chunk come back with the sampled rows)."""
+    """Enough sequences at once (``MIN_MICRO_BATCH_TOKENS`` per micro-batch) that decode steps
+    split into micro-batches in flight across the stages; one with prompt logprobs (rows of a
+    prefill chunk come back with the sampled rows)."""
     model_dir = str(deep_models["llama-gqa"])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": TOKENS}, {"prompt_token_ids": [7]}]
+    short = [{"prompt_token_ids": [5 + i, 17, 99, 3 * i]} for i in range(2 * MIN_MICRO_BATCH_TOKENS)]
+    prompts = [*short, {"prompt_token_ids": TOKENS}, {"prompt_token_ids": [7]}]
     with_prompt = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     single_llm = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16)
     single = single_llm.generate(prompts, params)
@@ -76,6 +79,15 @@ def test_pipeline_engine_generates_the_same_tokens_and_logprobs(deep_models, ten
         tensor_parallel_size=tensor,
         pipeline_parallel_size=pipeline,
     )
+    plans: list[int] = []
+    execute = llm.engine.group.execute if llm.engine.group is not None else None
+    assert execute is not None
+
+    def counting(plan):
+        plans.append(len(plan.micro_batches))
+        return execute(plan)
+
+    llm.engine.group.execute = counting  # type: ignore[method-assign]
     try:
         assert llm.engine.runner.micro_batches == pipeline
         assert llm.engine.model.first_layer == 0 and len(llm.engine.model.layers) == NUM_LAYERS // pipeline
@@ -83,6 +95,7 @@ def test_pipeline_engine_generates_the_same_tokens_and_logprobs(deep_models, ten
         split_prompt = llm.generate([{"prompt_token_ids": TOKENS}], with_prompt)[0]
     finally:
         llm.engine.close()
+    assert max(plans) == pipeline  # steps did run as micro-batches in flight together
     for one, two in zip(single, split, strict=True):
         assert one.outputs[0].token_ids == two.outputs[0].token_ids
         tokens = one.outputs[0].token_ids

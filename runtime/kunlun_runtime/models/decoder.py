@@ -280,7 +280,10 @@ class DecoderModel(nn.Module):
             and not any(layer._forward_hooks for layer in self.layers)
         )
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in FP32 for the given rows of hidden states (the last stage only)."""
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """Logits for the given rows of hidden states (the last stage only): in FP32, or with
+        ``widen=False`` in the dtype ``lm_head`` computes them in (their precision either way;
+        half the bytes to send where that is BF16)."""
         assert self.lm_head is not None, "only the last pipeline stage has lm_head"
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits.float() if widen else logits

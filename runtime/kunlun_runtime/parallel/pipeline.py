@@ -5,8 +5,12 @@ every rank. Each stage runs the micro-batches in order: it receives a micro-batc
 from the previous stage (the first stage embeds the tokens), runs its layers, and hands the result
 on without waiting for it to be taken (``isend``), so that while stage 1 works on micro-batch 0,
 stage 0 already works on micro-batch 1: with P stages and M micro-batches a step takes about
-(M + P - 1)/M stage-times instead of P. The last stage's tensor rank 0 computes the logits of the
-rows the leader asked for and sends them back to the leader, which samples. Under tensor
+(M + P - 1)/M stage-times instead of P. Splitting costs where a micro-batch is small: every
+micro-batch reads the stage's weights again, so a step is split only into micro-batches of at
+least ``MIN_MICRO_BATCH_TOKENS`` tokens. The last stage's tensor rank 0 computes the logits of
+the rows the leader asked for and sends them back to the leader, which samples; they travel in
+the dtype ``lm_head`` computed them in (BF16 on hardware that computes in BF16: the precision
+they have anyway, at half the bytes of FP32) and are widened on arrival. Under tensor
 parallelism every rank of a stage holds the full hidden states (after the layers' all-reduces),
 so each sends to its own peer in the next stage.
 """
@@ -24,6 +28,11 @@ from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.models.forward import StepInputs, run_forward
 from kunlun_runtime.parallel.layout import ParallelLayout, split_layers
 
+# A decode micro-batch of a few sequences costs about as much as one of many (the stage's weights
+# are read either way): below this many tokens per micro-batch the overlap does not pay
+# (docs/performance.md has the measurement).
+MIN_MICRO_BATCH_TOKENS = 8
+
 
 @dataclass(slots=True)
 class StepPlan:
@@ -35,10 +44,12 @@ class StepPlan:
 
 def plan_step(inputs: StepInputs, rows: list[int], count: int) -> tuple[StepPlan, list[int]]:
     """Split the step's sequences into at most ``count`` micro-batches of consecutive sequences,
-    balanced by tokens. ``rows`` are the step's rows (over all its tokens) whose logits are
-    wanted, in the order wanted. Returns the plan and, for each of ``rows``, its index among the
-    micro-batches' logits concatenated in order."""
+    balanced by tokens, each of at least ``MIN_MICRO_BATCH_TOKENS`` tokens where there is more
+    than one. ``rows`` are the step's rows (over all its tokens) whose logits are wanted, in the
+    order wanted. Returns the plan and, for each of ``rows``, its index among the micro-batches'
+    logits concatenated in order."""
     lengths = inputs.query_lens
+    count = min(count, len(inputs.token_ids) // MIN_MICRO_BATCH_TOKENS)
     if count <= 1 or len(lengths) <= 1:
         return StepPlan([inputs], [list(rows)]), list(range(len(rows)))
     groups = split_layers(lengths, min(count, len(lengths)))
@@ -117,10 +128,12 @@ class StageRunner:
             if not self.returns_logits:
                 continue
             rows = torch.tensor(plan.logit_rows[index], dtype=torch.long, device=self.device)
-            batch_logits = self.model.compute_logits(out.index_select(0, rows)).contiguous()
             if self.rank == 0:
-                logits.append(batch_logits)
-            elif rows.numel():
+                logits.append(self.model.compute_logits(out.index_select(0, rows)))
+                continue
+            narrow = self.model.compute_logits(out.index_select(0, rows), widen=False)
+            batch_logits = narrow.to(self.model.activation_dtype).contiguous()  # what the leader expects
+            if rows.numel():
                 work = dist.isend(batch_logits, dst=0, group=self.group, tag=index)
                 assert work is not None
                 pending.append((work, batch_logits))
@@ -130,13 +143,19 @@ class StageRunner:
 
 
 def receive_logits(
-    plan: StepPlan, vocab_size: int, source: int, group: ProcessGroup | None, device: torch.device
+    plan: StepPlan,
+    vocab_size: int,
+    source: int,
+    group: ProcessGroup | None,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
-    """The leader's side of the return path: each micro-batch's logits from rank ``source``."""
+    """The leader's side of the return path: each micro-batch's logits from rank ``source``, sent
+    in ``dtype`` (the last stage's ``lm_head`` output dtype), widened to FP32."""
     received = []
     for index, rows in enumerate(plan.logit_rows):
-        logits = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
+        logits = torch.empty(len(rows), vocab_size, dtype=dtype, device=device)
         if rows:
             dist.recv(logits, src=source, group=group, tag=index)
-        received.append(logits)
+        received.append(logits.float())
     return received

@@ -324,6 +324,7 @@ class LeaderGroup:
                         self.layout.last_stage_leader,
                         self._groups.serving,
                         self.runner.device,
+                        self.spec.dtype,
                     )
             except Exception as error:
                 self.failure = error

@@ -15,7 +15,7 @@ from kunlun_runtime.layers.rotary import RopeConfig
 from kunlun_runtime.models.forward import StepInputs
 from kunlun_runtime.models.model_config import ModelConfig
 from kunlun_runtime.parallel.layout import ParallelLayout, layer_bytes, split_layers, stage_layers
-from kunlun_runtime.parallel.pipeline import plan_step
+from kunlun_runtime.parallel.pipeline import MIN_MICRO_BATCH_TOKENS, plan_step
 
 
 def test_tensor_ranks_of_a_stage_share_a_node_and_stages_cross_nodes() -> None:
@@ -103,21 +103,35 @@ def _inputs(lengths: list[int]) -> StepInputs:
 
 
 def test_a_step_splits_into_micro_batches_of_whole_sequences_and_the_rows_come_back_in_order() -> None:
-    inputs = _inputs([1, 1, 1, 1, 4])  # four decodes and a prefill chunk: 8 tokens
-    wanted = [7, 0, 4, 1]  # rows of the step (over all its tokens), in the order the leader wants
+    inputs = _inputs([2, 2, 2, 2, 8])  # four sequences of 2 tokens and a prefill chunk of 8: 16 tokens
+    wanted = [15, 0, 8, 2]  # rows of the step (over all its tokens), in the order the leader wants
     plan, order = plan_step(inputs, wanted, 2)
-    assert [mb.query_lens for mb in plan.micro_batches] == [[1, 1, 1, 1], [4]]
-    assert [mb.token_ids for mb in plan.micro_batches] == [[0, 100, 200, 300], [400, 401, 402, 403]]
-    assert [mb.positions for mb in plan.micro_batches] == [[0, 0, 0, 0], [0, 1, 2, 3]]
+    assert [mb.query_lens for mb in plan.micro_batches] == [[2, 2, 2, 2], [8]]
+    assert plan.micro_batches[0].token_ids == [0, 1, 100, 101, 200, 201, 300, 301]
+    assert plan.micro_batches[1].token_ids == list(range(400, 408))
+    assert plan.micro_batches[1].positions == list(range(8))
     assert [mb.block_tables for mb in plan.micro_batches] == [[[0], [1], [2], [3]], [[4]]]
-    assert plan.logit_rows == [[0, 1], [3, 0]]  # each micro-batch's own rows
-    # the micro-batches' logits concatenated hold step rows 0, 1, 7, 4; order picks them as wanted
-    concatenated = [0, 1, 4 + 3, 4 + 0]
+    assert plan.logit_rows == [[0, 2], [7, 0]]  # each micro-batch's own rows
+    # the micro-batches' logits concatenated hold step rows 0, 2, 15, 8; order picks them as wanted
+    concatenated = [0, 2, 8 + 7, 8 + 0]
     assert [concatenated[i] for i in order] == wanted
     single, identity = plan_step(inputs, wanted, 1)
     assert single.micro_batches == [inputs] and identity == list(range(len(wanted)))
-    lone, _ = plan_step(_inputs([6]), [5], 4)  # one sequence: nothing to split
+    lone, _ = plan_step(_inputs([16]), [15], 4)  # one sequence: nothing to split
     assert len(lone.micro_batches) == 1
+
+
+def test_a_step_too_small_to_pay_for_a_split_stays_whole() -> None:
+    """Every micro-batch reads the stage's weights again: below MIN_MICRO_BATCH_TOKENS tokens per
+    micro-batch the step runs whole."""
+    small = _inputs([1] * (2 * MIN_MICRO_BATCH_TOKENS - 1))
+    assert len(plan_step(small, [0], 2)[0].micro_batches) == 1
+    enough = _inputs([1] * (2 * MIN_MICRO_BATCH_TOKENS))
+    assert [len(mb.query_lens) for mb in plan_step(enough, [0], 2)[0].micro_batches] == [
+        MIN_MICRO_BATCH_TOKENS,
+        MIN_MICRO_BATCH_TOKENS,
+    ]
+    assert len(plan_step(_inputs([1] * 3 * MIN_MICRO_BATCH_TOKENS), [0], 4)[0].micro_batches) == 3
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
