@@ -31,7 +31,7 @@ from kunlun_runtime.parallel.layout import ParallelLayout, split_layers
 # A decode micro-batch of a few sequences costs about as much as one of many (the stage's weights
 # are read either way): below this many tokens per micro-batch the overlap does not pay
 # (docs/performance.md has the measurement).
-MIN_MICRO_BATCH_TOKENS = 8
+MIN_MICRO_BATCH_TOKENS = 4
 
 
 @dataclass(slots=True)
