@@ -144,9 +144,9 @@ class EngineConfig:
                 1 <= self.master_port <= 65535, "master_port", f"must be a TCP port, got {self.master_port}"
             )
         _check(
-            0 < self.distributed_timeout_seconds < float("inf"),
+            1 <= self.distributed_timeout_seconds < float("inf"),
             "distributed_timeout",
-            f"must be a positive number of seconds, got {self.distributed_timeout_seconds}",
+            f"must be at least 1 second (idle keepalives go every third of it), got {self.distributed_timeout_seconds}",
         )
         _check(
             self.quantization is None or self.quantization in QUANTIZATIONS,

@@ -53,7 +53,7 @@ def _rank_main(spec: RankSpec, rank: int, token_ids: list[int], results) -> None
         logits = runner.run(plan)
         if rank == 0 and layout.pipeline > 1:
             logits = receive_logits(
-                plan, spec.vocab_size, layout.last_stage_leader, groups.serving, runner.device
+                plan, spec.vocab_size, layout.last_stage_leader, groups.logits, runner.device, spec.dtype
             )
         for handle in handles:
             handle.remove()

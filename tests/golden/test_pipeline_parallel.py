@@ -4,7 +4,11 @@ FP32 equal P=1 layer by layer (1e-5), and the engine's greedy tokens and logprob
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +149,42 @@ def test_a_rank_that_fails_to_load_fails_the_start_naming_it(tmp_path, deep_mode
     message = str(failure.value)
     assert "rank 1 of 2 (node 0, host" in message and "failed to start" in message
     assert "missing weights ['layers.1." in message  # the stage's own numbering of layer 3
+
+
+WORKER_NODE_MAIN = """
+import sys
+import torch
+from kunlun_runtime.parallel.group import free_port
+from kunlun_runtime.parallel.layout import ParallelLayout
+from kunlun_runtime.parallel.workers import RankSpec, run_worker_node
+from tests.support.failing_platform import FailingBindPlatform
+
+if __name__ == "__main__":
+    layout = ParallelLayout(tensor=2, pipeline=2, nnodes=2, node_rank=1).validate()
+    spec = RankSpec(
+        sys.argv[1], torch.float32, torch.float32, 64, 8, 16, 64, 64, True, "plain", None, True, False,
+        layout, (range(2), range(2, 4)), "gloo", "127.0.0.1", free_port(), FailingBindPlatform(1),
+        vocab_size=320, hidden_size=64,
+    )
+    sys.exit(run_worker_node(spec))
+"""
+
+
+def test_a_node_whose_local_rank_cannot_start_exits_1_at_once(deep_models, tmp_path):
+    """Node 1's second rank cannot bind its card: the node's process names the rank and exits 1
+    while its own join is still waiting for the leader (which never comes), instead of waiting
+    out the 30-minute startup timeout."""
+    script = tmp_path / "worker_node.py"
+    script.write_text(WORKER_NODE_MAIN)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(script), str(deep_models["llama-gqa"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "rank-3 (node 1, backend gloo) exited with code 1 while the group was starting" in done.stderr

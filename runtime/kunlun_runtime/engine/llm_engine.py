@@ -216,9 +216,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader()
         )
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, self.device, model_config.vocab_size, group=self.group
-        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, group=self.group)
         self.eos_token_ids = model_config.eos_token_ids
         # Greedy picks through our argmax where the model runs our kernels: the same results as
         # torch.argmax, whose generic reduction runs far below memory bandwidth over a large vocabulary.

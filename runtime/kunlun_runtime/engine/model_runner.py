@@ -46,13 +46,11 @@ class ModelRunner:
         model: DecoderModel,
         kv_cache: KVCache,
         device: torch.device,
-        vocab_size: int,
         group: RankGroup | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.vocab_size = vocab_size
         self.group = group
         # Micro-batches per step: one per stage keeps every stage busy (1: no overlap, the
         # baseline the pipeline benchmark compares with).
@@ -98,7 +96,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden.index_select(0, index))
         plan, order = plan_step(inputs, rows, self.micro_batches)
         parts = self.group.execute(plan)
-        logits = torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # a plan has a micro-batch or more
         if order != list(range(len(order))):
             logits = logits.index_select(0, torch.tensor(order, dtype=torch.long, device=logits.device))
         return logits

@@ -159,6 +159,9 @@ class DecoderModel(nn.Module):
         # The activations' dtype where it differs from the weights' (FP32 over BF16 weights on CPUs
         # without native BF16); None: the embedding's dtype. Set by the loader.
         self.compute_dtype: torch.dtype | None = None
+        # The dtype the loader cast the matrices to (a later stage of an INT8 model has none left
+        # to look at); None: the weight matrices' own.
+        self.weight_dtype: torch.dtype | None = None
 
     @property
     def weight_matrix(self) -> torch.Tensor:
@@ -181,7 +184,7 @@ class DecoderModel(nn.Module):
         computes in the model's activation dtype (``cpu_kernels``); returns False, changing
         nothing, where they are unavailable or the weights are not BF16."""
         weight = self.weight_matrix
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        if (self.weight_dtype or weight.dtype) != torch.bfloat16 or weight.device.type != "cpu":
             return False
         if not cpu_kernels.load(self.activation_dtype):
             return False

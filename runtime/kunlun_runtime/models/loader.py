@@ -44,6 +44,8 @@ def _in_stage(name: str, layers: range, num_layers: int) -> str | None:
     match = _LAYER_PREFIX.match(name)
     if match:
         index = int(match.group(1))
+        if index >= num_layers:
+            return name  # no stage's: reported as unexpected
         return f"layers.{index - layers.start}.{name[match.end() :]}" if index in layers else None
     if name.startswith("embed_tokens."):
         return name if layers.start == 0 else None
@@ -90,7 +92,16 @@ def load_model(
     parts: dict[str, dict[int, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, dict[str, torch.Tensor]] = {}  # linear module → int8 weight and scales
-    for name, tensor in iter_weights(model_dir):
+
+    def wanted(name: str) -> bool:
+        """Read only this stage's weights (a rank of a large model must not hold all of them);
+        the last stage also reads the embedding, its lm_head where the checkpoint has none."""
+        ours = name.removeprefix("model.")
+        if ours.startswith("embed_tokens.") and layers.stop == config.num_layers:
+            return True
+        return _in_stage(ours, layers, config.num_layers) is not None
+
+    for name, tensor in iter_weights(model_dir, wanted):
         if _IGNORED.search(name):
             continue
         module_name, _, kind = name.removeprefix("model.").rpartition(".")
@@ -154,4 +165,5 @@ def load_model(
         setattr(model.get_submodule(owner_name) if owner_name else model, attr, int8.to(device))
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     model.compute_dtype = compute_dtype
+    model.weight_dtype = dtype
     return model.requires_grad_(False).eval(), config

@@ -6,7 +6,7 @@ Every file is checked before use: a missing shard or a truncated file is an erro
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -36,14 +36,18 @@ def list_weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every weight; raises ModelLoadError naming a bad file."""
+def iter_weights(
+    model_dir: Path, wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every weight (only those ``wanted`` accepts: the others are never
+    read); raises ModelLoadError naming a bad file."""
     for path in list_weight_files(model_dir):
         _check_not_truncated(path)
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                    yield name, handle.get_tensor(name)
+                    if wanted is None or wanted(name):
+                        yield name, handle.get_tensor(name)
         except (SafetensorError, OSError) as error:
             raise ModelLoadError(f"{path}: cannot read safetensors file ({error})") from error
 

@@ -16,6 +16,7 @@ Rank r must be bound to its local device (``Platform.set_device``), else two ran
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,10 @@ from torch.distributed import ProcessGroup
 from kunlun_runtime.errors import EngineDeadError
 from kunlun_runtime.parallel.layout import ParallelLayout
 
+# NCCL (and XCCL behind the same name on Kunlun) report a collective timeout by aborting the
+# process from their watchdog unless waits block: then the wait raises, as gloo's does, and the
+# leader can end its streams with an error and exit 1 instead of dying mid-write.
+BLOCKING_WAIT_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 STARTUP_TIMEOUT = timedelta(minutes=30)  # joining (nodes start when they are scheduled) and loading
 DEFAULT_TIMEOUT_SECONDS = 60.0  # every collective while serving
 
@@ -44,6 +49,10 @@ class RankGroups:
 
     serving: ProcessGroup  # all ranks, with the step timeout
     tensor: ProcessGroup | None  # this rank's stage; None without tensor parallelism
+    # The leader and the last stage's first rank, for the logits coming back: a communicator of
+    # their own, so that on NCCL/XCCL (one stream per communicator) the returning logits never
+    # queue behind the hidden states the leader sends on. None elsewhere and with one stage.
+    logits: ProcessGroup | None = None
 
 
 def init_group(
@@ -57,6 +66,9 @@ def init_group(
     """Join the group of all ranks at ``master_addr:master_port`` (rank 0 listens there) and
     make the serving subgroups. Raises EngineDeadError naming the rank, node and backend."""
     where = f"rank {rank} (node {layout.node_of(rank)}, backend {backend})"
+    if backend == "nccl":
+        for name, value in BLOCKING_WAIT_ENV.items():
+            os.environ.setdefault(name, value)
     try:
         dist.init_process_group(
             backend,
@@ -67,16 +79,20 @@ def init_group(
         )
         timeout = timedelta(seconds=timeout_seconds)
         serving = dist.new_group(list(range(layout.world)), timeout=timeout)
-        tensor = None
-        for stage in range(layout.pipeline):  # every rank makes every group, in the same order
-            group = dist.new_group(list(layout.stage_ranks(stage)), timeout=timeout)
-            if stage == layout.stage_of(rank) and layout.tensor > 1:
-                tensor = group
+        tensor = serving if layout.pipeline == 1 and layout.tensor > 1 else None  # one stage: all ranks
+        logits = None
+        if layout.pipeline > 1:  # every rank makes every group, in the same order
+            for stage in range(layout.pipeline):
+                group = dist.new_group(list(layout.stage_ranks(stage)), timeout=timeout)
+                if stage == layout.stage_of(rank) and layout.tensor > 1:
+                    tensor = group
+            returning = dist.new_group([0, layout.last_stage_leader], timeout=timeout)
+            logits = returning if rank in (0, layout.last_stage_leader) else None
     except Exception as error:  # any backend failure here is fatal and must be named
         raise EngineDeadError(
             f"parallel group: {where} could not join the group at {master_addr}:{master_port}: {error}"
         ) from error
-    return RankGroups(serving, tensor)
+    return RankGroups(serving, tensor, logits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +146,7 @@ def collective_preflight(
         stage = layout.stage_of(rank)
         ranks = layout.stage_ranks(stage)
         _check_sum(layout, rank, hosts, backend, device, groups.tensor, ranks, f"stage {stage}")
-    problem = _check_boundaries(layout, rank, hosts, backend, device, groups.serving)
+    problem = _check_boundaries(layout, rank, hosts, backend, device, groups)
     problems: list[str | None] = [None] * layout.world
     dist.all_gather_object(problems, problem, group=groups.serving)
     first = next((p for p in problems if p is not None), None)
@@ -174,30 +190,30 @@ def _check_boundaries(
     hosts: Sequence[str],
     backend: str,
     device: torch.device,
-    group: ProcessGroup,
+    groups: RankGroups,
 ) -> str | None:
     """Send a known tensor across every stage boundary this rank is on, and from the last stage
-    back to the leader; returns what went wrong on this rank, or None."""
+    back to the leader (over their own group); returns what went wrong on this rank, or None."""
     if layout.pipeline == 1:
         return None
     stage = layout.stage_of(rank)
-    links: list[tuple[str, int, int]] = []  # (direction, peer, tag)
+    links: list[tuple[str, int, int, ProcessGroup | None]] = []  # (direction, peer, tag, group)
     if stage > 0:
-        links.append(("recv", layout.previous_rank(rank), 0))
+        links.append(("recv", layout.previous_rank(rank), 0, groups.serving))
     if stage < layout.pipeline - 1:
-        links.append(("send", layout.next_rank(rank), 0))
+        links.append(("send", layout.next_rank(rank), 0, groups.serving))
     if rank == layout.last_stage_leader:
-        links.append(("send", 0, 1))
+        links.append(("send", 0, 1, groups.logits))
     if rank == 0:
-        links.append(("recv", layout.last_stage_leader, 1))
+        links.append(("recv", layout.last_stage_leader, 1, groups.logits))
     pending = []
     try:
-        for direction, peer, tag in links:  # sends first, without waiting: no rank waits in turn
+        for direction, peer, tag, group in links:  # sends first, without waiting: no rank waits in turn
             if direction == "send":
                 payload = torch.arange(8, dtype=torch.float32, device=device) + 1000 * rank + tag
                 work = dist.isend(payload, dst=peer, group=group, tag=tag)
                 pending.append((work, payload))
-        for direction, peer, tag in links:
+        for direction, peer, tag, group in links:
             if direction == "recv":
                 received = torch.empty(8, dtype=torch.float32, device=device)
                 dist.recv(received, src=peer, group=group, tag=tag)

@@ -49,10 +49,15 @@ def plan_step(inputs: StepInputs, rows: list[int], count: int) -> tuple[StepPlan
     order wanted. Returns the plan and, for each of ``rows``, its index among the micro-batches'
     logits concatenated in order."""
     lengths = inputs.query_lens
-    count = min(count, len(inputs.token_ids) // MIN_MICRO_BATCH_TOKENS)
-    if count <= 1 or len(lengths) <= 1:
+    count = min(count, len(lengths), len(inputs.token_ids) // MIN_MICRO_BATCH_TOKENS)
+    groups = [range(len(lengths))]
+    while count > 1:  # fewer, larger micro-batches where a split leaves one too small
+        groups = split_layers(lengths, count)
+        if min(sum(lengths[g.start : g.stop]) for g in groups) >= MIN_MICRO_BATCH_TOKENS:
+            break
+        count -= 1
+    if len(groups) == 1 or count <= 1:
         return StepPlan([inputs], [list(rows)]), list(range(len(rows)))
-    groups = split_layers(lengths, min(count, len(lengths)))
     micro_batches: list[StepInputs] = []
     row_bounds: list[tuple[int, int]] = []
     row = 0
@@ -93,9 +98,12 @@ class StageRunner:
         layout: ParallelLayout,
         rank: int,
         group: ProcessGroup | None = None,
+        logits_group: ProcessGroup | None = None,
     ) -> None:
+        """``group``: the hidden states' (all ranks); ``logits_group``: the leader and the last
+        stage's first rank, for the logits coming back."""
         self.model, self.kv_cache, self.device = model, kv_cache, device
-        self.layout, self.rank, self.group = layout, rank, group
+        self.layout, self.rank, self.group, self.logits_group = layout, rank, group, logits_group
         self.stage = layout.stage_of(rank)
         self.is_first = self.stage == 0
         self.is_last = self.stage == layout.pipeline - 1
@@ -134,7 +142,7 @@ class StageRunner:
             narrow = self.model.compute_logits(out.index_select(0, rows), widen=False)
             batch_logits = narrow.to(self.model.activation_dtype).contiguous()  # what the leader expects
             if rows.numel():
-                work = dist.isend(batch_logits, dst=0, group=self.group, tag=index)
+                work = dist.isend(batch_logits, dst=0, group=self.logits_group, tag=index)
                 assert work is not None
                 pending.append((work, batch_logits))
         for work, _ in pending:

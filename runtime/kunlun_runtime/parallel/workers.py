@@ -18,7 +18,6 @@ leader fails its next collective within the timeout and exits 1.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import logging
 import multiprocessing
 import os
@@ -49,6 +48,7 @@ from kunlun_runtime.platforms import Platform
 logger = logging.getLogger(__name__)
 KEEPALIVE = "keepalive"  # the message of an idle leader's keepalive round
 POLL_SECONDS = 0.2  # how often the leader checks its local workers while the group starts
+EXIT_GRACE_SECONDS = 5.0  # after a local worker exits, how long the preflight has to say why
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,12 +133,13 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
 
 
 def threads_per_rank(layout: ParallelLayout) -> int:
-    """The node's CPUs shared by its ranks; ``OMP_NUM_THREADS`` wins where set (several "nodes"
-    on one machine)."""
+    """The node's CPUs shared by its ranks, or fewer where ``OMP_NUM_THREADS`` says so (several
+    "nodes" on one machine)."""
+    share = max(1, len(os.sched_getaffinity(0)) // layout.ranks_per_node)
     configured = os.environ.get("OMP_NUM_THREADS", "")
     if configured.isdigit() and int(configured) > 0:
-        return int(configured)
-    return max(1, len(os.sched_getaffinity(0)) // layout.ranks_per_node)
+        return min(share, int(configured))
+    return share
 
 
 def join_and_load(spec: RankSpec, rank: int) -> tuple[StageRunner, RankGroups]:
@@ -166,7 +167,7 @@ def join_and_load(spec: RankSpec, rank: int) -> tuple[StageRunner, RankGroups]:
     )
     assert built is not None  # the preflight raised otherwise
     model, cache, device = built
-    return StageRunner(model, cache, device, layout, rank, groups.serving), groups
+    return StageRunner(model, cache, device, layout, rank, groups.serving, groups.logits), groups
 
 
 def follow_leader(runner: StageRunner, groups: RankGroups) -> None:
@@ -213,22 +214,37 @@ def start_watching(
     spec: RankSpec, rank: int, workers: list[multiprocessing.process.BaseProcess]
 ) -> tuple[StageRunner, RankGroups]:
     """``join_and_load`` for the node's first rank, while watching the node's local workers: one
-    that exits before the group is ready fails the start at once, naming it (the group would
-    otherwise wait for it until the startup timeout)."""
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="join")
-    future = pool.submit(join_and_load, spec, rank)
-    pool.shutdown(wait=False)
-    while True:
+    that exits before the group is ready fails the start, naming it (the group would otherwise
+    wait for it until the startup timeout). The join runs on a daemon thread: when the start
+    fails it may still be blocked in a collective, and must not hold the process at exit."""
+    outcome: list[tuple[StageRunner, RankGroups] | BaseException] = []
+    done = threading.Event()
+
+    def join() -> None:
         try:
-            return future.result(timeout=POLL_SECONDS)
-        except concurrent.futures.TimeoutError:
-            pass
-        for worker in workers:
-            if worker.exitcode is not None:
-                raise EngineDeadError(
-                    f"parallel group: {worker.name} (node {spec.layout.node_rank}) exited with code "
-                    f"{worker.exitcode} while the group was starting"
-                )
+            outcome.append(join_and_load(spec, rank))
+        except BaseException as error:  # handed to the caller below
+            outcome.append(error)
+        done.set()
+
+    threading.Thread(target=join, name="join", daemon=True).start()
+    exited_at: float | None = None
+    while not done.wait(POLL_SECONDS):
+        exited = next((w for w in workers if w.exitcode is not None), None)
+        if exited is None:
+            continue
+        # A rank that failed to load exits after the preflight has told every rank why: give
+        # that message a moment to arrive before reporting the bare exit.
+        exited_at = exited_at or time.monotonic()
+        if time.monotonic() - exited_at >= EXIT_GRACE_SECONDS:
+            raise EngineDeadError(
+                f"parallel group: {exited.name} (node {spec.layout.node_rank}, backend {spec.backend}) "
+                f"exited with code {exited.exitcode} while the group was starting"
+            )
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def stop_workers(workers: list[multiprocessing.process.BaseProcess], timeout: float = 30.0) -> None:
@@ -274,7 +290,7 @@ class LeaderGroup:
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
         self.layout = spec.layout
-        self.on_failure: Callable[[BaseException], None] | None = None  # called from the keepalive
+        self._on_failure: Callable[[BaseException], None] | None = None
         self.failure: BaseException | None = None
         self._lock = threading.Lock()  # one collective at a time: steps and keepalives
         self._last_activity = time.monotonic()  # of the last collective
@@ -284,6 +300,19 @@ class LeaderGroup:
         self._workers = start_local_workers(spec)
         torch.set_num_threads(threads_per_rank(spec.layout))
         atexit.register(self.close)
+
+    def set_failure_handler(self, handler: Callable[[BaseException], None]) -> None:
+        """Called (from the keepalive thread) when a rank stops answering while the engine is
+        idle; at once if one already has."""
+        self._on_failure = handler
+        if self.failure is not None:
+            handler(self._failure_error())
+
+    def _failure_error(self) -> EngineDeadError:
+        return EngineDeadError(
+            f"parallel group ({self.layout.world} ranks on {self.layout.nnodes} node(s), backend "
+            f"{self.spec.backend}): a rank stopped answering the leader (rank 0, node 0): {self.failure}"
+        )
 
     def start(self) -> tuple[DecoderModel, KVCache, torch.device]:
         """Join, load rank 0's shard and pass the preflight with every rank; returns rank 0's
@@ -322,13 +351,17 @@ class LeaderGroup:
                         plan,
                         self.spec.vocab_size,
                         self.layout.last_stage_leader,
-                        self._groups.serving,
+                        self._groups.logits,
                         self.runner.device,
                         self.spec.dtype,
                     )
             except Exception as error:
                 self.failure = error
-                raise EngineDeadError(f"parallel group: a step failed: {error}") from error
+                raise EngineDeadError(
+                    f"parallel group ({self.layout.world} ranks on {self.layout.nnodes} node(s), backend "
+                    f"{self.spec.backend}): a step failed on the leader (rank 0, node 0) while the other "
+                    f"ranks ran it: {error}"
+                ) from error
             self._last_activity = time.monotonic()
             return logits
 
@@ -353,9 +386,10 @@ class LeaderGroup:
                 else:
                     self._last_activity = time.monotonic()
                     continue
-            logger.error("parallel group: a rank stopped answering while idle: %s", self.failure)
-            if self.on_failure is not None:
-                self.on_failure(EngineDeadError(f"parallel group: a rank stopped answering: {self.failure}"))
+            dead = self._failure_error()
+            logger.error("%s (while idle)", dead)
+            if self._on_failure is not None:
+                self._on_failure(dead)
             return
 
     def close(self) -> None:
@@ -376,3 +410,5 @@ class LeaderGroup:
                     worker.kill()
             if dist.is_initialized() and self.failure is None:
                 dist.destroy_process_group()
+        atexit.unregister(self.close)
+        self.runner, self._groups = None, None  # the model and KV cache go with the engine

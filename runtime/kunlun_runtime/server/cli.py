@@ -166,7 +166,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
         logger = logging.getLogger("kunlun_runtime")  # its start, stop and failure, whatever --log-level
         logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
-        return serve_worker_node(config)
+        code = serve_worker_node(config)
+        if code != 0:  # a failed group: torch.distributed's teardown can block on a dead peer
+            logging.shutdown()
+            os._exit(code)
+        return code
     if args.max_queue_len < 1:
         raise SystemExit("kunlun-runtime serve: error: --max-queue-len must be at least 1")
     if args.max_request_body_bytes < 1:

@@ -156,7 +156,9 @@ class Lifecycle:
         async_engine.start(asyncio.get_running_loop())
         if engine.group is not None:  # a rank that stops answering while the engine is idle
             loop = asyncio.get_running_loop()
-            engine.group.on_failure = lambda error: loop.call_soon_threadsafe(self._group_failed, error)
+            engine.group.set_failure_handler(
+                lambda error: loop.call_soon_threadsafe(self._group_failed, error)
+            )
         self.served = ServedModel.of(async_engine, max_prompt_chars=self.max_prompt_chars)
         self.served.tool_call_parser = self.tool_call_parser
         self.served.enable_auto_tool_choice = self.enable_auto_tool_choice

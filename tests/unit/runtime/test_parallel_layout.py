@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -200,3 +201,45 @@ def test_engine_config_names_a_bad_parallel_option(options, field) -> None:
     with pytest.raises(ConfigError) as failure:
         EngineConfig(**options).validate()
     assert failure.value.field == field
+
+
+def test_a_split_that_would_leave_a_micro_batch_too_small_takes_fewer() -> None:
+    plan, _ = plan_step(_inputs([15, 1]), [14, 15], 2)  # 15 | 1: the 1-token micro-batch is not worth it
+    assert [mb.query_lens for mb in plan.micro_batches] == [[15, 1]]
+    plan, _ = plan_step(_inputs([6, 6, 1]), [5, 11, 12], 3)  # three would leave 1 token: two
+    assert [mb.query_lens for mb in plan.micro_batches] == [[6], [6, 1]]
+
+
+def test_a_stage_reads_only_its_own_weights_and_a_stray_layer_is_still_refused(tmp_path, monkeypatch) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kunlun_runtime.errors import ModelLoadError
+    from kunlun_runtime.models import loader
+    from tests.support.tiny_models import TINY_SPECS, make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "deep", replace(TINY_SPECS["llama-gqa"], num_layers=4))
+    read: list[str] = []
+    original = loader.iter_weights
+
+    def recording(directory, wanted=None):
+        for name, tensor in original(directory, wanted):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(loader, "iter_weights", recording)
+    model, _ = loader.load_model(model_dir, torch.float32, torch.device("cpu"), 64, layers=range(2, 4))
+    layers_read = {int(name.split(".")[2]) for name in read if name.startswith("model.layers.")}
+    assert layers_read == {2, 3}  # the first stage's layers were never read
+    assert "lm_head.weight" in read and "model.norm.weight" in read
+    assert model.embed_tokens is None and model.lm_head is not None and len(model.layers) == 2
+    first, _ = loader.load_model(model_dir, torch.float32, torch.device("cpu"), 64, layers=range(0, 2))
+    assert first.lm_head is None and first.norm is None and first.embed_tokens is not None
+    monkeypatch.setattr(loader, "iter_weights", original)
+    weights = next(model_dir.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.layers.7.input_layernorm.weight"] = tensors["model.layers.0.input_layernorm.weight"].clone()
+    save_file(tensors, weights)
+    for stage in (range(0, 2), range(2, 4)):
+        with pytest.raises(ModelLoadError, match=r"unexpected weight 'layers\.7"):
+            loader.load_model(model_dir, torch.float32, torch.device("cpu"), 64, layers=stage)
