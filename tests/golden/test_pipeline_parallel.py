@@ -188,3 +188,14 @@ def test_a_node_whose_local_rank_cannot_start_exits_1_at_once(deep_models, tmp_p
     )
     assert done.returncode == 1, done.stderr[-2000:]
     assert "rank-3 (node 1, backend gloo) exited with code 1 while the group was starting" in done.stderr
+
+
+def test_bf16_stages_send_their_logits_in_bf16_and_equal_one_rank(deep_models):
+    """BF16 activations: the last stage sends lm_head's BF16 output (half the bytes of FP32, the
+    precision the logits have anyway) and the leader widens it: the same logits as one rank."""
+    model_dir = deep_models["llama-gqa"]
+    model, config = load_model(model_dir, torch.bfloat16, torch.device("cpu"), 64)
+    single = capture_engine(model, TOKENS)
+    split = capture_parallel(model_dir, TOKENS, tensor=1, pipeline=2, dtype=torch.bfloat16)
+    rows = compare(split, single, layer_names(config.num_layers), tolerance=1e-5)
+    assert all(row.max_abs_err == 0 for row in rows), [(row.name, row.max_abs_err) for row in rows]
