@@ -238,7 +238,9 @@ def test_a_stage_reads_only_its_own_weights_and_a_stray_layer_is_still_refused(t
     monkeypatch.setattr(loader, "iter_weights", original)
     weights = next(model_dir.glob("*.safetensors"))
     tensors = load_file(weights)
-    tensors["model.layers.7.input_layernorm.weight"] = tensors["model.layers.0.input_layernorm.weight"].clone()
+    tensors["model.layers.7.input_layernorm.weight"] = tensors[
+        "model.layers.0.input_layernorm.weight"
+    ].clone()
     save_file(tensors, weights)
     for stage in (range(0, 2), range(2, 4)):
         with pytest.raises(ModelLoadError, match=r"unexpected weight 'layers\.7"):
