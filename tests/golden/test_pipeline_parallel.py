@@ -37,8 +37,10 @@ def deep_models(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
-@pytest.mark.parametrize(("tensor", "pipeline"), [(1, 2), (2, 2)])
+@pytest.mark.parametrize(
+    ("name", "tensor", "pipeline"),
+    [("llama-gqa", 1, 2), ("llama-gqa", 2, 2), ("qwen2-bias", 1, 2)],  # Qwen2: biases, tied lm_head
+)
 def test_pipeline_layer_outputs_equal_one_rank_within_1e5(deep_models, name, tensor, pipeline):
     model_dir = deep_models[name]
     model, config = load_model(model_dir, torch.float32, torch.device("cpu"), 64)
