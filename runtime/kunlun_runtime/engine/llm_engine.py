@@ -188,7 +188,8 @@ class LLMEngine:
         self.config = config.validate()
         self.platform = detect(config.device)
         self.device = self.platform.device()
-        self.dtype = resolve_dtype(config.dtype, self.platform)  # activations, KV cache
+        self.dtype = resolve_dtype(config.dtype, self.platform)  # activations
+        self.kv_cache_dtype = self.dtype  # what the paged KV cache stores
         self.weight_dtype = resolve_weight_dtype(config.dtype, self.platform)
         self.model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(self.model_dir)
@@ -212,6 +213,7 @@ class LLMEngine:
             config.model.rstrip("/").split("/")[-1] if config.model else "SmolLM2-135M-Instruct"
         )
         self.block_pool = BlockPool(num_blocks)
+        self.num_kv_tokens = num_blocks * config.block_size  # KV capacity, in tokens, of the whole pool
         self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader()
