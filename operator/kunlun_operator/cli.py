@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import posixpath
 import random
 import sys
 from pathlib import Path
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--preflight-kml-version-file",
         default=names.HOST_KML_VERSION_FILE,
         metavar="HOST_PATH",
-        help="host path of the node's KML version file, mounted read-only into the Strict preflight; "
+        help="host path of the node's KML version file; its directory is mounted read-only into the Strict "
+        "preflight (a node without the file fails the preflight, naming it); "
         "empty: no hostPath (for namespaces enforcing Pod Security baseline/restricted), preflight reads "
         "the image's own KML version file",
     )
@@ -162,6 +164,12 @@ def parse_preflight_host(args: argparse.Namespace) -> PreflightHost:
     ):
         if value and not value.startswith("/"):
             raise SystemExit(f"kunlun-operator: {flag} must be an absolute host path, got {value!r}")
+    kml = args.preflight_kml_version_file
+    if kml and posixpath.dirname(kml.rstrip("/")) == "/":
+        # its directory is what the preflight mounts: never the node's whole root
+        raise SystemExit(
+            f"kunlun-operator: --preflight-kml-version-file must be in a directory other than /, got {kml!r}"
+        )
     return PreflightHost(
         kml_version_file=args.preflight_kml_version_file or None, xpu_smi=args.preflight_xpu_smi or None
     )

@@ -4,9 +4,10 @@ Owns: the pod template. Under ``Strict`` the pods require nodes whose labels car
 driver/firmware/KML versions, and an init container re-checks them on the node with
 ``kunlun-runtime preflight`` before the model loads. That container requests the same number of
 cards as the runtime, so kubelet hands it the same device nodes (``/dev/xpuN``, ``/dev/xpuctrl``)
-and ``XPU_VISIBLE_DEVICES`` from the device plugin's ``Allocate``; it mounts the node's KML
-version file and, when configured, the node's ``xpu-smi`` (both read-only ``hostPath`` files) and
-passes their paths as flags (``PreflightHost``). The startup probe's budget grows with the
+and ``XPU_VISIBLE_DEVICES`` from the device plugin's ``Allocate``; it mounts the directory of the
+node's KML version file (so a node without the file reaches preflight, whose error names it, instead
+of stopping at kubelet's mount) and, when configured, the node's ``xpu-smi`` (read-only ``hostPath``
+volumes) and passes their paths as flags (``PreflightHost``). The startup probe's budget grows with the
 model's size so a loading model is never killed; readiness and liveness start after it. A
 readiness gate on the node agent's ``kunlun.dev/xpu-healthy`` condition takes a pod on a failed
 card out of the Service before any request fails.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import posixpath
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +37,10 @@ MODEL_IMAGE_MOUNT = "/model-image"  # image volumes: the image's root; the model
 #: default to them), so the secrets never appear in the ConfigMap, the pod's args or ``ps``.
 API_KEY_ENV = "VLLM_API_KEY"
 METRICS_TOKEN_ENV = "KUNLUN_METRICS_TOKEN"
-#: Where the preflight container sees the node's files (hostPath mounts, read-only).
-PREFLIGHT_KML_VERSION_PATH = "/run/kunlun-host/kml/VERSION"
+#: Where the preflight container sees the node's files (hostPath mounts, read-only): the KML version
+#: file's directory at its host path under this root (so preflight's error shows the host path),
+#: ``xpu-smi`` at a fixed path.
+PREFLIGHT_HOST_ROOT = "/run/kunlun-host"
 PREFLIGHT_XPU_SMI_PATH = "/run/kunlun-host/bin/xpu-smi"
 PREFLIGHT_KML_VOLUME = "host-kml-version"
 PREFLIGHT_XPU_SMI_VOLUME = "host-xpu-smi"
@@ -51,10 +55,10 @@ RESTRICTED_CONTAINER = {
 class PreflightHost:
     """The node's files the preflight init container mounts (operator flags ``--preflight-*``)."""
 
-    #: Host path of the KML version file (``hostPath`` of type File: a node without it does not
-    #: start the pod, and kubelet's event names the path); None: no hostPath at all, preflight
-    #: reads the image's own KML version file (namespaces enforcing the Pod Security "baseline" or
-    #: "restricted" level refuse every hostPath volume).
+    #: Host path of the KML version file; its directory is mounted (``hostPath`` without a type
+    #: check), so a node without the file starts the preflight, which fails naming the file;
+    #: None: no hostPath at all, preflight reads the image's own KML version file (namespaces
+    #: enforcing the Pod Security "baseline" or "restricted" level refuse every hostPath volume).
     kml_version_file: str | None = names.HOST_KML_VERSION_FILE
     #: Host path of the node agent's ``xpu-smi`` (``hostPath`` of type File); None: the image's own
     #: (``xpu-smi`` on its PATH, or ``$KUNLUN_XPU_SMI``).
@@ -63,6 +67,18 @@ class PreflightHost:
 
 #: The operator's defaults: the labeler's KML version file, the image's own xpu-smi.
 DEFAULT_PREFLIGHT_HOST = PreflightHost()
+
+
+def preflight_kml_mount(host_file: str) -> tuple[str, str]:
+    """``(host directory, its mount path)`` of the KML version file ``host_file``: the directory
+    at its own path under ``PREFLIGHT_HOST_ROOT``. The file is then at ``mount path/basename``."""
+    directory = posixpath.dirname(host_file.rstrip("/"))
+    return directory, PREFLIGHT_HOST_ROOT + directory
+
+
+def preflight_kml_path(host_file: str) -> str:
+    """Where the preflight container reads the node's KML version file ``host_file``."""
+    return PREFLIGHT_HOST_ROOT + host_file.rstrip("/")
 
 
 def model_path(spec: InferenceSpec, *, image_volumes: bool) -> str:
@@ -191,10 +207,9 @@ def _preflight_container(spec: InferenceSpec, image: str, host: PreflightHost) -
     ]
     mounts = []
     if host.kml_version_file is not None:
-        args += ["--kml-version-file", PREFLIGHT_KML_VERSION_PATH]
-        mounts.append(
-            {"name": PREFLIGHT_KML_VOLUME, "mountPath": PREFLIGHT_KML_VERSION_PATH, "readOnly": True}
-        )
+        args += ["--kml-version-file", preflight_kml_path(host.kml_version_file)]
+        _, mount_path = preflight_kml_mount(host.kml_version_file)
+        mounts.append({"name": PREFLIGHT_KML_VOLUME, "mountPath": mount_path, "readOnly": True})
     if host.xpu_smi is not None:
         args += ["--xpu-smi", PREFLIGHT_XPU_SMI_PATH]
         mounts.append(
@@ -215,9 +230,10 @@ def _preflight_container(spec: InferenceSpec, image: str, host: PreflightHost) -
 def _preflight_volumes(host: PreflightHost) -> list[dict[str, Any]]:
     volumes = []
     if host.kml_version_file is not None:
-        volumes.append(
-            {"name": PREFLIGHT_KML_VOLUME, "hostPath": {"path": host.kml_version_file, "type": "File"}}
-        )
+        # The directory, with no type check (""): a node without it gets an empty one from the
+        # container runtime, and preflight reports the missing file by name.
+        directory, _ = preflight_kml_mount(host.kml_version_file)
+        volumes.append({"name": PREFLIGHT_KML_VOLUME, "hostPath": {"path": directory, "type": ""}})
     if host.xpu_smi is not None:
         volumes.append({"name": PREFLIGHT_XPU_SMI_VOLUME, "hostPath": {"path": host.xpu_smi, "type": "File"}})
     return volumes

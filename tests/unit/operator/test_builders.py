@@ -125,7 +125,7 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
                                 "--dev-root",
                                 "/",
                                 "--kml-version-file",
-                                "/run/kunlun-host/kml/VERSION",
+                                "/run/kunlun-host/usr/local/xpu/kml/VERSION",
                             ],
                             "resources": {
                                 "requests": {"kunlunxin.com/xpu": "1"},
@@ -135,7 +135,7 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
                             "volumeMounts": [
                                 {
                                     "name": "host-kml-version",
-                                    "mountPath": "/run/kunlun-host/kml/VERSION",
+                                    "mountPath": "/run/kunlun-host/usr/local/xpu/kml",
                                     "readOnly": True,
                                 }
                             ],
@@ -186,7 +186,7 @@ def test_deployment_of_the_minimal_spec_is_exactly_this() -> None:
                         {"name": "shm", "emptyDir": {"medium": "Memory"}},
                         {
                             "name": "host-kml-version",
-                            "hostPath": {"path": "/usr/local/xpu/kml/VERSION", "type": "File"},
+                            "hostPath": {"path": "/usr/local/xpu/kml", "type": ""},
                         },
                     ],
                 },
@@ -221,7 +221,7 @@ def test_preflight_mounts_the_nodes_kml_file_and_xpu_smi_read_only_and_passes_th
         "--dev-root",
         "/",
         "--kml-version-file",
-        "/run/kunlun-host/kml/VERSION",
+        "/run/kunlun-host/opt/xpu/kml/VERSION",
         "--xpu-smi",
         "/run/kunlun-host/bin/xpu-smi",
     ]
@@ -235,11 +235,12 @@ def test_preflight_mounts_the_nodes_kml_file_and_xpu_smi_read_only_and_passes_th
         }
     )
     assert init["volumeMounts"] == [
-        {"name": "host-kml-version", "mountPath": "/run/kunlun-host/kml/VERSION", "readOnly": True},
+        {"name": "host-kml-version", "mountPath": "/run/kunlun-host/opt/xpu/kml", "readOnly": True},
         {"name": "host-xpu-smi", "mountPath": "/run/kunlun-host/bin/xpu-smi", "readOnly": True},
     ]
     assert pod["volumes"][-2:] == [
-        {"name": "host-kml-version", "hostPath": {"path": "/opt/xpu/kml/VERSION", "type": "File"}},
+        # the file's directory without a type check: a node without the file reaches preflight
+        {"name": "host-kml-version", "hostPath": {"path": "/opt/xpu/kml", "type": ""}},
         {"name": "host-xpu-smi", "hostPath": {"path": "/opt/xpu/bin/xpu-smi", "type": "File"}},
     ]
     # the runtime container mounts none of the node's files
@@ -578,5 +579,7 @@ def test_the_operator_flags_name_the_preflights_host_files() -> None:
     )
     with pytest.raises(SystemExit, match="--preflight-xpu-smi must be an absolute host path, got 'xpu-smi'"):
         host("--preflight-xpu-smi", "xpu-smi")
+    with pytest.raises(SystemExit, match="--preflight-kml-version-file must be in a directory other than /"):
+        host("--preflight-kml-version-file", "/VERSION")  # its directory would be the node's root
     # empty: no hostPath at all (Pod Security baseline/restricted namespaces refuse them)
     assert host("--preflight-kml-version-file", "") == PreflightHost(None, None)

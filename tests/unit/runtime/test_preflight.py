@@ -264,10 +264,11 @@ def container_root(tmp_path: Path, host: Path, init: dict, volumes: list[dict], 
     by_name = {v["name"]: v for v in volumes}
     for mount in init["volumeMounts"]:
         volume = by_name[mount["name"]]
-        assert mount["readOnly"] is True and volume["hostPath"]["type"] == "File"
+        assert mount["readOnly"] is True and volume["hostPath"]["type"] in ("File", "")
         target = root / mount["mountPath"].lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(host / "root" / volume["hostPath"]["path"].lstrip("/"), target)
+        source = host / "root" / volume["hostPath"]["path"].lstrip("/")
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, target)  # the KML file's directory
     (root / "dev").mkdir()
     for name in [f"xpu{i}" for i in visible.split(",")] + ["xpuctrl"]:
         (root / "dev" / name).touch()
@@ -292,10 +293,10 @@ def test_the_operators_init_container_runs_on_what_the_pod_mounts(
         [],
     )
     # the pod on a node where the file is not where the operator mounts it from: named exactly
-    (root / "run/kunlun-host/kml/VERSION").unlink()
+    (root / "run/kunlun-host/usr/local/xpu/kml/VERSION").unlink()
     assert run(capsys, args)[2] == [
-        f"preflight failed: cannot read the KML version: {root}/run/kunlun-host/kml/VERSION does not "
-        f"exist (--kml-version-file /run/kunlun-host/kml/VERSION under --dev-root {root})"
+        f"preflight failed: cannot read the KML version: {root}/run/kunlun-host/usr/local/xpu/kml/VERSION "
+        f"does not exist (--kml-version-file /run/kunlun-host/usr/local/xpu/kml/VERSION under --dev-root {root})"
     ]
     monkeypatch.delenv("XPU_VISIBLE_DEVICES")  # scheduled without the device plugin's Allocate
     assert run(capsys, args)[2][0].startswith("preflight failed: XPU_VISIBLE_DEVICES is not set")
