@@ -32,7 +32,10 @@ COMMANDS: tuple[Command, ...] = (
 
 
 class _VersionAction(argparse.Action):
-    """``--version``: the package version and what the CPU probe found (ISA tier, caches)."""
+    """``--version``: the package version, what the CPU probe found (ISA tier, caches) and, known
+    without a model, the kernel tier ``--dtype auto`` runs here and whether its library is there
+    and loads (nothing is compiled). The backend and dtypes in force need a model: the engine's
+    start line and ``/version`` say them."""
 
     def __init__(self, option_strings, dest, **kwargs) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -51,11 +54,15 @@ class _VersionAction(argparse.Action):
             for name, value in (("L1d", cpu.l1d_bytes), ("L2", cpu.l2_bytes), ("L3", cpu.l3_bytes))
             if value
         )
+        from kunlun_runtime.layers.runtime_info import kernels_without_model
+
         lines = [
             f"kunlun-runtime {__version__}",
             f"cpu: {cpu.model_name}",
             f"isa tier: {cpu.tier.value}{forced}",
             f"caches: {caches or 'unknown'}",
+            f"cpu kernels (without a model): {kernels_without_model()}",
+            "backend, kernel tier and dtypes in force: the engine's start line and /version",
         ]
         print("\n".join(lines))
         parser.exit(0)
@@ -65,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kunlun-runtime", description="kunlun-inference runtime")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument(
-        "--version", action=_VersionAction, help="print the version and this CPU's kernel tier, then exit"
+        "--version",
+        action=_VersionAction,
+        help="print the version, this CPU's ISA tier and whether our kernels for it load, then exit",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:

@@ -29,6 +29,8 @@ from kunlun_runtime.errors import ConfigError
 LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
 LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+# The default of --require-native-kernels (the runtime images set it to 1).
+REQUIRE_NATIVE_KERNELS_ENV = "KUNLUN_REQUIRE_NATIVE_KERNELS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,24 @@ def add_kernel_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
         default=True,
         help="our RMSNorm, decode-attention and one-call layer-stack kernels where the CPU tier has them",
     )
+    parser.add_argument(
+        "--require-native-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="where this CPU runs our kernels, a failed build or load of them stops the start instead "
+        f"of falling back to the slower path (default: ${REQUIRE_NATIVE_KERNELS_ENV}=1, else off)",
+    )
+
+
+def env_flag(env: Mapping[str, str], variable: str) -> bool:
+    """An on/off environment variable: 1/true/yes/on or 0/false/no/off (unset or empty: off).
+    Raises ConfigError naming the variable for anything else."""
+    value = env.get(variable, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"{variable}: must be 1 or 0 (true or false), got {value!r}", field=variable)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -184,5 +204,10 @@ def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         linear_backend=args.linear_backend,
         native_kernels=args.native_kernels,
+        require_native_kernels=(
+            env_flag(os.environ, REQUIRE_NATIVE_KERNELS_ENV)
+            if args.require_native_kernels is None
+            else args.require_native_kernels
+        ),
         seed=args.seed,
     ).validate()

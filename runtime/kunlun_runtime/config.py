@@ -77,6 +77,9 @@ class EngineConfig:
     linear_backend: LinearBackendName = "auto"
     fused_attention: bool = True  # one fused SDPA call per layer (False: unfused, for ablations)
     native_kernels: bool = True  # our RMSNorm, SiLU and fused decode attention where the tier has them
+    # A CPU that runs our kernels but whose library fails to build or load is a start error, not
+    # the plain fallback (--require-native-kernels, $KUNLUN_REQUIRE_NATIVE_KERNELS; the images set it).
+    require_native_kernels: bool = False
     tensor_parallel_size: int = 1
     # Pipeline parallelism: stages, nodes, and where they meet (docs/multinode.md).
     pipeline_parallel_size: int = 1
@@ -123,6 +126,12 @@ class EngineConfig:
             "linear_backend",
             f"must be one of {sorted(LINEAR_BACKENDS)}, got {self.linear_backend!r}",
         )
+        for name in ("native_kernels", "require_native_kernels"):
+            _check(
+                isinstance(getattr(self, name), bool),
+                name,
+                f"must be true or false, got {getattr(self, name)!r}",
+            )
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
         _check(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")

@@ -64,6 +64,7 @@ METRIC_NAMES = (
     "vllm:request_prefill_time_seconds",
     "vllm:request_decode_time_seconds",
     "vllm:cache_config_info",
+    "kunlun:runtime_info",
     "kunlun:structured_output_mask_seconds",
     "kunlun:structured_output_requests",
     "kunlun:device_utilization_ratio",
@@ -243,6 +244,14 @@ class EngineMetrics:
             ),
             registry=registry,
         )
+        # What the engine computes with, as vllm:cache_config_info carries the cache's settings:
+        # one series set to 1, its labels the facts (a fallback to a slower backend shows here).
+        self._runtime_info = Gauge(
+            "kunlun:runtime_info",
+            "The engine's linear backend, kernel tier, compute dtype and KV-cache dtype (value 1).",
+            (*labels, "backend", "tier", "dtype", "kv_dtype"),
+            registry=registry,
+        )
         self.structured_mask_seconds = counter(
             "kunlun:structured_output_mask_seconds",
             "Time spent computing the allowed-token masks of structured outputs, in seconds.",
@@ -283,6 +292,11 @@ class EngineMetrics:
             num_gpu_blocks=str(info.num_gpu_blocks),
             engine=ENGINE_INDEX,
         ).set(1)
+
+    def set_runtime_info(self, *, backend: str, tier: str, dtype: str, kv_dtype: str) -> None:
+        """``kunlun:runtime_info``: one series, the engine's backend, kernel tier and dtypes."""
+        self._runtime_info.clear()
+        self._runtime_info.labels(*self._label_values, backend, tier, dtype, kv_dtype).set(1)
 
     def record_step(self, stats: StepStats) -> None:
         self.running.set(stats.num_running)

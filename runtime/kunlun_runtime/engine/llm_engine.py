@@ -40,7 +40,8 @@ from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.layers import cpu_kernels
-from kunlun_runtime.layers.linear import choose_linear_backend
+from kunlun_runtime.layers.kernel_choice import choose_for_config
+from kunlun_runtime.layers.runtime_info import RuntimeInfo, announce_start
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.sharding import shard_model_config
 from kunlun_runtime.parallel.group import free_port
@@ -136,7 +137,7 @@ def plan_ranks(
         cache_line_bytes=platform.cache_line_bytes,
         cache_num_sets=platform.cache_num_sets,
         kv_block_skew=config.kv_block_skew,
-        linear_backend=choose_linear_backend(config.linear_backend, dtype, platform.device(), weight_dtype),
+        linear_backend=choose_for_config(config, dtype, weight_dtype, platform.device()).backend,
         quantization=config.quantization,
         fused_attention=config.fused_attention,
         native_kernels=config.native_kernels,
@@ -232,15 +233,21 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self.num_generation_tokens_total = 0
         self.num_prompt_tokens_total = 0
-        logger.info(
-            "engine ready: model=%s dtype=%s weights=%s device=%s max_model_len=%d kv_blocks=%d (%.1f MiB)",
-            self.model_dir,
-            self.dtype,
-            self.weight_dtype,
-            self.device,
-            self.max_model_len,
-            num_blocks,
-            self.kv_cache.nbytes / 2**20,
+        # What the start line, /version and kunlun:runtime_info say (the kernels: plan_ranks' choice).
+        self.runtime_info = RuntimeInfo(
+            device=str(self.device),
+            kernels=choose_for_config(config, self.dtype, self.weight_dtype, self.device),
+            dtype=self.dtype,
+            weight_dtype=self.weight_dtype,
+            quantization=config.quantization,
+            kv_dtype=self.kv_cache_dtype,
+            num_kv_tokens=self.num_kv_tokens,
+        )
+        announce_start(
+            self.runtime_info,
+            model=self.model_dir,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=self.kv_cache.nbytes,
         )
 
     def _utilization_reader(self) -> Callable[[], float | None] | None:

@@ -13,8 +13,10 @@ functions below pick the library from the activations' dtype.
 ``$KUNLUN_CPU_KERNELS_DIR`` (what the runtime image ships: ``python -m
 kunlun_runtime.layers.cpu_kernels --build-to DIR`` makes every tier on any x86 machine with a
 compiler) or a compiler builds it on first use (into ``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``; later processes load the cached library in milliseconds). Otherwise
-``unavailable_reason(dtype)`` says what is missing and callers keep the plain PyTorch path.
+``~/.cache/torch_extensions``; later processes load the cached library in milliseconds; while it
+compiles, ``kernel_build`` reports what and how far). Otherwise ``unavailable_reason(dtype)`` says
+what is missing (the CPU's tier, the build's first error line, the loader's message), and
+``kernel_choice`` decides what runs instead and makes sure it is said.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.layers import kernel_build
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 
 log = logging.getLogger(__name__)
@@ -118,77 +121,61 @@ def _library_name(tier: KernelTier) -> str:
     return f"{tier.namespace}_{hashlib.sha256(text).hexdigest()[:10]}"
 
 
-def _compile(tier: KernelTier) -> Path:
-    """Compiles (or finds cached) and loads ``tier``'s library; returns its path."""
-    from torch.utils import cpp_extension
-
-    name = _library_name(tier)
-    cpp_extension.load(
-        name=name,
-        sources=[str(source) for source in tier.sources],
-        extra_cflags=_cflags(tier),
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
-    return Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
-
-
-def _compile_without_loading(tier: KernelTier) -> Path:
-    """Compiles ``tier``'s library without loading it: loading runs its static initialisers,
-    compiled with the tier's instructions, which a build host below the tier cannot execute."""
-    from torch.utils import cpp_extension
-
-    name = _library_name(tier)
-    build_directory = cpp_extension._get_build_directory(name, verbose=False)
-    cpp_extension._write_ninja_file_and_build_library(
-        name=name,
-        sources=[str(source) for source in tier.sources],
-        extra_cflags=_cflags(tier),
-        extra_cuda_cflags=[],
-        extra_sycl_cflags=[],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[],
-        build_directory=build_directory,
-        verbose=False,
-        with_cuda=False,
-        with_sycl=False,
-    )
-    return Path(build_directory) / f"{name}.so"
-
-
 def _cflags(tier: KernelTier) -> list[str]:
     return [*tier.compile_flags, f"-DKUNLUN_OPS={tier.namespace}"]
+
+
+def _sources(tier: KernelTier) -> list[str]:
+    return [str(source) for source in tier.sources]
 
 
 @functools.cache
 def _build(tier_name: IsaTier) -> str | None:
     """Loads (building if needed) a tier's library; returns None on success, else why it is unavailable."""
     tier = TIERS[tier_name]
-    capabilities = cpu_capabilities()
-    if not capabilities.tier >= tier.tier:
-        forced = capabilities.tier != capabilities.detected_tier
-        return f"the {tier.tier.value} kernels need the {tier.tier.value} ISA tier; " + (
-            f"KUNLUN_CPU_ISA={capabilities.tier.value} is in force"
-            if forced
-            else f"this CPU ({capabilities.model_name}) is {capabilities.detected_tier.value}"
-        )
+    reason = cpu_reason(tier)
+    if reason is not None:
+        return reason
     prebuilt_dir = os.environ.get(PREBUILT_ENV)
     if prebuilt_dir:
         path = Path(prebuilt_dir) / f"{tier.namespace}.so"
-        try:
-            torch.ops.load_library(str(path))
-        except (OSError, RuntimeError) as exc:
-            return f"loading {path} ({PREBUILT_ENV}) failed: {exc}"
-    else:
-        try:
-            _compile(tier)
-        except Exception as exc:  # no compiler, no ninja, a compile error: all mean "not here"
-            lines = str(exc).strip().splitlines() or [repr(exc)]
-            first_error = next((line for line in lines if "error" in line.lower()), lines[-1])
-            return f"building the {tier.tier.value} CPU kernels failed: {first_error.strip()}"
-    log.info("loaded the %s CPU kernels", tier.tier.value)
+        error = kernel_build.load_library(path)
+        if error is not None:
+            return f"loading {path} ({PREBUILT_ENV}) failed: {error}"
+        log.info("loaded the %s CPU kernels from %s (%s)", tier.tier.value, path, PREBUILT_ENV)
+        return None
+    cached = kernel_build.cached_library(_library_name(tier))
+    if cached.exists() and kernel_build.load_library(cached) is None:
+        log.info("loaded the %s CPU kernels built earlier (cached in %s)", tier.tier.value, cached.parent)
+        return None
+    try:
+        with kernel_build.building(
+            tier.tier.value, cached.parent, tuple(Path(s).name for s in _sources(tier))
+        ):
+            kernel_build.compile_and_load(_library_name(tier), _sources(tier), _cflags(tier))
+    except Exception as exc:  # no compiler, no ninja, a compile error: all mean "not here"
+        error = kernel_build.first_error_line(str(exc) or repr(exc))
+        return f"building the {tier.tier.value} CPU kernels failed: {error}"
     return None
+
+
+def cpu_reason(tier: KernelTier) -> str | None:
+    """Why the tier in force cannot run ``tier``'s library (None: it can). Raises ConfigError for
+    a bad KUNLUN_CPU_ISA."""
+    capabilities = cpu_capabilities()
+    if capabilities.tier >= tier.tier:
+        return None
+    forced = capabilities.tier != capabilities.detected_tier
+    return f"the {tier.tier.value} kernels need the {tier.tier.value} ISA tier; " + (
+        f"KUNLUN_CPU_ISA={capabilities.tier.value} is in force"
+        if forced
+        else f"this CPU ({capabilities.model_name}) is {capabilities.detected_tier.value}"
+    )
+
+
+def cached_library(tier: KernelTier) -> Path:
+    """Where a compile of ``tier`` (these sources and flags) leaves its library."""
+    return kernel_build.cached_library(_library_name(tier))
 
 
 def load(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -321,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.build_to.mkdir(parents=True, exist_ok=True)
     for tier in TIERS.values():
-        shutil.copy2(_compile_without_loading(tier), args.build_to / f"{tier.namespace}.so")
+        library = kernel_build.compile_only(_library_name(tier), _sources(tier), _cflags(tier))
+        shutil.copy2(library, args.build_to / f"{tier.namespace}.so")
         print(f"built {args.build_to / tier.namespace}.so")
     return 0
 

@@ -27,14 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.layers import cpu_kernels
-from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
+from kunlun_runtime.layers.kernel_choice import choose_kernels, require_native_backend, require_prepacked
+from kunlun_runtime.layers.kernel_choice import onednn_bf16_reason as onednn_bf16_reason  # re-exported
 
 LINEAR_BACKENDS = frozenset({"plain", "prepacked", "native"})
-# oneDNN's BF16 weight reorder refuses CPUs without these ("bf16 path needs the cpu support
-# avx_ne_convert or avx512bw, avx512vl and avx512dq").
-ONEDNN_BF16_FLAGS = ("avx512bw", "avx512vl", "avx512dq")
 # FP32 elements of the per-thread workspace that BF16/INT8 weights are widened into (16 MiB): a
 # weight larger than that (a vocabulary projection) is widened and multiplied in row chunks.
 WORKSPACE_ELEMENTS = 4 << 20
@@ -45,58 +42,14 @@ def choose_linear_backend(
     requested: str, dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype | None = None
 ) -> str:
     """Resolves ``auto`` for the compute ``dtype``, the ``weight_dtype`` (default: the same) and
-    the device: our kernels where the CPU tier runs them for this dtype, else oneDNN-prepacked
-    BF16 weights where oneDNN's BF16 path runs, else plain PyTorch (runs on any CPU).
+    the device (``kernel_choice.choose_kernels``, the one place that decides): our kernels where
+    the CPU tier runs them for this dtype, else oneDNN-prepacked BF16 weights where oneDNN's BF16
+    path runs, else plain PyTorch (runs on any CPU).
 
     Raises ConfigError when an explicit ``native`` or ``prepacked`` cannot run here, naming the
     setting and what the CPU lacks.
     """
-    weight_dtype = weight_dtype or dtype
-    if requested == "native":
-        _require_native(dtype)
-    if requested == "prepacked" and device.type == "cpu" and weight_dtype == torch.bfloat16:
-        _require_prepacked(dtype)
-    if requested != "auto":
-        return requested
-    if device.type != "cpu":
-        return "plain"
-    if weight_dtype == torch.bfloat16 and cpu_kernels.load(dtype):
-        return "native"
-    if weight_dtype == dtype == torch.bfloat16 and onednn_bf16_reason() is None:
-        return "prepacked"
-    return "plain"
-
-
-def onednn_bf16_reason() -> str | None:
-    """Why oneDNN's BF16 weight path cannot run under the tier in force (None: it can)."""
-    capabilities = cpu_capabilities()
-    if capabilities.tier >= IsaTier.AVX512:
-        return None
-    if capabilities.tier != capabilities.detected_tier:
-        return f"KUNLUN_CPU_ISA={capabilities.tier.value} is in force"
-    flags = capabilities.flags
-    if "avx_ne_convert" in flags or all(flag in flags for flag in ONEDNN_BF16_FLAGS):
-        return None
-    lacking = [flag for flag in ONEDNN_BF16_FLAGS if flag not in flags]
-    return f"the CPU lacks {', '.join(lacking)} (or avx_ne_convert)"
-
-
-def _require_prepacked(dtype: torch.dtype) -> None:
-    reason = onednn_bf16_reason()
-    if dtype != torch.bfloat16:
-        reason = f"it computes in BF16 but the compute dtype is {dtype}"
-    if reason is not None:
-        raise ConfigError(
-            f"linear_backend: prepacked (oneDNN BF16) is unavailable here: {reason}", field="linear_backend"
-        )
-
-
-def _require_native(dtype: torch.dtype = torch.bfloat16) -> None:
-    if not cpu_kernels.load(dtype):
-        raise ConfigError(
-            f"linear_backend: native is unavailable here: {cpu_kernels.unavailable_reason(dtype)}",
-            field="linear_backend",
-        )
+    return choose_kernels(requested, dtype, device, weight_dtype).backend
 
 
 def _uses_small_batch_kernel(x: torch.Tensor, max_rows: int = cpu_kernels.MAX_ROWS) -> bool:
@@ -305,7 +258,7 @@ def convert_linears(
     weight: torch.Tensor = embed_tokens.weight if embed_tokens is not None else first_matrix(model)
     compute_dtype = compute_dtype or getattr(model, "compute_dtype", None) or weight.dtype
     if backend == "native":
-        _require_native(compute_dtype)
+        require_native_backend(compute_dtype)
         for module in model.modules():
             if isinstance(module, Int8Linear):
                 module.native = True
@@ -313,7 +266,7 @@ def convert_linears(
             count += _replace(model, NativeLinear)
     on_mkldnn = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
     if backend == "prepacked" and weight.dtype == compute_dtype == torch.bfloat16 and on_mkldnn:
-        _require_prepacked(compute_dtype)
+        require_prepacked(compute_dtype)
         # lm_head (wide: 49152 × 576 on SmolLM2) runs slower prepacked than plain BF16 at batch 1.
         count += _replace(model, PackedLinear, skip=frozenset({"lm_head"}))
     if weight.dtype == torch.bfloat16 and compute_dtype == torch.float32:

@@ -101,12 +101,8 @@ def create_app(
     # The dependency is async: FastAPI runs a plain `def` dependency in its thread pool, a hop
     # per request for checks that never block.
     async def served() -> ServedModel:
-        if life.state is ServerState.DRAINING:
-            raise unavailable("the server is shutting down")
-        if life.state is ServerState.FAILED:
-            raise unavailable("the engine has failed; the server is restarting")
         if life.state is not ServerState.READY or life.served is None:
-            raise unavailable("the model is loading")
+            raise unavailable(life.not_ready_message())
         return life.served
 
     Model = Annotated[ServedModel, Depends(served)]
@@ -115,11 +111,13 @@ def create_app(
     async def health() -> Response:
         if life.state is ServerState.READY:
             return Response(status_code=200)
-        raise unavailable(f"not ready: {life.state.value}")
+        raise unavailable(f"not ready ({life.state.value}): {life.not_ready_message()}")
 
     @app.get("/version")
     async def version() -> dict[str, object]:
-        return {"version": __version__, "cpu": cpu_capabilities().describe()}
+        # What the engine runs with (backend, kernel tier, dtypes, KV capacity): null until loaded.
+        runtime = None if life.served is None else life.served.engine.engine.runtime_info.describe()
+        return {"version": __version__, "cpu": cpu_capabilities().describe(), "runtime": runtime}
 
     @app.get("/metrics", responses={401: {"model": ErrorResponse}})
     async def metrics() -> Response:

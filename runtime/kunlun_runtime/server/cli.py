@@ -36,6 +36,9 @@ from kunlun_runtime.server.watchdog import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE_LEN = 256
+# Loggers whose INFO lines a server always shows: the engine's start line (backend, tier, dtypes,
+# KV capacity) and the progress of a first start compiling our CPU kernels.
+ANNOUNCING_LOGGERS = ("kunlun_runtime.layers.runtime_info", "kunlun_runtime.layers.kernel_build")
 _GRACE_AFTER_DRAIN_SECONDS = 2
 
 
@@ -216,6 +219,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server = DrainingServer(uvicorn_config, lifecycle, args.shutdown_timeout)
     lifecycle.on_fatal = server.fail
+    for name in ANNOUNCING_LOGGERS:  # the start line and a kernel build's progress, whatever --log-level
+        announcer = logging.getLogger(name)
+        announcer.setLevel(min(announcer.getEffectiveLevel(), logging.INFO))
     if config.device in ("auto", "cpu"):  # what every automatic CPU choice resolves against
         print(f"kunlun-runtime serve: {cpu_capabilities().summary()}", file=sys.stderr, flush=True)
     server.run()

@@ -1,7 +1,9 @@
 """The server's life: loading → ready → draining, and what /health answers in each state.
 
 The HTTP server starts at once and answers /health with 503 while the model loads in a background
-thread and one warm-up generation passes; then 200. On SIGTERM the server drains: /health and new
+thread and one warm-up generation passes; then 200. While loading, the 503s say what is under way
+when it is more than the model: a first start compiling our CPU kernels says which tier, that it
+happens once, and how far it got (``not_ready_message``). On SIGTERM the server drains: /health and new
 API requests get 503, in-flight requests run to completion for up to ``shutdown_timeout_seconds``;
 whatever is still open then is cut off cleanly (a stream ends with an error event and
 ``data: [DONE]``, a non-streaming request gets a JSON 503), then the engine thread stops. A model
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
+from kunlun_runtime.layers.kernel_build import current_build
 from kunlun_runtime.metrics import CacheConfigInfo, EngineMetrics, build_metrics
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.async_engine import AsyncEngine
@@ -140,10 +143,11 @@ class Lifecycle:
                 block_size=engine.config.block_size,
                 num_gpu_blocks=engine.block_pool.num_blocks,
                 enable_prefix_caching=engine.config.enable_prefix_caching,
-                cache_dtype=str(engine.dtype).removeprefix("torch."),
+                cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
                 kv_cache_memory_bytes=engine.config.kv_cache_memory_bytes,
             )
         )
+        self.metrics.set_runtime_info(**engine.runtime_info.labels())
         stats = StatsRecorder(self.metrics, engine)
         stats.record(engine, [], ran_step=False)  # publish the idle gauges before the first request
         async_engine = AsyncEngine(
@@ -169,6 +173,18 @@ class Lifecycle:
         if self.state is ServerState.LOADING:
             self.state = ServerState.READY
         logger.info("ready: serving %s", engine.served_model_name)
+
+    def not_ready_message(self) -> str:
+        """Why the server cannot serve now (the 503s of /health and the API): shutting down,
+        failed, or loading, and then what the load is doing when it is more than the model."""
+        if self.state is ServerState.DRAINING:
+            return "the server is shutting down"
+        if self.state is ServerState.FAILED:
+            return "the engine has failed; the server is restarting"
+        build = current_build()
+        if build is not None:
+            return f"the model is loading: first {build.describe()}"
+        return "the model is loading"
 
     def _engine_died(self, error: BaseException) -> None:
         """The engine loop failed: not ready any more, and the process should be restarted."""
