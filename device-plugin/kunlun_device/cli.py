@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--taint-when-all-unhealthy", action="store_true", help="NoSchedule taint on dead nodes"
     )
     faults.add_argument("--quarantine-file", default="", metavar="PATH", help="where the exporter reads it")
+    faults.add_argument(
+        "--state-file",
+        default="",
+        metavar="PATH",
+        help="node-local last-known quarantine and failure counts, held until the Node is read; '' none",
+    )
     plugin.add_argument(
         "--snapshot-file",
         default="",
@@ -275,6 +281,7 @@ def _fault_response(args: argparse.Namespace) -> Callable[[tuple[XpuDevice, ...]
             taint=args.taint_when_all_unhealthy,
             node_sync_seconds=args.node_sync_seconds,
             quarantine_file=quarantine_file,
+            state_file=Path(args.state_file) if args.state_file else None,
         )
 
     return build

@@ -91,3 +91,18 @@ class SnapshotCorruptError(SnapshotError):
 
 class SnapshotStaleError(SnapshotError):
     """A snapshot older than the reader's bound: the plugin stopped polling."""
+
+
+class FaultStateError(XpuError):
+    """A fault-response record that cannot be used: the Node's failure-history annotation or the
+    plugin's state file (see `kunlun_device.faults.history` and `kunlun_device.faults.state`).
+
+    Attributes:
+        source: the annotation key or the file path.
+        reason: what is wrong with it, naming the field.
+    """
+
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(f"{source}: {reason}")
+        self.source = source
+        self.reason = reason

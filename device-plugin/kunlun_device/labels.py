@@ -63,5 +63,10 @@ REASON_XPU_HEALTHY = "XpuHealthy"
 #: operator re-admits a card by removing its UUID (or the whole annotation).
 QUARANTINE_ANNOTATION = "kunlun.dev/xpu-quarantine"
 
+#: Node annotation: each card's recent failures (Unix seconds), owned by the node agent, so that a
+#: restarted agent keeps counting towards the quarantine. A versioned JSON document
+#: (`kunlun_device.faults.history`); an operator may remove it to reset every count.
+FAILURES_ANNOTATION = "kunlun.dev/xpu-failures"
+
 #: NoSchedule taint the node agent puts on a node whose cards are all Unhealthy (when enabled).
 UNHEALTHY_TAINT = "kunlun.dev/xpu-unhealthy"

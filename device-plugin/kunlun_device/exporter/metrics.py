@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kunlun_device.faults.api_errors import CALLS
+from kunlun_device.faults.state import FaultState
 from kunlun_device.podresources import Holder
 from kunlun_device.xpu.health_tracker import HealthState
 from kunlun_device.xpu.model import CardTelemetry, Versions, XpuDevice
@@ -37,7 +39,12 @@ class ExporterState:
     holders: dict[str, Holder]
     transitions_total: dict[tuple[int, HealthState], int]
     tool_errors_total: int
-    quarantined: frozenset[str] = frozenset()  # UUIDs the plugin quarantined (its quarantine file)
+    fault: FaultState | None = None  # the plugin's fault-response state (its quarantine file), if any
+
+    @property
+    def quarantined(self) -> frozenset[str]:
+        """UUIDs the plugin holds quarantined (none without its file)."""
+        return self.fault.quarantined if self.fault is not None else frozenset()
 
 
 _READINGS: tuple[tuple[str, str, Callable[[CardTelemetry], float | None]], ...] = (
@@ -83,7 +90,7 @@ def build_metrics(state: ExporterState, snapshot_age_seconds: float | None = Non
     )
     for d in sorted(state.devices, key=lambda d: d.index):
         quarantined.add_metric(labels[d.index], 1.0 if d.uuid in state.quarantined else 0.0)
-    families += [ecc, healthy, quarantined, *_node_families(state, ids)]
+    families += [ecc, healthy, quarantined, *_node_families(state, ids), *_fault_families(state)]
     if snapshot_age_seconds is not None:
         age = GaugeMetricFamily(
             "kunlun_xpu_snapshot_age_seconds",
@@ -134,6 +141,35 @@ def _node_families(state: ExporterState, ids: dict[int, list[str]]) -> Iterator[
     )
     tool.add_metric([state.node], state.tool_errors_total)
     yield tool
+
+
+def _fault_families(state: ExporterState) -> Iterator[Metric]:
+    """The plugin's fault response, from its quarantine file; nothing without one (never zeros)."""
+    fault = state.fault
+    if fault is None:
+        return
+    errors = CounterMetricFamily(
+        "kunlun_xpu_fault_api_errors",
+        "Failed Kubernetes API calls of the plugin's fault response since it started, by call",
+        labels=["node", "call"],
+    )
+    for call in sorted(set(CALLS) | set(fault.api_errors)):
+        errors.add_metric([state.node, call], fault.api_errors.get(call, 0))
+    yield errors
+    pods = GaugeMetricFamily(
+        "kunlun_xpu_fault_pods_unwritten",
+        "Pods whose kunlun.dev/xpu-healthy condition the plugin could not write (retried every round)",
+        labels=["node"],
+    )
+    pods.add_metric([state.node], fault.pods_unwritten)
+    yield pods
+    node_read = GaugeMetricFamily(
+        "kunlun_xpu_fault_node_read",
+        "1 once the plugin has read its Node since it started; 0 while it holds its last-known quarantine",
+        labels=["node"],
+    )
+    node_read.add_metric([state.node], 1.0 if fault.node_read else 0.0)
+    yield node_read
 
 
 class StateCollector(Collector):

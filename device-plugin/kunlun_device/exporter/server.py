@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kunlun_device.errors import XpuError
 from kunlun_device.exporter.metrics import ExporterState, StateCollector
-from kunlun_device.faults.quarantine import read_quarantine_file
+from kunlun_device.faults.state import read_fault_state
 from kunlun_device.podresources import PodResourcesClient
 from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.monitor import HealthMonitor
@@ -112,7 +112,7 @@ class Exporter:
             holders=holders,
             transitions_total=dict(self.monitor.tracker.transitions_total),
             tool_errors_total=self.monitor.tool_errors_total,
-            quarantined=read_quarantine_file(self.quarantine_file) if self.quarantine_file else frozenset(),
+            fault=read_fault_state(self.quarantine_file) if self.quarantine_file else None,
         )
         self._state = state
         return state

@@ -2,25 +2,26 @@
 
 A card that turns Unhealthy `max_failures` times within `window_seconds` is quarantined: it stays
 Unhealthy (not allocatable, pod condition False) until an operator removes it from the Node
-annotation `kunlun.dev/xpu-quarantine` (comma-separated card UUIDs). The annotation is the only
-persistent state; the failure window lives in memory (an agent restart starts counting afresh).
+annotation `kunlun.dev/xpu-quarantine` (comma-separated card UUIDs). The failure times are Unix
+seconds (the node's wall clock), so they can be persisted (`kunlun_device.faults.history`) and a
+restarted agent goes on counting where it stopped.
 
-Invariant: pure — times come from the caller's monotonic clock; nothing here does I/O except the
-two small file helpers at the end (the exporter's view of the quarantine, written by the plugin).
+Invariant: pure — times come from the caller; nothing here does I/O or logs.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
+import re
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from kunlun_device.errors import ConfigError
 
-logger = logging.getLogger(__name__)
+#: What a card UUID may look like (`GPU-7c1f…`): an annotation entry outside it names no card.
+UUID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+History = dict[str, tuple[float, ...]]  # card UUID -> failure times (Unix seconds), oldest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,17 @@ class QuarantinePolicy:
             raise ConfigError("--quarantine-failures", "must be >= 1")
         if self.window_seconds <= 0:
             raise ConfigError("--quarantine-window-seconds", "must be > 0")
+
+
+def prune_history(history: Mapping[str, Iterable[float]], now: float, policy: QuarantinePolicy) -> History:
+    """`history` without failures older than the window (before `now`) and without empty cards;
+    each card keeps at most its last `max_failures` times, sorted (a time counted twice is one)."""
+    pruned: History = {}
+    for uuid, times in history.items():
+        recent = sorted({t for t in times if now - t <= policy.window_seconds})
+        if recent:
+            pruned[uuid] = tuple(recent[-policy.max_failures :])
+    return pruned
 
 
 class FailureWindow:
@@ -60,34 +72,25 @@ class FailureWindow:
         """Start counting afresh (the card was re-admitted)."""
         self._failures.pop(uuid, None)
 
+    def history(self, now: float) -> History:
+        """The failures still inside the window at `now` (see `prune_history`)."""
+        return prune_history(self._failures, now, self.policy)
+
+    def replace(self, history: Mapping[str, Iterable[float]], now: float) -> None:
+        """Count from `history` from now on (read back after a restart, or from the Node)."""
+        self._failures = {u: deque(t) for u, t in prune_history(history, now, self.policy).items()}
+
 
 def parse_quarantine(value: str | None) -> frozenset[str]:
     """The card UUIDs in an annotation value (`None`: no annotation); blanks and spaces are ignored."""
     return frozenset(part.strip() for part in (value or "").split(",") if part.strip())
 
 
+def invalid_quarantine_entries(value: str | None) -> list[str]:
+    """The entries of an annotation value that cannot be card UUIDs (e.g. `GPU-1 GPU-2`, space-separated)."""
+    return sorted(u for u in parse_quarantine(value) if not UUID_PATTERN.fullmatch(u))
+
+
 def format_quarantine(uuids: frozenset[str]) -> str | None:
     """The annotation value for `uuids`, sorted; None (remove the annotation) when empty."""
     return ",".join(sorted(uuids)) or None
-
-
-def write_quarantine_file(path: Path, uuids: frozenset[str]) -> None:
-    """Atomically replace `path` with the JSON list of quarantined UUIDs (read by the exporter)."""
-    staged = path.with_name(f".{path.name}.new")
-    staged.write_text(json.dumps(sorted(uuids)))
-    os.replace(staged, path)
-
-
-def read_quarantine_file(path: Path) -> frozenset[str]:
-    """The UUIDs in a file written by `write_quarantine_file`; empty (and logged) when unreadable."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return frozenset()
-    except (OSError, ValueError) as exc:
-        logger.warning("quarantine file %s unreadable: %s", path, exc)
-        return frozenset()
-    if not isinstance(data, list) or not all(isinstance(item, str) for item in data):
-        logger.warning("quarantine file %s: expected a JSON list of strings", path)
-        return frozenset()
-    return frozenset(data)

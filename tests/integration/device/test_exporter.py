@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kunlun_device.api import podresources_v1_pb2 as pr
 from kunlun_device.api import podresources_v1_pb2_grpc as pr_grpc
 from kunlun_device.exporter import Exporter
-from kunlun_device.faults.quarantine import write_quarantine_file
+from kunlun_device.faults.state import FaultState, dump_state, write_state_file
 from kunlun_device.xpu.health import HealthPolicy
 from tests.integration.device.fake_kubelet import short_tempdir
 from tests.unit.device.hosts import copy_host, make_source, use_outputs
@@ -173,17 +173,33 @@ def test_node_without_topology_exports_every_card(host: str) -> None:
     assert got[("kunlun_xpu_tool_errors_total", (("node", "node-a"),))] == 0.0
 
 
-def test_quarantined_cards_from_the_plugins_file(tmp_path: Path) -> None:
+def test_quarantine_and_fault_response_health_from_the_plugins_file(tmp_path: Path) -> None:
     quarantine = tmp_path / "quarantine.json"
     exporter = Exporter(make_source("p800-8"), "node-a", HealthPolicy(), 3600, quarantine_file=quarantine)
     exporter.start()
     exporter.stop()
     got = samples(scrape_registry(exporter))
     assert [got[("kunlun_xpu_quarantined", card(i))] for i in range(8)] == [0.0] * 8  # no file yet
-    write_quarantine_file(quarantine, frozenset({uuid(5), "GPU-of-another-node"}))
+    assert not [k for k in got if k[0].startswith("kunlun_xpu_fault_")]  # unknown: left out, not 0
+    state = FaultState(
+        quarantined=frozenset({uuid(5), "GPU-of-another-node"}),
+        node_read=False,  # holding the last-known quarantine: the API has not answered since the start
+        api_errors={"get_node": 4, "patch_pod_status": 2},
+        pods_unwritten=1,
+    )
+    write_state_file(quarantine, dump_state(state))
     exporter.refresh()
     got = samples(scrape_registry(exporter))
     assert [got[("kunlun_xpu_quarantined", card(i))] for i in range(8)] == [0, 0, 0, 0, 0, 1, 0, 0]
+    node = (("node", "node-a"),)
+    assert {k: v for k, v in got.items() if k[0].startswith("kunlun_xpu_fault_")} == {
+        ("kunlun_xpu_fault_api_errors_total", (("call", "create_event"), *node)): 0.0,
+        ("kunlun_xpu_fault_api_errors_total", (("call", "get_node"), *node)): 4.0,
+        ("kunlun_xpu_fault_api_errors_total", (("call", "patch_node"), *node)): 0.0,
+        ("kunlun_xpu_fault_api_errors_total", (("call", "patch_pod_status"), *node)): 2.0,
+        ("kunlun_xpu_fault_pods_unwritten", node): 1.0,
+        ("kunlun_xpu_fault_node_read", node): 0.0,
+    }
 
 
 def scrape_registry(exporter: Exporter) -> str:

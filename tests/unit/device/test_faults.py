@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-from pathlib import Path
 
 import pytest
 
@@ -13,9 +12,8 @@ from kunlun_device.faults.quarantine import (
     FailureWindow,
     QuarantinePolicy,
     format_quarantine,
+    invalid_quarantine_entries,
     parse_quarantine,
-    read_quarantine_file,
-    write_quarantine_file,
 )
 from kunlun_device.faults.taint import build_taints, taint_needed
 from kunlun_device.faults.verdicts import (
@@ -225,14 +223,10 @@ def test_annotation_round_trip() -> None:
     assert format_quarantine(frozenset()) is None  # removes the annotation
 
 
-def test_quarantine_file_round_trip_and_bad_content(tmp_path: Path) -> None:
-    path = tmp_path / "q.json"
-    assert read_quarantine_file(path) == frozenset()
-    write_quarantine_file(path, frozenset({"GPU-5"}))
-    assert path.read_text() == '["GPU-5"]'
-    assert read_quarantine_file(path) == {"GPU-5"}
-    path.write_text('{"GPU-5": 1}')
-    assert read_quarantine_file(path) == frozenset()
+def test_annotation_entries_that_are_no_card_uuids_are_named() -> None:
+    assert invalid_quarantine_entries("GPU-1 GPU-2,GPU-3") == ["GPU-1 GPU-2"]
+    assert invalid_quarantine_entries("GPU-1,GPU-3") == []
+    assert invalid_quarantine_entries(None) == []
 
 
 # --- taint ----------------------------------------------------------------------------------------
