@@ -1,5 +1,5 @@
 """The device plugin's ValidatingAdmissionPolicy, evaluated with `celpy` on the requests it must allow
-and deny: its own Node's labels, quarantine annotation and taint; the `kunlun.dev/xpu-healthy`
+and deny: its own Node's labels, quarantine and failure-history annotations and taint; the `kunlun.dev/xpu-healthy`
 condition of pods on its own node; Events on such pods. (A real API server compiles CEL with types;
 here the expressions run on plain JSON, which checks their logic, not their type-checking.)"""
 
@@ -78,6 +78,7 @@ def changed(base: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str
 def test_own_node_labels_quarantine_annotation_and_taint_are_allowed(policy: dict[str, Any]) -> None:
     new = changed(NODE, ("metadata", "labels", "kunlun.dev/xpu.count"), "7")
     new = changed(new, ("metadata", "annotations", "kunlun.dev/xpu-quarantine"), "GPU-5")
+    new = changed(new, ("metadata", "annotations", "kunlun.dev/xpu-failures"), '{"failures":{},"version":1}')
     new = changed(new, ("spec", "taints"), [*NODE["spec"]["taints"], OUR_TAINT])
     assert denials(policy, "nodes", new, NODE) == []
     assert denials(policy, "nodes", NODE, new) == []  # and removing them again
@@ -90,7 +91,8 @@ def test_own_node_labels_quarantine_annotation_and_taint_are_allowed(policy: dic
         (
             ("metadata", "annotations", "team"),
             None,
-            "the device plugin may only change the kunlun.dev/xpu-quarantine annotation",
+            "the device plugin may only change the kunlun.dev/xpu-quarantine and kunlun.dev/xpu-failures "
+            "annotations",
         ),
         (
             ("spec", "taints"),
