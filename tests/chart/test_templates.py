@@ -232,6 +232,7 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
         "host-dev": "/dev",
         "host-sys": "/sys",
         "kunlun-home": "/usr/local/xpu",
+        "plugin-state": "/var/lib/kunlun-device-plugin",
     }
     assert [v for v in spec["volumes"] if "hostPath" not in v] == [
         {"name": "fault-state", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
@@ -244,7 +245,8 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
     snapshot = "/run/kunlun-snapshot"
     assert mounts == {
         "plugin": host
-        | {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/run/kunlun", snapshot},
+        | {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/run/kunlun", snapshot}
+        | {"/var/lib/kunlun-device-plugin"},
         "labeler": {snapshot},  # the hardware only through the plugin's snapshot
         "exporter": {"/var/lib/kubelet/pod-resources", "/run/kunlun", snapshot},
     }
@@ -267,6 +269,7 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
         plugin.quarantine_window_seconds,
         plugin.node_sync_seconds,
         plugin.quarantine_file,
+        plugin.state_file,
         plugin.taint_when_all_unhealthy,
     ) == (
         True,
@@ -275,6 +278,7 @@ def test_device_plugin_daemonset_runs_three_containers_with_their_host_paths(
         600,
         30,
         "/run/kunlun/quarantine.json",
+        "/var/lib/kunlun-device-plugin/state.json",  # on the plugin-state hostPath: outlives the pod
         False,
     )
     exporter = parse_cli(device_cli, by_name["exporter"]["args"])

@@ -240,6 +240,7 @@ only with devicePlugin.<name>.privileged), else "" (it reads the plugin's node s
 - --quarantine-window-seconds={{ $v.faults.quarantineWindowSeconds }}
 - --node-sync-seconds={{ $v.faults.nodeSyncSeconds }}
 - --quarantine-file=/run/kunlun/quarantine.json
+- --state-file=/var/lib/kunlun-device-plugin/state.json
 {{- if $v.faults.taintWhenAllUnhealthy }}
 - --taint-when-all-unhealthy
 {{- end }}
@@ -281,6 +282,7 @@ node snapshot, read-only. */}}
 {{- if .ctx.Values.devicePlugin.faults.enabled }}
 - {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
 - {name: fault-state, mountPath: /run/kunlun}
+- {name: plugin-state, mountPath: /var/lib/kunlun-device-plugin}
 {{- end }}
 {{- else if eq .command "exporter" }}
 - {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
