@@ -88,7 +88,7 @@ def add_distributed_args(parser: argparse.ArgumentParser | argparse._ArgumentGro
     parser.add_argument(
         "--master-addr",
         default=None,
-        help=f"the leader's address (default: ${LWS_LEADER_ADDRESS} or 127.0.0.1)",
+        help=f"the leader's address (default: ${LWS_LEADER_ADDRESS}; 127.0.0.1 on one node, required on several)",
     )
     parser.add_argument(
         "--master-port",
@@ -119,12 +119,27 @@ def rendezvous_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict
         except ValueError:
             raise ConfigError(f"{variable}: must be an integer, got {value!r}", field=variable) from None
 
+    nnodes = number(args.nnodes, LWS_GROUP_SIZE, 1)
+    master_addr = args.master_addr or env.get(LWS_LEADER_ADDRESS)
+    check_leader_address(nnodes, master_addr)
     return {
-        "nnodes": number(args.nnodes, LWS_GROUP_SIZE, 1),
+        "nnodes": nnodes,
         "node_rank": number(args.node_rank, LWS_WORKER_INDEX, 0),
-        "master_addr": args.master_addr or env.get(LWS_LEADER_ADDRESS) or "127.0.0.1",
+        "master_addr": master_addr or "127.0.0.1",
         "master_port": args.master_port,
     }
+
+
+def check_leader_address(nnodes: int, master_addr: str | None) -> None:
+    """Several nodes need the leader's address given: 127.0.0.1 would send every worker to its
+    own loopback. Raises ConfigError naming the flags."""
+    if nnodes > 1 and not master_addr:
+        raise ConfigError(
+            f"master_addr: --nnodes {nnodes} (or ${LWS_GROUP_SIZE}) needs the leader's address: give "
+            f"--master-addr HOST (node 0's address, reachable from every node) or run under "
+            f"LeaderWorkerSet, which sets ${LWS_LEADER_ADDRESS}",
+            field="master_addr",
+        )
 
 
 def add_kernel_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -179,6 +194,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         for key, value in file_options.items()
         if getattr(config, key) == getattr(default_config, key)  # not set on the command line
     }
+    if "nnodes" in overrides and "master_addr" not in overrides:  # the file made it several nodes
+        check_leader_address(overrides["nnodes"], args.master_addr or os.environ.get(LWS_LEADER_ADDRESS))
     return replace(config, **overrides).validate()
 
 

@@ -16,6 +16,7 @@ Rank r must be bound to its local device (``Platform.set_device``), else two ran
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from kunlun_runtime.parallel.layout import ParallelLayout
 BLOCKING_WAIT_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 STARTUP_TIMEOUT = timedelta(minutes=30)  # joining (nodes start when they are scheduled) and loading
 DEFAULT_TIMEOUT_SECONDS = 60.0  # every collective while serving
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -69,6 +71,14 @@ def init_group(
     if backend == "nccl":
         for name, value in BLOCKING_WAIT_ENV.items():
             os.environ.setdefault(name, value)
+    if rank == 0 and layout.nnodes > 1:  # the join below waits for every node without a word
+        logger.info(
+            "rank 0: waiting for the %d ranks of %d nodes to join at port %d (up to %.0f min)",
+            layout.world,
+            layout.nnodes,
+            master_port,
+            STARTUP_TIMEOUT.total_seconds() / 60,
+        )
     try:
         dist.init_process_group(
             backend,

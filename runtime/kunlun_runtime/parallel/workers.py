@@ -37,12 +37,14 @@ from kunlun_runtime.models.decoder import DecoderLayer, DecoderModel
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.parallel.group import (
     DEFAULT_TIMEOUT_SECONDS,
+    STARTUP_TIMEOUT,
     RankGroups,
     collective_preflight,
     init_group,
 )
 from kunlun_runtime.parallel.layout import ParallelLayout
 from kunlun_runtime.parallel.pipeline import StageRunner, StepPlan, receive_logits
+from kunlun_runtime.parallel.rendezvous import wait_for_leader
 from kunlun_runtime.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -260,6 +262,19 @@ def run_worker_node(spec: RankSpec) -> int:
     or the group fails (exit 1, so that LeaderWorkerSet restarts the group)."""
     layout = spec.layout
     rank = layout.node_ranks[0]
+    try:  # before anything starts: torch.distributed would wait for an absent leader in silence
+        wait_for_leader(spec.master_addr, spec.master_port, spec.timeout_seconds, node_rank=layout.node_rank)
+    except EngineDeadError as error:
+        logger.error("%s", error)
+        return 1
+    logger.info(
+        "node %d: the leader at %s:%d is up; joining the group of %d ranks (every node must join within %.0f min)",
+        layout.node_rank,
+        spec.master_addr,
+        spec.master_port,
+        layout.world,
+        STARTUP_TIMEOUT.total_seconds() / 60,
+    )
     torch.set_num_threads(threads_per_rank(layout))
     workers = start_local_workers(spec)
     try:

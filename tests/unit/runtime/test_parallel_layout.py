@@ -181,10 +181,45 @@ def test_pipeline_flags_reach_the_engine_config(monkeypatch) -> None:
         "2",
         "--node-rank",
         "1",
+        "--master-addr",
+        "10.0.0.1",
     ]
     config = engine_config_from_args(_parse([*argv, "--distributed-timeout", "5"]))
     assert (config.pipeline_parallel_size, config.tensor_parallel_size) == (2, 2)
     assert (config.nnodes, config.node_rank, config.distributed_timeout_seconds) == (2, 1, 5.0)
+    assert config.master_addr == "10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--nnodes", "2"], {}),
+        ([], {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}),
+    ],
+    ids=["flag", "leaderworkerset env without its leader address"],
+)
+def test_several_nodes_without_the_leader_address_is_a_start_error_naming_the_flags(argv, env) -> None:
+    with pytest.raises(ConfigError) as failure:
+        rendezvous_options(_parse(argv), env)
+    assert failure.value.field == "master_addr"
+    assert str(failure.value) == (
+        "master_addr: --nnodes 2 (or $LWS_GROUP_SIZE) needs the leader's address: give --master-addr HOST "
+        "(node 0's address, reachable from every node) or run under LeaderWorkerSet, which sets "
+        "$LWS_LEADER_ADDRESS"
+    )
+
+
+def test_a_config_file_that_makes_several_nodes_needs_the_leader_address_too(tmp_path, monkeypatch) -> None:
+    for variable in ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"):
+        monkeypatch.delenv(variable, raising=False)
+    file = tmp_path / "engine.yaml"
+    file.write_text("pipeline_parallel_size: 2\nnnodes: 2\n")
+    with pytest.raises(ConfigError, match=r"--nnodes 2 .* needs the leader's address"):
+        engine_config_from_args(_parse(["--config", str(file)]))
+    config = engine_config_from_args(_parse(["--config", str(file), "--master-addr", "10.0.0.1"]))
+    assert (config.nnodes, config.master_addr) == (2, "10.0.0.1")
+    file.write_text("pipeline_parallel_size: 2\nnnodes: 2\nmaster_addr: 10.0.0.2\n")
+    assert engine_config_from_args(_parse(["--config", str(file)])).master_addr == "10.0.0.2"
 
 
 @pytest.mark.parametrize(
