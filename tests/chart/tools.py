@@ -1,7 +1,8 @@
 """Locate and drive the real command-line tools the chart tests use (helm, promtool).
 
 Owns: finding the binaries (`.tools/bin` first, then PATH), rendering the chart with
-`helm template` into parsed documents, and the skip reason when a tool is absent.
+`helm template` into parsed documents, and the skip reason when a tool is absent (a failure
+under ``KUNLUN_REQUIRE_TOOLS=1``).
 Invariant: nothing here downloads anything; `make tools` (scripts/fetch-tools.sh) does that.
 """
 
@@ -14,8 +15,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import yaml
+
+from tests.support.prerequisites import skip_for_missing_tool
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kunlun-inference"
@@ -34,10 +36,11 @@ def find_tool(name: str) -> Path | None:
 
 
 def require_tool(name: str) -> Path:
-    """Return the tool's path or skip the calling test with the reason and the fix."""
+    """Return the tool's path or skip the calling test with the reason and the fix (fail it
+    under ``KUNLUN_REQUIRE_TOOLS=1``, as in CI)."""
     path = find_tool(name)
     if path is None:
-        pytest.skip(
+        skip_for_missing_tool(
             f"{name} not found in {TOOLS_BIN} or on PATH: run `make tools` "
             "(bash scripts/fetch-tools.sh) with access to PyPI and the Debian archive"
         )

@@ -1,0 +1,38 @@
+"""Suite-wide hooks: under ``KUNLUN_REQUIRE_TOOLS=1`` (CI) a test that skipped because a tool CI
+fetches is missing is reported as failed, naming the tool (tests/support/prerequisites.py).
+
+Other skips (another CPU tier, no GPU, no cluster) stay skips; pytest's ``-ra`` (pyproject's
+addopts) lists their reasons at the end of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import pytest
+
+from tests.support.prerequisites import REQUIRE_ENV, missing_tool_named, tools_required
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    """The reason of a skipped report (pytest keeps it as ``(path, line, "Skipped: reason")``)."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail") and tools_required():
+        reason = skip_reason(report)
+        tool = missing_tool_named(reason)
+        if tool is not None:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{REQUIRE_ENV}=1: skipped for a tool CI fetches ({tool}), which is a failure here: {reason}"
+            )
+    return report
