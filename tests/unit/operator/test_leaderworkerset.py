@@ -394,13 +394,13 @@ def test_the_runtime_cli_accepts_the_multi_node_command() -> None:
 
     parser = runtime_cli.build_parser()
     serve = next(sub for sub in _subparsers(parser) if sub.prog.endswith(" serve"))
-    if "--pipeline-parallel-size" not in serve._option_string_actions:
-        pytest.skip("the runtime's multi-node flags (issue 19, runtime half) are not in this tree yet")
     lws = _lws(load_example("kis-multinode.yaml")["spec"])
+    worker_args = _runtime(lws["spec"]["leaderWorkerTemplate"]["workerTemplate"])["args"]
+    flags = sorted({arg.split("=", 1)[0] for arg in worker_args if arg.startswith("--")})
+    unknown = [flag for flag in flags if flag not in serve._option_string_actions]
+    assert unknown == [], f"the operator passes flags kunlun-runtime serve does not have: {unknown}"
     env = {"LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "qwen-lws-0.qwen-lws.ml"}
-    args = parser.parse_args(
-        _kubelet_expand(_runtime(lws["spec"]["leaderWorkerTemplate"]["workerTemplate"])["args"], env)
-    )
+    args = parser.parse_args(_kubelet_expand(worker_args, env))
     assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (8, 2)
     assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (
         2,
