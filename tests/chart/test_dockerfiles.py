@@ -332,3 +332,12 @@ def test_the_installed_package_carries_every_kernel_source() -> None:
         assert any(path.match(pattern) for pattern in patterns), f"{path.name} is not package data"
     on_disk = {path for path in cpu_kernels.CSRC.rglob("*") if path.is_file()}
     assert on_disk == {*cpu_kernels.SOURCES, *cpu_kernels.HEADERS}
+
+
+@pytest.mark.parametrize("target", TARGETS["runtime"])
+def test_runtime_images_make_cpu_kernels_that_do_not_load_a_start_error(target: str) -> None:
+    # An image whose kernels do not load (a broken build, a wrong ABI) must refuse to start, not
+    # serve at a fraction of the speed: --require-native-kernels' environment default.
+    runtime = Dockerfile.read(REPO / "runtime" / "Dockerfile")
+    env = " ".join(rest for keyword, rest in runtime.stage(target) if keyword == "ENV").split()
+    assert "KUNLUN_REQUIRE_NATIVE_KERNELS=1" in env

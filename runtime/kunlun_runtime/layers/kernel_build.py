@@ -126,8 +126,9 @@ def load_library(path: Path) -> str | None:
 
 def first_error_line(text: str) -> str:
     """The line of a build's output that says what went wrong: the compiler's first diagnostic
-    (``file:line: error: ...``), else the first line naming an error, else the last line."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()] or [text]
+    (``file:line: error: ...``), else the first line naming an error, else the last line (without a
+    closing full stop: it goes on inside a sentence)."""
+    lines = [line.strip().rstrip(".") for line in text.strip().splitlines() if line.strip()] or [text]
     for marker in ("error:", "error"):
         found = next((line for line in lines if marker in line.lower()), None)
         if found is not None:

@@ -1,0 +1,187 @@
+"""Our CPU kernels failing for real, in fresh processes (whether they load is decided once per
+process): a compiler that fails (``CXX=/bin/false``, nothing cached) and a prebuilt library that
+does not load (``KUNLUN_CPU_KERNELS_DIR`` holding broken files). Either way the server still
+serves, on the fall-back it names in its start line, with a WARNING giving the reason and the
+cost, and /version and kunlun:runtime_info saying what runs; with --require-native-kernels or
+KUNLUN_REQUIRE_NATIVE_KERNELS=1 the same fault is a start error that names it. ``--version``
+says, without a model and without compiling, whether the kernels are there and load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from kunlun_runtime.layers import cpu_kernels
+from kunlun_runtime.layers.kernel_choice import onednn_bf16_reason
+from kunlun_runtime.platforms.cpu_features import cpu_capabilities
+from tests.integration.server.live import free_port, health_status, sample, scrape
+from tests.support.tiny_models import make_tiny_model
+from tests.support.waiting import wait_for
+
+CLI_MAIN = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
+AUTO_DTYPE = torch.bfloat16 if cpu_capabilities().computes_bf16 else torch.float32
+TIER = cpu_kernels.tier_for_dtype(AUTO_DTYPE)
+RUNS_A_TIER = TIER is not None and cpu_kernels.cpu_reason(TIER) is None
+# What --linear-backend auto falls back to without our kernels (kernel_choice.decide).
+FALLBACK = "prepacked" if cpu_capabilities().computes_bf16 and onednn_bf16_reason() is None else "plain"
+pytestmark = pytest.mark.skipif(not RUNS_A_TIER, reason="this CPU runs none of our kernel tiers")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    env: dict[str, str]  # what breaks the kernels
+    reason: str  # how the fault's reason starts
+    first_start: bool  # a compile was attempted (and announced)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("fallbacks") / "tiny")
+
+
+@pytest.fixture(params=["compiler", "loader"])
+def fault(request: pytest.FixtureRequest, tmp_path: Path) -> Fault:
+    assert TIER is not None
+    empty_cache = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    if request.param == "compiler":
+        reason = f"building the {TIER.tier.value} CPU kernels failed: "
+        return Fault({**empty_cache, "CXX": "/bin/false"}, reason, first_start=True)
+    broken = tmp_path / "kernels"
+    broken.mkdir()
+    for tier in cpu_kernels.TIERS.values():
+        (broken / f"{tier.namespace}.so").write_bytes(b"\x7fELF truncated")
+    library = broken / f"{TIER.namespace}.so"
+    reason = f"loading {library} (KUNLUN_CPU_KERNELS_DIR) failed: {library}: "
+    return Fault({**empty_cache, "KUNLUN_CPU_KERNELS_DIR": str(broken)}, reason, first_start=False)
+
+
+def environment(extra: dict[str, str]) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KUNLUN_CPU_KERNELS_DIR", "KUNLUN_REQUIRE_NATIVE_KERNELS")
+    }
+    return {**env, **extra}
+
+
+@pytest.fixture
+def served(tiny_model_dir: Path, fault: Fault, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A server in a fresh process with the fault; yields its URL and its stderr's file."""
+    port, log = free_port(), tmp_path / "serve.log"
+    args = ["serve", "--model", str(tiny_model_dir), "--port", str(port), "--host", "127.0.0.1"]
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", CLI_MAIN, *args, "--kv-cache-memory", "16MiB"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=environment(fault.env),
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            lambda: process.poll() is not None or health_status(base_url) == 200,
+            timeout_seconds=300.0,
+            message="the server to be ready",
+        )
+        assert process.poll() is None, log.read_text()
+        yield base_url, log
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def test_the_server_falls_back_and_says_why_what_it_costs_and_what_runs(
+    served: tuple[str, Path], fault: Fault
+) -> None:
+    base_url, log = served
+    runtime = httpx.get(f"{base_url}/version", timeout=10).json()["runtime"]
+    assert (runtime["backend"], runtime["tier"], runtime["native_layers"]) == (FALLBACK, "none", False)
+    assert runtime["dtype"] == str(AUTO_DTYPE).removeprefix("torch.")
+    assert runtime["fault"].startswith(fault.reason), runtime["fault"]
+    assert runtime["cost"].startswith("decode runs on ") and "docs/performance.md" in runtime["cost"]
+    info = {"backend": FALLBACK, "tier": "none", "dtype": runtime["dtype"], "kv_dtype": runtime["kv_dtype"]}
+    assert sample(scrape(base_url), "kunlun:runtime_info", **info) == 1
+    text = log.read_text()
+    assert (
+        f"backend={FALLBACK} tier=none dtype={runtime['dtype']} weights=bfloat16 "
+        f"kv_dtype={runtime['kv_dtype']} kv_capacity={runtime['num_kv_tokens']} tokens"
+    ) in text
+    warning = f"our CPU kernels are not running: {runtime['fault']}; {runtime['cost']}"
+    assert f"WARNING kunlun_runtime.layers.runtime_info: {warning}" in text
+    announced = f"first start on this machine: building the {runtime_tier()} CPU kernels" in text
+    assert announced is fault.first_start
+
+
+def runtime_tier() -> str:
+    assert TIER is not None
+    return TIER.tier.value
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_requiring_native_kernels_makes_the_fault_a_start_error(
+    tiny_model_dir: Path, fault: Fault, how: str
+) -> None:
+    flag = ["--require-native-kernels"] if how == "flag" else []
+    env = {**fault.env, **({"KUNLUN_REQUIRE_NATIVE_KERNELS": "1"} if how == "environment" else {})}
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "2", *flag]
+    result = subprocess.run(
+        [sys.executable, "-c", CLI_MAIN, *args],
+        capture_output=True,
+        text=True,
+        env=environment(env),
+        timeout=600,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    expected = (
+        "kunlun-runtime generate: error: require_native_kernels: the engine runs on the CPU and our "
+        f"CPU kernels did not load: {fault.reason}"
+    )
+    assert expected in result.stderr, result.stderr
+    assert "without them decode runs on" in result.stderr and "--require-native-kernels" in result.stderr
+
+
+def version(env: dict[str, str]) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", CLI_MAIN, "--version"],
+        capture_output=True,
+        text=True,
+        env=environment(env),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    (line,) = [
+        line for line in result.stdout.splitlines() if line.startswith("cpu kernels (without a model): ")
+    ]
+    return line.removeprefix("cpu kernels (without a model): ")
+
+
+def test_version_says_without_a_model_whether_the_kernels_load(fault: Fault, tmp_path: Path) -> None:
+    assert TIER is not None
+    auto = f"{TIER.tier.value} (--dtype auto computes in {str(AUTO_DTYPE).removeprefix('torch.')} here): "
+    if "KUNLUN_CPU_KERNELS_DIR" in fault.env:
+        assert version(fault.env).startswith(auto + fault.reason)
+        return
+    cache = Path(fault.env["TORCH_EXTENSIONS_DIR"])
+    found = shutil.which(fault.env["CXX"])
+    assert version(fault.env) == (
+        f"{auto}not built yet; the first start compiles it once, with {found}, into "
+        f"{cache / cpu_kernels.cached_library(TIER).parent.name}"
+    )
+    assert not cache.exists()  # asking compiled and created nothing
+    if not cpu_kernels.load(AUTO_DTYPE):  # this process's build, copied where a later start finds it
+        pytest.fail(
+            f"the {TIER.tier.value} kernels do not build here: {cpu_kernels.unavailable_reason(AUTO_DTYPE)}"
+        )
+    built = cpu_kernels.cached_library(TIER)
+    (cache / built.parent.name).mkdir(parents=True)
+    shutil.copy2(built, cache / built.parent.name / built.name)
+    assert version(fault.env) == f"{auto}built earlier (cached in {cache / built.parent.name}), loads"
