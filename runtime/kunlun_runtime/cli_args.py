@@ -18,6 +18,7 @@ from kunlun_runtime.config import (
     DeviceName,
     DTypeName,
     EngineConfig,
+    KVCacheDTypeName,
     LinearBackendName,
     QuantizationName,
     SchedulingPolicyOption,
@@ -48,6 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     group.add_argument("--model", default=None, help="HF-format model directory (default: embedded SmolLM2)")
     group.add_argument("--served-model-name", default=None)
     group.add_argument("--dtype", default=default_dtype, choices=get_args(DTypeName))
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=get_args(KVCacheDTypeName),
+        help="what the KV cache stores (auto: the activations' dtype; BF16 if they are FP32 for want of native BF16)",
+    )
     group.add_argument("--device", default="auto", choices=get_args(DeviceName))
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--block-size", type=int, default=16)
@@ -204,6 +211,7 @@ def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         block_size=args.block_size,

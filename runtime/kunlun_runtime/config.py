@@ -15,12 +15,14 @@ from kunlun_runtime.errors import ConfigError
 
 # The string options, as types for the code and as sets for validating what users pass in.
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDTypeName = Literal["auto", "bfloat16", "float32"]  # what the paged KV cache stores
 DeviceName = Literal["auto", "cpu", "cuda", "kunlun"]
 LinearBackendName = Literal["auto", "plain", "prepacked", "native"]
 QuantizationName = Literal["int8"]
 SchedulingPolicyOption = Literal["fixed", "feedback"]  # engine.scheduling_policy.SchedulingPolicyName
 
 DTYPES: frozenset[str] = frozenset(get_args(DTypeName))
+KV_CACHE_DTYPES: frozenset[str] = frozenset(get_args(KVCacheDTypeName))
 DEVICES: frozenset[str] = frozenset(get_args(DeviceName))
 LINEAR_BACKENDS: frozenset[str] = frozenset(get_args(LinearBackendName))
 QUANTIZATIONS: frozenset[str] = frozenset(get_args(QuantizationName))
@@ -61,6 +63,8 @@ class EngineConfig:
     model: str | None = None  # HF-format directory; None = the embedded default model
     served_model_name: str | None = None
     dtype: DTypeName = "auto"  # auto = bfloat16 where the platform supports it
+    # auto = the activations' dtype, but BF16 where they are FP32 for want of native BF16 (kv/kv_dtype.py)
+    kv_cache_dtype: KVCacheDTypeName = "auto"
     device: DeviceName = "auto"
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     block_size: int = 16
@@ -95,6 +99,11 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         """Check every field on its own; return self. Raises ConfigError naming the field."""
         _check(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
         _check(self.device in DEVICES, "device", f"must be one of {sorted(DEVICES)}, got {self.device!r}")
         _check(
             self.block_size in (8, 16, 32, 64, 128),

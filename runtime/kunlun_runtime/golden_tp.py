@@ -73,10 +73,12 @@ def capture_parallel(
     pipeline: int = 1,
     dtype: torch.dtype = torch.float32,
     weight_dtype: torch.dtype | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Layer outputs of the model split ``tensor`` ways within each of ``pipeline`` stages (CPU,
-    gloo, one process per rank), computing in ``dtype`` over weights in ``weight_dtype`` (default:
-    the same). Raises EngineDeadError naming the rank that failed."""
+    gloo, one process per rank), computing in ``dtype`` over weights in ``weight_dtype`` and a KV
+    cache in ``kv_cache_dtype`` (default: both ``dtype``). Raises EngineDeadError naming the rank
+    that failed."""
     config = load_model_config(model_dir)
     layout = ParallelLayout(tensor, pipeline).validate()
     spec = RankSpec(
@@ -101,6 +103,7 @@ def capture_parallel(
         platform=CpuPlatform(),
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
+        kv_cache_dtype=kv_cache_dtype,
     )
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from kunlun_runtime.golden import BF16_KV_TOLERANCE
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 from tests.integration.server.live import free_port, health_status
 from tests.support.tiny_models import make_tiny_model
@@ -52,17 +53,27 @@ def test_a_tier_the_cpu_lacks_is_refused_with_the_missing_flags() -> None:
     assert "KUNLUN_CPU_ISA=amx" in result.stderr and "lacks" in result.stderr
 
 
-@pytest.mark.parametrize("tensor_parallel_size", ["1", "2"])
+@pytest.mark.parametrize(
+    ("tensor_parallel_size", "kv_cache_dtype", "kv_report", "bound"),
+    [
+        ("1", "auto", "bfloat16", BF16_KV_TOLERANCE),  # auto: BF16 K/V under FP32 activations
+        ("2", "auto", "bfloat16", BF16_KV_TOLERANCE),  # the KV dtype reaches the worker ranks
+        ("1", "float32", None, 1e-4),
+    ],
+)
 def test_the_plain_floor_passes_golden_in_fp32_over_bf16_weights(
-    tiny_model_dir: Path, tensor_parallel_size
+    tiny_model_dir: Path, tensor_parallel_size, kv_cache_dtype, kv_report, bound
 ) -> None:
     result = run_cli("none", "golden", "--model", str(tiny_model_dir), "--dtype", "auto", "--json",
-                     "--tensor-parallel-size", tensor_parallel_size)  # fmt: skip
+                     "--tensor-parallel-size", tensor_parallel_size, "--kv-cache-dtype", kv_cache_dtype)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert (report["dtype"], report["weight_dtype"], report["passed"]) == ("float32", "bfloat16", True)
-    assert report["tensor_parallel_size"] == int(tensor_parallel_size)
-    assert max(layer["max_rel_err"] for layer in report["layers"]) <= 1e-4
+    assert (report["tensor_parallel_size"], report["kv_cache_dtype"]) == (
+        int(tensor_parallel_size),
+        kv_report,
+    )
+    assert max(layer["max_rel_err"] for layer in report["layers"]) <= bound
 
 
 def test_kernels_the_forced_tier_lacks_are_refused_by_name(tiny_model_dir: Path) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import get_args
 
 from kunlun_runtime.cli_args import Command, add_kernel_args
+from kunlun_runtime.config import KVCacheDTypeName
 
 
 def _golden_args(parser: argparse.ArgumentParser) -> None:
@@ -15,6 +17,12 @@ def _golden_args(parser: argparse.ArgumentParser) -> None:
         default="float32",
         choices=["float32", "bfloat16", "auto"],
         help="auto: what serve's --dtype auto runs on this CPU (FP32 over BF16 weights without native BF16)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=get_args(KVCacheDTypeName),
+        help="the engine side's KV cache, as serve resolves it (auto: BF16 under --dtype auto without native BF16)",
     )
     parser.add_argument("--prompt", default="The capital of France is Paris. The capital of Italy is")
     parser.add_argument("--tolerance", type=float, default=None, help="override the dtype's tolerance")
@@ -37,6 +45,7 @@ def run_golden_command(args: argparse.Namespace) -> int:
 
     from kunlun_runtime.engine.llm_engine import resolve_dtype, resolve_model_dir, resolve_weight_dtype
     from kunlun_runtime.golden import format_report, report_against_reference, run_golden
+    from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
     from kunlun_runtime.models.loader import load_model
     from kunlun_runtime.platforms import CpuPlatform
     from kunlun_runtime.tokenizer import Tokenizer
@@ -44,13 +53,22 @@ def run_golden_command(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(args.model)
     dtype = resolve_dtype(args.dtype, CpuPlatform())
     weight_dtype = resolve_weight_dtype(args.dtype, CpuPlatform())
+    kv_cache_dtype = resolve_kv_cache_dtype(
+        args.kv_cache_dtype, dtype, CpuPlatform(), dtype_is_auto=args.dtype == "auto"
+    )
     token_ids = Tokenizer(model_dir).encode(args.prompt)
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         from kunlun_runtime.golden_tp import capture_parallel
         from kunlun_runtime.models.model_config import load_model_config
 
         ours = capture_parallel(
-            model_dir, token_ids, args.tensor_parallel_size, args.pipeline_parallel_size, dtype, weight_dtype
+            model_dir,
+            token_ids,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            dtype,
+            weight_dtype,
+            kv_cache_dtype,
         )
         num_layers = load_model_config(model_dir).num_layers
         report = report_against_reference(
@@ -63,6 +81,7 @@ def run_golden_command(args: argparse.Namespace) -> int:
             args.tensor_parallel_size,
             weight_dtype=None if weight_dtype == dtype else weight_dtype,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            kv_cache_dtype=None if kv_cache_dtype == dtype else kv_cache_dtype,
         )
     else:
         from kunlun_runtime.layers.linear import choose_linear_backend, convert_linears
@@ -75,7 +94,14 @@ def run_golden_command(args: argparse.Namespace) -> int:
         convert_linears(model, backend=backend, quantization=None, compute_dtype=dtype)
         if args.native_kernels:
             model.enable_native_kernels()
-        report = run_golden(model, model_dir, token_ids, tolerance=args.tolerance, chunk_size=args.chunk_size)
+        report = run_golden(
+            model,
+            model_dir,
+            token_ids,
+            tolerance=args.tolerance,
+            chunk_size=args.chunk_size,
+            kv_cache_dtype=kv_cache_dtype,
+        )
     print(json.dumps(report.to_dict()) if args.json else format_report(report))
     return 0 if report.passed else 1
 

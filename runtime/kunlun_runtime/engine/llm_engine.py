@@ -38,6 +38,7 @@ from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
+from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.kernel_choice import choose_for_config
@@ -108,13 +109,16 @@ def plan_ranks(
     own flags; the preflight checks that they agree."""
     dtype = resolve_dtype(config.dtype, platform)
     weight_dtype = resolve_weight_dtype(config.dtype, platform)
+    kv_cache_dtype = resolve_kv_cache_dtype(
+        config.kv_cache_dtype, dtype, platform, dtype_is_auto=config.dtype == "auto"
+    )
     layout = ParallelLayout(
         config.tensor_parallel_size, config.pipeline_parallel_size, config.nnodes, config.node_rank
     ).validate()
     local_config = shard_model_config(model_config, layout.tensor) if layout.tensor > 1 else model_config
     stages = stage_layers(model_config, layout.pipeline)
     largest = replace(local_config, num_layers=max(len(stage) for stage in stages))
-    spec = KVCacheSpec.for_model(largest, config.block_size, dtype)
+    spec = KVCacheSpec.for_model(largest, config.block_size, kv_cache_dtype)
     probe = KVCache(
         spec,
         1,
@@ -131,6 +135,7 @@ def plan_ranks(
         model_dir=str(model_dir),
         dtype=dtype,
         weight_dtype=weight_dtype,
+        kv_cache_dtype=kv_cache_dtype,
         max_positions=max_model_len,
         num_blocks=plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, max_model_len),
         block_size=config.block_size,
@@ -190,7 +195,6 @@ class LLMEngine:
         self.platform = detect(config.device)
         self.device = self.platform.device()
         self.dtype = resolve_dtype(config.dtype, self.platform)  # activations
-        self.kv_cache_dtype = self.dtype  # what the paged KV cache stores
         self.weight_dtype = resolve_weight_dtype(config.dtype, self.platform)
         self.model_dir = resolve_model_dir(config.model)
         model_config = load_model_config(self.model_dir)
@@ -199,6 +203,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)  # before any worker starts: fail fast, leak nothing
         self.group: LeaderGroup | None = None
         rank_spec = plan_ranks(config, self.platform, model_config, self.model_dir, self.max_model_len)
+        self.kv_cache_dtype = rank_spec.cache_dtype  # what the paged KV cache stores
         num_blocks = rank_spec.num_blocks
         if config.node_rank != 0:
             raise ConfigError(

@@ -8,6 +8,11 @@ layer computes QKᵀ → scale → mask → softmax → ·V (no per-sequence Pyt
 A batch that holds both decodes and prefill chunks attends in two parts (``MixedSplit``): the
 decodes as a decode batch and the chunks padded among themselves. Padded together, every decode
 would be padded to the longest chunk and cost as much attention as that chunk.
+
+The pool may hold another dtype than the activations (``--kv-cache-dtype``: BF16 K/V under FP32
+activations on CPUs without native BF16). K/V are rounded to the pool's dtype as they are written,
+and attention always reads them as stored, widened to the queries' dtype after the gather: every
+path (this one, the kernels, a fresh prompt, a prefix reused from the cache) sees the same keys.
 """
 
 from __future__ import annotations
@@ -151,8 +156,8 @@ def paged_attention(
     the full score matrix materialised), kept for the benchmark's ablation table.
     """
     if not kv_written:
-        k_blocks[meta.slot_block_ids, meta.slot_offsets] = k
-        v_blocks[meta.slot_block_ids, meta.slot_offsets] = v
+        k_blocks[meta.slot_block_ids, meta.slot_offsets] = k.to(k_blocks.dtype)
+        v_blocks[meta.slot_block_ids, meta.slot_offsets] = v.to(v_blocks.dtype)
     num_heads, head_dim = q.shape[1], q.shape[2]
     gqa = num_heads != k.shape[1] if enable_gqa is None else enable_gqa
     if meta.split is not None:
@@ -177,16 +182,19 @@ def paged_attention(
         return out
     if fused and meta.is_fresh_single_prefill:
         # One prompt from position 0: its own K/V are the whole context, so attend to them as they
-        # are (no gather from the pool; the pool holds the same values).
-        return fresh_prompt_attention(q, k, v, scale, gqa)
+        # are (no gather from the pool; the pool holds the same values, once rounded to its dtype).
+        return fresh_prompt_attention(q, as_stored(k, k_blocks), as_stored(v, v_blocks), scale, gqa)
 
     num_seqs, max_blocks = meta.block_tables.shape
     # index_select on the flattened table copies whole blocks, far cheaper than advanced indexing.
     flat_table = meta.block_tables.view(-1)
     block_size, kv_heads = k_blocks.shape[1], k_blocks.shape[2]
     gathered_shape = (num_seqs, max_blocks * block_size, kv_heads, head_dim)
-    keys = k_blocks.index_select(0, flat_table).view(gathered_shape).transpose(1, 2)  # [B, KVH, L, D]
-    values = v_blocks.index_select(0, flat_table).view(gathered_shape).transpose(1, 2)
+    # A pool in another dtype is widened after the gather (only the blocks read are converted).
+    keys = (
+        k_blocks.index_select(0, flat_table).to(q.dtype).view(gathered_shape).transpose(1, 2)
+    )  # [B, KVH, L, D]
+    values = v_blocks.index_select(0, flat_table).to(q.dtype).view(gathered_shape).transpose(1, 2)
     decode_only = meta.max_query_len == 1  # one query per sequence: no scatter/gather needed
     if decode_only:
         queries = q.unsqueeze(2)  # [B, H, 1, D]
@@ -204,6 +212,12 @@ def paged_attention(
         return out.reshape(num_seqs, num_heads * head_dim)
     out = out.transpose(1, 2).reshape(num_seqs * meta.max_query_len, num_heads * head_dim)
     return out[meta.query_padded_index]
+
+
+def as_stored(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``x`` as the pool ``blocks`` holds it, back in ``x``'s dtype: rounded through the pool's
+    dtype where the two differ (BF16 K/V under FP32 activations), else ``x`` itself."""
+    return x if blocks.dtype == x.dtype else x.to(blocks.dtype).to(x.dtype)
 
 
 def fresh_prompt_attention(

@@ -11,8 +11,11 @@ A model's attention module projects Q/K/V and the output; between the two it han
   (bit-identical to a decode-only step) and the chunks through the rotary/K-V-write kernel plus SDPA;
 - ``native`` on with prefill chunks only: the rotary/K-V-write kernel, then SDPA.
 
-The native paths also need the queries in the cache's dtype; ``fused=False`` (the unfused
-reference, kept for the benchmark's ablation) always takes the torch path.
+The native paths also need a cache the tier's kernels read (``kernels_read_cache``: the AVX-512
+tier's BF16 cache; the AVX2 tier's FP32 cache, or a BF16 one it widens as it reads); another
+pairing (e.g. an FP32 cache under BF16 activations) takes the torch path, which the engine logs at
+start. ``fused=False`` (the unfused reference, kept for the benchmark's ablation) always takes the
+torch path.
 """
 
 from __future__ import annotations
@@ -24,6 +27,17 @@ import torch
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import AttentionMetadata, MixedSplit, paged_attention
 from kunlun_runtime.layers.rotary import apply_rotary
+
+# The KV cache dtypes each kernel tier reads, by the activation dtype it computes in.
+_KERNEL_CACHE_DTYPES: dict[torch.dtype, frozenset[torch.dtype]] = {
+    torch.bfloat16: frozenset({torch.bfloat16}),  # the AVX-512 tier
+    torch.float32: frozenset({torch.float32, torch.bfloat16}),  # the AVX2 tier
+}
+
+
+def kernels_read_cache(activation_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernel tier of ``activation_dtype`` reads a KV cache of ``cache_dtype``."""
+    return cache_dtype in _KERNEL_CACHE_DTYPES.get(activation_dtype, frozenset())
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +70,7 @@ class PagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (before rotary) → attention output [T, H * D]."""
-        if not (self.native and self.fused and q.dtype == k_blocks.dtype):
+        if not (self.native and self.fused and kernels_read_cache(q.dtype, k_blocks.dtype)):
             q, k = apply_rotary(q, k, cos_sin)
             return self._sdpa(q, k, v, k_blocks, v_blocks, meta, kv_written=False)
         cos, sin = (table.view(-1, self.shape.head_dim) for table in cos_sin)

@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 from kunlun_runtime.kv.cache import KVCache
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import AttentionMetadata
-from kunlun_runtime.layers.attention_backend import AttentionShape, PagedAttention
+from kunlun_runtime.layers.attention_backend import AttentionShape, PagedAttention, kernels_read_cache
 from kunlun_runtime.layers.linear import Int8Linear, NativeLinear, first_matrix
 from kunlun_runtime.layers.norm import RMSNorm
 from kunlun_runtime.layers.rotary import RotaryEmbedding
@@ -252,7 +252,7 @@ class DecoderModel(nn.Module):
             assert hidden is not None, "a later pipeline stage starts from the previous stage's output"
             x = hidden
         cos_sin = self.rotary.lookup(positions, x.dtype)
-        if self._runs_fused_decode(meta):
+        if self._runs_fused_decode(meta, kv_cache):
             assert self.decode_weights is not None  # _runs_fused_decode checked it
             cos, sin = cos_sin
             x = cpu_kernels.decode_layers(
@@ -274,11 +274,13 @@ class DecoderModel(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta)
         return x if self.norm is None else self.norm(x)
 
-    def _runs_fused_decode(self, meta: AttentionMetadata) -> bool:
-        # Forward hooks on the layers (golden runs, calibration) need the per-layer path.
+    def _runs_fused_decode(self, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
+        # Forward hooks on the layers (golden runs, calibration) need the per-layer path; so does a
+        # cache the kernels do not read (its attention takes the torch path).
         return (
             self.decode_weights is not None
             and meta.max_query_len == 1
+            and kernels_read_cache(self.activation_dtype, kv_cache.spec.dtype)
             and meta.block_tables.shape[0] <= self.decode_max_rows
             and not any(layer._forward_hooks for layer in self.layers)
         )

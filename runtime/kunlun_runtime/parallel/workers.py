@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from kunlun_runtime.errors import EngineDeadError
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
+from kunlun_runtime.layers.attention_backend import kernels_read_cache
 from kunlun_runtime.layers.linear import convert_linears
 from kunlun_runtime.models.decoder import DecoderLayer, DecoderModel
 from kunlun_runtime.models.loader import load_model
@@ -58,7 +59,7 @@ class RankSpec:
     """What every rank needs to build its shard (picklable, sent to the local workers)."""
 
     model_dir: str
-    dtype: torch.dtype  # activations and KV cache
+    dtype: torch.dtype  # activations (and the KV cache, unless kv_cache_dtype says otherwise)
     weight_dtype: torch.dtype
     max_positions: int
     num_blocks: int
@@ -79,6 +80,12 @@ class RankSpec:
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     vocab_size: int = 0  # of the logits the last stage returns
     hidden_size: int = 0
+    kv_cache_dtype: torch.dtype | None = None  # what the KV cache stores; None: the activations' dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype every rank's KV cache stores."""
+        return self.kv_cache_dtype or self.dtype
 
     def agreement(self) -> tuple:
         """What every node must have computed alike (nodes plan independently, from their own
@@ -89,6 +96,7 @@ class RankSpec:
             self.layout.nnodes,
             str(self.dtype),
             str(self.weight_dtype),
+            str(self.cache_dtype),
             self.max_positions,
             self.num_blocks,
             self.block_size,
@@ -120,9 +128,15 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)  # DecoderModel builds its layers so
         layer.self_attn.attn.fused = spec.fused_attention
-    if spec.native_kernels:
-        model.enable_native_kernels()
-    cache_spec = KVCacheSpec.for_model(model.config, spec.block_size, spec.dtype)
+    native = spec.native_kernels and model.enable_native_kernels()
+    if native and not kernels_read_cache(spec.dtype, spec.cache_dtype):
+        logger.warning(
+            "no kernel reads a %s KV cache under %s activations: attention runs the plain PyTorch path "
+            "(slower decode); --kv-cache-dtype auto picks a pairing the kernels read",
+            spec.cache_dtype,
+            spec.dtype,
+        )
+    cache_spec = KVCacheSpec.for_model(model.config, spec.block_size, spec.cache_dtype)
     cache = KVCache(
         cache_spec,
         spec.num_blocks,

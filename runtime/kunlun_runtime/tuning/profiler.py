@@ -31,6 +31,7 @@ from kunlun_runtime.config import DeviceName, DTypeName, EngineConfig
 from kunlun_runtime.engine.llm_engine import LLMEngine, resolve_dtype, resolve_model_dir
 from kunlun_runtime.kv.block_layout import build_block_layout
 from kunlun_runtime.kv.cache import KVCacheSpec
+from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
 from kunlun_runtime.models.model_config import load_model_config
 from kunlun_runtime.platforms import detect
 from kunlun_runtime.sampling_params import SamplingParams
@@ -128,7 +129,10 @@ class Profiler:
         """One KV block of all layers (K and V), padded as the engine lays it out on this platform."""
         mc = self.model_config
         dtype = resolve_dtype(self.options.dtype, self.platform)
-        spec = KVCacheSpec.for_model(mc, block_size, dtype)
+        kv_dtype = resolve_kv_cache_dtype(
+            "auto", dtype, self.platform, dtype_is_auto=self.options.dtype == "auto"
+        )
+        spec = KVCacheSpec.for_model(mc, block_size, kv_dtype)
         layout = build_block_layout(
             spec.block_bytes,
             cache_line_bytes=self.platform.cache_line_bytes,

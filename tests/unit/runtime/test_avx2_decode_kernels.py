@@ -8,6 +8,10 @@ attention ≤ 5e-7 of the largest |V|, and as close to a float64 reference as to
 its output is a convex combination of V rows that can cancel to near zero, so its bound is relative
 to that scale rather than to each element). Rotary, the residual add and the cache writes are
 exact: each product and sum is rounded once, as the eager expressions round them.
+
+The KV cache may be BF16 under the FP32 activations (``--kv-cache-dtype``): the kernels round K/V
+to nearest even as they write them, bit for bit as the runtime's ``.to(torch.bfloat16)``, and widen
+them as they read, so against the paged path over the same BF16 pool the bounds are the FP32 ones.
 """
 
 import contextlib
@@ -106,9 +110,14 @@ def test_silu_mul_is_accurate_for_every_finite_gate_and_keeps_nan():
 # ---- rotary, KV write and decode attention ------------------------------------------------------
 
 
-def _pool(kv_heads: int, head_dim: int, num_blocks: int, seed: int) -> KVCache:
+CACHE_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _pool(
+    kv_heads: int, head_dim: int, num_blocks: int, seed: int, dtype: torch.dtype = torch.float32
+) -> KVCache:
     cache = KVCache(
-        KVCacheSpec(1, kv_heads, head_dim, BLOCK, torch.float32),
+        KVCacheSpec(1, kv_heads, head_dim, BLOCK, dtype),
         num_blocks,
         torch.device("cpu"),
         cache_line_bytes=64,
@@ -149,12 +158,12 @@ def _random_tables(lengths, num_blocks: int, seed: int) -> list[list[int]]:
     return tables
 
 
-def _check_decode_attention(heads, head_dim, lengths, window, threads, seed=0):
+def _check_decode_attention(heads, head_dim, lengths, window, threads, seed=0, cache_dtype=torch.float32):
     """The kernel against apply_rotary + the runtime's paged path (scatter, gather, FP32 SDPA):
     the same pool contents bit for bit, the same attention within the bound."""
     num_heads, kv_heads = heads
     num_blocks = sum(-(-n // BLOCK) for n in lengths) + 3
-    cache = _pool(kv_heads, head_dim, num_blocks, seed)
+    cache = _pool(kv_heads, head_dim, num_blocks, seed, cache_dtype)
     tables = _random_tables(lengths, num_blocks, seed)
     q, k, v = _qkv_views(len(lengths), num_heads, kv_heads, head_dim, seed + 1)
     cos, sin = _cos_sin(head_dim, [n - 1 for n in lengths])
@@ -195,18 +204,24 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("head_dim,heads,window,threads", DECODE_CASES)
-def test_decode_attention_matches_rotary_and_the_fp32_paged_sdpa_path(head_dim, heads, window, threads):
+def test_decode_attention_matches_rotary_and_the_fp32_paged_sdpa_path(
+    head_dim, heads, window, threads, cache_dtype
+):
     # Lengths 1 (only itself), then 17, 40 and 100: not multiples of the block size.
-    _check_decode_attention(heads, head_dim, (1, 17, 40, 100), window, threads, seed=head_dim + window)
+    _check_decode_attention(
+        heads, head_dim, (1, 17, 40, 100), window, threads, head_dim + window, cache_dtype
+    )
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("window", [0, 130])
 @pytest.mark.parametrize("lengths", [(300,), (300, 70), (257, 33, 129, 2, 64, 65, 200, 16)])
-def test_decode_attention_merges_long_contexts_split_across_threads(window, lengths):
+def test_decode_attention_merges_long_contexts_split_across_threads(window, lengths, cache_dtype):
     # With 2 threads one 300-token sequence is split in 4 (2 inside the window), two in 2 and 1,
     # eight sequences not at all: the partial softmaxes must merge into the unsplit attention.
-    _check_decode_attention((9, 3), 64, lengths, window, 2, seed=len(lengths))
+    _check_decode_attention((9, 3), 64, lengths, window, 2, len(lengths), cache_dtype)
 
 
 def test_decode_attention_spreads_a_nan_only_to_the_heads_that_read_it():
@@ -227,18 +242,19 @@ def test_decode_attention_spreads_a_nan_only_to_the_heads_that_read_it():
     assert out[0, :2].isfinite().all() and out[0, 4:].isfinite().all() and out[1].isfinite().all()
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 40, 36])  # vector rotary; rotate-half through scratch; a row tail
-def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_dim):
+def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_dim, cache_dtype):
     lengths, contexts = (5, 23), (9, 23)  # 5 new tokens after 4 cached ones, a fresh prompt of 23
-    cache = _pool(2, head_dim, 6, head_dim)
+    cache = _pool(2, head_dim, 6, head_dim, cache_dtype)
     tables = _random_tables(contexts, 6, head_dim)
     q, k, v = _qkv_views(sum(lengths), 6, 2, head_dim, head_dim)
     meta = build_attention_metadata(list(lengths), list(contexts), tables, BLOCK, torch.device("cpu"))
     cos, sin = _cos_sin(head_dim, [*range(4, 9), *range(23)])
     theirs_k, theirs_v = cache.k_blocks[0].clone(), cache.v_blocks[0].clone()
     qr, kr = apply_rotary(q, k, (cos, sin))
-    theirs_k[meta.slot_block_ids, meta.slot_offsets] = kr
-    theirs_v[meta.slot_block_ids, meta.slot_offsets] = v
+    theirs_k[meta.slot_block_ids, meta.slot_offsets] = kr.to(cache_dtype)
+    theirs_v[meta.slot_block_ids, meta.slot_offsets] = v.to(cache_dtype)
     q_out, k_out = cpu_kernels.rotary_kv_write(
         q, k, v, cos.view(-1, head_dim), sin.view(-1, head_dim), cache.k_blocks[0], cache.v_blocks[0],
         meta.slot_block_ids, meta.slot_offsets,
@@ -246,6 +262,29 @@ def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_d
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert torch.equal(q_out, qr) and torch.equal(k_out, kr)
     assert torch.equal(cache.k_blocks[0], theirs_k) and torch.equal(cache.v_blocks[0], theirs_v)
+
+
+def test_a_bf16_cache_rounds_to_nearest_even_as_torch_does_in_vectors_and_tails():
+    # V is stored unrotated, so special values pass straight through the narrowing: ties to even
+    # (down and up), the largest finite FP32 (rounds to inf), ±inf, -0, subnormals, the smallest
+    # normal, NaN; head_dim 36 puts them in the 8-lane vectors (0-31) and the scalar tail (32-35).
+    head_dim, kv_heads = 36, 1
+    cache = _pool(kv_heads, head_dim, 2, 0, torch.bfloat16)
+    q, k, v = _qkv_views(1, 1, kv_heads, head_dim, 0)
+    special = torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.4028235e38, -3.4028235e38, float("inf"), float("-inf"), -0.0,
+         1e-40, -1e-45, TINY, float("nan"), 65504.0, 1 / 3, 2**-133, 0.1]
+    )  # fmt: skip
+    row = torch.cat([special, torch.randn(4), special[4:], special[:4]])
+    v[0, 0] = row
+    cos, sin = (t.view(-1, head_dim) for t in _cos_sin(head_dim, [0]))
+    cpu_kernels.rotary_kv_write(
+        q, k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, torch.tensor([1]), torch.tensor([3])
+    )
+    stored, expected = cache.v_blocks[0][1, 3, 0], row.to(torch.bfloat16)
+    nan = row.isnan()
+    assert nan.sum() == 2 and stored[nan].isnan().all()  # a NaN stays a NaN (its payload is c10's)
+    assert torch.equal(stored[~nan].view(torch.int16), expected[~nan].view(torch.int16))
 
 
 # ---- bad inputs: a clear RuntimeError, and nothing written --------------------------------------
@@ -282,7 +321,13 @@ def test_decode_attention_rejects_other_dtypes_and_shapes():
     cache, q, k, v, cos, sin = _decode_inputs()
     unchanged = _unchanged(cache)
     tables, lengths = torch.tensor([[1, 2]]), torch.tensor([17])
-    with pytest.raises(RuntimeError, match="k_blocks must be float32"):
+    with pytest.raises(RuntimeError, match="k_blocks must be float32 or bfloat16"):
+        cpu_kernels.decode_attention(
+            q, k, v, cos, sin, cache.k_blocks[0].half(), *cache.v_blocks, tables, lengths, 0.1, 0
+        )
+    with pytest.raises(
+        RuntimeError, match=r"k_blocks \(BFloat16\) and v_blocks \(Float\) must have one dtype"
+    ):
         cpu_kernels.decode_attention(
             q, k, v, cos, sin, cache.k_blocks[0].bfloat16(), *cache.v_blocks, tables, lengths, 0.1, 0
         )
@@ -329,9 +374,13 @@ def test_rotary_kv_write_checks_every_slot_before_writing_any():
         cpu_kernels.rotary_kv_write(
             q, k, v, cos, sin, *cache.k_blocks, *cache.v_blocks, good_blocks, torch.tensor([0, 5, 16])
         )
-    with pytest.raises(RuntimeError, match="v_blocks must be float32"):
+    with pytest.raises(RuntimeError, match="v_blocks must be float32 or bfloat16"):
         cpu_kernels.rotary_kv_write(
             q, k, v, cos, sin, *cache.k_blocks, cache.v_blocks[0].half(), good_blocks, good_offsets
+        )
+    with pytest.raises(RuntimeError, match="must have one dtype"):
+        cpu_kernels.rotary_kv_write(
+            q, k, v, cos, sin, *cache.k_blocks, cache.v_blocks[0].bfloat16(), good_blocks, good_offsets
         )
     assert unchanged()
 

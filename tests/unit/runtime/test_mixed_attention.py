@@ -1,6 +1,8 @@
 """A batch of decodes and prefill chunks attends in two parts (``MixedSplit``): checked against
 attention computed one sequence at a time from the whole context, in FP32 and on the native BF16
-path, and the decodes of a mixed step against a decode-only step of the same sequences."""
+path, and the decodes of a mixed step against a decode-only step of the same sequences. A BF16 pool
+under FP32 activations (``--kv-cache-dtype bfloat16`` on CPUs without native BF16) stores the new
+K/V rounded and attends in FP32 over what it stores, on every path."""
 
 import pytest
 import torch
@@ -68,6 +70,41 @@ def test_fp32_mixed_batch_equals_attention_one_sequence_at_a_time(window, fused)
     assert torch.equal(v_pool[meta.slot_block_ids, meta.slot_offsets], v)
 
 
+def _as_bf16(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """What a BF16 pool holds of FP32 values, widened back to FP32."""
+    return [t.to(torch.bfloat16).float() for t in tensors]
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("fused", [True, False])
+def test_plain_path_over_a_bf16_pool_attends_in_fp32_over_the_rounded_keys_and_values(window, fused):
+    k_src, v_src, q, k, v, _ = _case(torch.float32)
+    k_pool, v_pool = k_src.to(torch.bfloat16), v_src.to(torch.bfloat16)
+    expected = _reference(*_as_bf16(k_pool, v_pool), q, *_as_bf16(k, v), window)
+    meta = build_attention_metadata(QUERY_LENS, CONTEXT_LENS, TABLES, BLOCK, torch.device("cpu"), window)
+    out = paged_attention(q, k, v, k_pool, v_pool, meta, HEAD_DIM**-0.5, fused=fused)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_pool[meta.slot_block_ids, meta.slot_offsets], k.to(torch.bfloat16))
+    assert torch.equal(v_pool[meta.slot_block_ids, meta.slot_offsets], v.to(torch.bfloat16))
+
+
+def test_a_fresh_prompt_over_a_bf16_pool_sees_its_keys_as_stored():
+    # The fused path attends to a fresh prompt's own K/V without reading the pool; the unfused one
+    # reads them back from it. Both must see the same (rounded) keys: a prompt's attention may not
+    # depend on whether its prefix came from the cache.
+    _, _, q, k, v, _ = _case(torch.float32)
+    rows = slice(7, 30)  # the 23-token prompt
+    meta = build_attention_metadata([23], [23], [TABLES[3]], BLOCK, torch.device("cpu"))
+    assert meta.is_fresh_single_prefill
+    outputs = []
+    for fused in (True, False):
+        k_pool = torch.zeros(12, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        v_pool = torch.zeros_like(k_pool)
+        outputs.append(paged_attention(q[rows], k[rows], v[rows], k_pool, v_pool, meta, 0.125, fused=fused))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+
+
 def test_batches_of_one_kind_are_not_split():
     decode_only = build_attention_metadata([1, 1], [17, 40], TABLES[:2], BLOCK, torch.device("cpu"))
     prefill_only = build_attention_metadata([5, 23], [35, 23], TABLES[1:3], BLOCK, torch.device("cpu"))
@@ -75,9 +112,15 @@ def test_batches_of_one_kind_are_not_split():
     assert prefill_only.attn_mask.shape == (2, 1, 23, 3 * BLOCK)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["avx512-tier", "avx2-tier"])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
+    ids=["avx512-tier", "avx2-tier", "avx2-tier-bf16-kv"],
+)
 @pytest.mark.parametrize("window", [None, 9])
-def test_native_mixed_step_matches_the_reference_and_its_decodes_match_a_decode_only_step(window, dtype):
+def test_native_mixed_step_matches_the_reference_and_its_decodes_match_a_decode_only_step(
+    window, dtype, cache_dtype
+):
     from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
     from kunlun_runtime.layers.attention_backend import AttentionShape, PagedAttention
 
@@ -85,14 +128,15 @@ def test_native_mixed_step_matches_the_reference_and_its_decodes_match_a_decode_
         pytest.skip(str(cpu_kernels.unavailable_reason(dtype)))
     k_src, v_src, q, k, v, positions = _case(dtype, seed=1)
     cache = KVCache(
-        KVCacheSpec(1, KV_HEADS, HEAD_DIM, BLOCK, dtype), 12, torch.device("cpu"), cache_line_bytes=64,
+        KVCacheSpec(1, KV_HEADS, HEAD_DIM, BLOCK, cache_dtype), 12, torch.device("cpu"), cache_line_bytes=64,
         cache_num_sets=64, skew=True,  # strided blocks, as the engine lays them out
     )  # fmt: skip
     cache.k_blocks[0].copy_(k_src)
     cache.v_blocks[0].copy_(v_src)
     cos_sin = RotaryEmbedding(HEAD_DIM, RopeConfig(theta=10000.0), 64).lookup(positions, dtype)
     qr, kr = apply_rotary(q, k, cos_sin)
-    expected = _reference(k_src, v_src, qr, kr, v, window)
+    stored = [t.to(cache_dtype).to(dtype) for t in (k_src, v_src, kr, v)]  # the pool's view of them
+    expected = _reference(stored[0], stored[1], qr, stored[2], stored[3], window)
 
     attention = PagedAttention(AttentionShape(HEADS, KV_HEADS, HEAD_DIM))
     attention.native = True  # the mixed batch goes through the native mixed path
@@ -106,8 +150,8 @@ def test_native_mixed_step_matches_the_reference_and_its_decodes_match_a_decode_
         else 1e-5 * expected.abs().max()
     )
     assert ((out.double() - expected).abs() <= bound).all()
-    assert torch.equal(cache.k_blocks[0][meta.slot_block_ids, meta.slot_offsets], kr)
-    assert torch.equal(cache.v_blocks[0][meta.slot_block_ids, meta.slot_offsets], v)
+    assert torch.equal(cache.k_blocks[0][meta.slot_block_ids, meta.slot_offsets], kr.to(cache_dtype))
+    assert torch.equal(cache.v_blocks[0][meta.slot_block_ids, meta.slot_offsets], v.to(cache_dtype))
 
     # The decodes alone, as a decode-only step over the same pool: the same bits.
     cache.k_blocks[0].copy_(k_src)

@@ -2,8 +2,8 @@
 // its strides, the slot pointers of a sequence's positions, and the checks on what decode_attention
 // and rotary_kv_write are given (q/k/v, cos/sin and cache shapes, block tables and context lengths,
 // slot ids). ISA-independent, templated over the cache's element type (BF16 in the AVX-512 tier,
-// FP32 in the AVX2 tier): each tier's decode_ops.cpp includes it and compiles it with its own flags,
-// so it holds no intrinsics.
+// FP32 or BF16 in the AVX2 tier): each tier's decode_ops.cpp includes it and compiles it with its
+// own flags, so it holds no intrinsics.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,16 +30,12 @@ PagedCache<T> cache(const at::Tensor& blocks) {
 }
 
 // q [T, H, D], k and v [T, KVH, D] (rows of D contiguous, so q, k, v may be views of a fused qkv
-// row), cos and sin [T, D], K/V caches [NB, BS, KVH, D]: all of the tier's dtype (`check_dtype`,
-// whose message names it), shapes consistent, H a multiple of KVH, D even and at least
-// `min_head_dim` (the AVX2 tier refuses D = 0, the AVX-512 tier takes it).
-inline void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+// row), cos and sin [T, D], K/V caches [NB, BS, KVH, D]: shapes consistent, H a multiple of KVH, D
+// even and at least `min_head_dim` (the AVX2 tier refuses D = 0, the AVX-512 tier takes it). The
+// dtypes are the caller's to check (check_rotary_inputs, or a tier whose cache dtype differs).
+inline void check_rotary_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                                 const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
-                                void (*check_dtype)(const at::Tensor&, const char*), int64_t min_head_dim) {
-  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"},
-                                {&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
-    check_dtype(*t, name);
-  }
+                                int64_t min_head_dim) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   TORCH_CHECK(D >= min_head_dim && D % 2 == 0, "head_dim must be even, got ", D);
@@ -52,6 +48,18 @@ inline void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(k_blocks.sizes() == v_blocks.sizes() && k_blocks.dim() == 4 && k_blocks.size(2) == KVH &&
                   k_blocks.size(3) == D,
               "k_blocks and v_blocks must be [NB, BS, KVH, D]");
+}
+
+// check_rotary_shapes, with every tensor (caches included) of the tier's dtype (`check_dtype`,
+// whose message names it).
+inline void check_rotary_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                                void (*check_dtype)(const at::Tensor&, const char*), int64_t min_head_dim) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"},
+                                {&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
+    check_dtype(*t, name);
+  }
+  check_rotary_shapes(q, k, v, cos, sin, k_blocks, v_blocks, min_head_dim);
 }
 
 // block_tables int64 [B, MB] and context_lens int64 [B], each context at least one token and within

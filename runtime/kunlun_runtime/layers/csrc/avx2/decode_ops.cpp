@@ -1,8 +1,10 @@
 // Fused decode-step operators for x86 CPUs with AVX2 + FMA (FP32 tensors, FP32 arithmetic).
 //
-// On these CPUs BF16 arithmetic is emulated, so the AVX2 tier keeps activations, the KV cache,
-// cos/sin and the norm weights in FP32, and the reference is plain FP32 math (there are no BF16
-// roundings to reproduce). As in the AVX-512 tier, each operator replaces a chain of ATen calls
+// On these CPUs BF16 arithmetic is emulated, so the AVX2 tier keeps activations, cos/sin and the
+// norm weights in FP32, and the reference is plain FP32 math (there are no BF16 roundings to
+// reproduce). The KV cache is FP32 or BF16 (`--kv-cache-dtype`): a BF16 cache holds K and V rounded
+// to nearest even (as torch's .to(torch.bfloat16)) and is widened to FP32 in registers as attention
+// reads it, so attention computes in FP32 over the rounded keys and values. As in the AVX-512 tier, each operator replaces a chain of ATen calls
 // (RMSNorm is about eight, rotary a dozen, paged attention a scatter, two gathers and an SDPA call)
 // with one pass:
 //
@@ -12,7 +14,8 @@
 //   kunlun_cpu::decode_attention(q [B, H, D], k [B, KVH, D], v [B, KVH, D], cos [B, D], sin [B, D],
 //                                k_blocks, v_blocks [NB, BS, KVH, D], block_tables [B, MB],
 //                                context_lens [B], scale, window)  -> [B, H * D]
-//     one new token per sequence: rotary on q and k, k and v written into the paged cache at
+//     one new token per sequence: rotary on q and k, k and v written (rounded to the cache's
+//     dtype) into the paged cache at
 //     position context_len - 1, then softmax(scale · q·Kᵀ) · V over the sequence's blocks
 //     (GQA: query head h reads KV head h / (H / KVH); window > 0 keeps the last `window` keys).
 //   kunlun_cpu::rotary_kv_write(q [T, H, D], k [T, KVH, D], v [T, KVH, D], cos [T, D], sin [T, D],
@@ -54,13 +57,41 @@ using kunlun_cpu::avx2::hsum;
 using kunlun_cpu::avx2::load_ps;
 using kunlun_cpu::avx2::store_ps;
 using kunlun_cpu::avx2::tail_mask;
-using PagedCache = kunlun_cpu::paged::PagedCache<float>;
+using kunlun_cpu::avx2::bf16;
+template <typename T>
+using PagedCache = kunlun_cpu::paged::PagedCache<T>;
 using kunlun_cpu::paged::gather_slots;
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32 (the AVX2 kernels compute in FP32), got ",
               t.scalar_type());
 }
+
+// q, k, v, cos and sin FP32; the caches both FP32 or both BF16 (the KV cache dtype).
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                  const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cos, "cos"}, {&sin, "sin"}}) {
+    check_f32(*t, name);
+  }
+  for (const auto& [t, name] : {std::pair{&k_blocks, "k_blocks"}, {&v_blocks, "v_blocks"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16, name,
+                " must be float32 or bfloat16 (the AVX2 kernels' KV cache dtypes), got ", t->scalar_type());
+  }
+  TORCH_CHECK(k_blocks.scalar_type() == v_blocks.scalar_type(), "k_blocks (", k_blocks.scalar_type(),
+              ") and v_blocks (", v_blocks.scalar_type(), ") must have one dtype");
+  kunlun_cpu::paged::check_rotary_shapes(q, k, v, cos, sin, k_blocks, v_blocks, /*min_head_dim=*/1);
+}
+
+// Eight lanes of a cache row widened to FP32 (a BF16 row exactly); the _tail forms read only the
+// leading lanes `tail` sets (D % 8 of them, an even count), nothing past the row's end.
+inline __m256 load_row8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_row8(const bf16* p) { return kunlun_cpu::avx2::widen_bf16x8(p); }
+inline __m256 load_row8_tail(const float* p, __m256i tail) { return _mm256_maskload_ps(p, tail); }
+inline __m256 load_row8_tail(const bf16* p, __m256i tail) { return kunlun_cpu::avx2::widen_bf16x8_masked(p, tail); }
+
+// A row of D FP32 values into a cache row: copied, or rounded to BF16.
+inline void store_row(const float* src, float* dst, int64_t D) { std::copy(src, src + D, dst); }
+inline void store_row(const float* src, bf16* dst, int64_t D) { kunlun_cpu::avx2::narrow_bf16(src, dst, D); }
 
 // The value as computed so far, opaque to the optimiser. GCC contracts a product followed by a
 // sum into one FMA (-ffp-contract=fast is its default, and it applies to intrinsics too), which
@@ -199,17 +230,17 @@ inline __m256 transpose_sum8(const __m256 v[8]) {
 // q · row for eight key rows: `full` whole vectors, then (TAIL) the last D % 8 lanes by a masked
 // load, so no read passes the end of a row (the pool's last row ends the allocation). q is zero
 // padded to whole vectors.
-template <bool TAIL>
-inline __m256 dot8(const float* q, const float* const rows[8], int64_t full, __m256i tail) {
+template <bool TAIL, typename T>
+inline __m256 dot8(const float* q, const T* const rows[8], int64_t full, __m256i tail) {
   __m256 dots[8];
   for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
   for (int64_t c = 0; c < full; ++c) {
     const __m256 qc = _mm256_loadu_ps(q + 8 * c);
-    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[i] + 8 * c), dots[i]);
+    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qc, load_row8(rows[i] + 8 * c), dots[i]);
   }
   if constexpr (TAIL) {
     const __m256 qc = _mm256_loadu_ps(q + 8 * full);
-    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qc, _mm256_maskload_ps(rows[i] + 8 * full, tail), dots[i]);
+    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qc, load_row8_tail(rows[i] + 8 * full, tail), dots[i]);
   }
   return transpose_sum8(dots);
 }
@@ -219,8 +250,8 @@ inline __m256 dot8(const float* q, const float* const rows[8], int64_t full, __m
 // last vector is a row tail, read by a masked load. The constant loops are unrolled by pragma:
 // GCC otherwise unrolled them only after deciding that `sum` lives in memory, and stored all of
 // it to the stack on every key.
-template <int W, int TILE, bool TAIL>
-void accumulate_values(const float* const* value_slots, int64_t head_offset, int64_t n, const float* probs,
+template <int W, int TILE, bool TAIL, typename T>
+void accumulate_values(const T* const* value_slots, int64_t head_offset, int64_t n, const float* probs,
                        const float* corrections, float* acc, int64_t padded_dim, int64_t first, __m256i tail) {
   __m256 sum[TILE][W];
   _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
@@ -230,10 +261,10 @@ void accumulate_values(const float* const* value_slots, int64_t head_offset, int
     }
   }
   for (int64_t j = 0; j < n; ++j) {
-    const float* row = value_slots[j] + head_offset + 8 * first;
+    const T* row = value_slots[j] + head_offset + 8 * first;
     __m256 value[W];
     _Pragma("GCC unroll 4") for (int c = 0; c < W; ++c) {
-      value[c] = TAIL && c == W - 1 ? _mm256_maskload_ps(row + 8 * c, tail) : _mm256_loadu_ps(row + 8 * c);
+      value[c] = TAIL && c == W - 1 ? load_row8_tail(row + 8 * c, tail) : load_row8(row + 8 * c);
     }
     _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
       const __m256 weight = _mm256_broadcast_ss(probs + g * kKeyChunk + j);
@@ -247,38 +278,41 @@ void accumulate_values(const float* const* value_slots, int64_t head_offset, int
   }
 }
 
-using AccumulateFn = void (*)(const float* const*, int64_t, int64_t, const float*, const float*, float*, int64_t,
+template <typename T>
+using AccumulateFn = void (*)(const T* const*, int64_t, int64_t, const float*, const float*, float*, int64_t,
                               int64_t, __m256i);
 
-template <int W, int TILE>
-AccumulateFn pick_accumulate(bool tail) {
-  return tail ? &accumulate_values<W, TILE, true> : &accumulate_values<W, TILE, false>;
+template <int W, int TILE, typename T>
+AccumulateFn<T> pick_accumulate(bool tail) {
+  return tail ? &accumulate_values<W, TILE, true, T> : &accumulate_values<W, TILE, false, T>;
 }
 
-template <int TILE>
-AccumulateFn pick_accumulate(int width, bool tail) {
+template <int TILE, typename T>
+AccumulateFn<T> pick_accumulate(int width, bool tail) {
   static_assert(kStripe >= 1 && kStripe <= 4, "one case per stripe width");
   switch (width) {
-    case 1: return pick_accumulate<1, TILE>(tail);
-    case 2: return pick_accumulate<std::min(2, kStripe), TILE>(tail);
-    case 3: return pick_accumulate<std::min(3, kStripe), TILE>(tail);
-    default: return pick_accumulate<kStripe, TILE>(tail);
+    case 1: return pick_accumulate<1, TILE, T>(tail);
+    case 2: return pick_accumulate<std::min(2, kStripe), TILE, T>(tail);
+    case 3: return pick_accumulate<std::min(3, kStripe), TILE, T>(tail);
+    default: return pick_accumulate<kStripe, TILE, T>(tail);
   }
 }
 
-AccumulateFn pick_accumulate(int tile, int width, bool tail) {
+template <typename T>
+AccumulateFn<T> pick_accumulate(int tile, int width, bool tail) {
   static_assert(kHeadTile >= 1 && kHeadTile <= 3, "one case per tile size");
   switch (tile) {
-    case 1: return pick_accumulate<1>(width, tail);
-    case 2: return pick_accumulate<std::min(2, kHeadTile)>(width, tail);
-    default: return pick_accumulate<kHeadTile>(width, tail);
+    case 1: return pick_accumulate<1, T>(width, tail);
+    case 2: return pick_accumulate<std::min(2, kHeadTile), T>(width, tail);
+    default: return pick_accumulate<kHeadTile, T>(width, tail);
   }
 }
 
+template <typename T>
 struct AttentionShape {
   int64_t H, KVH, D, padded_dim;  // padded_dim: D rounded up to whole vectors (q and acc rows)
-  const PagedCache* keys;
-  const PagedCache* values;
+  const PagedCache<T>* keys;
+  const PagedCache<T>* values;
   int64_t block_size;
   float scale;
 };
@@ -295,22 +329,22 @@ struct AttentionShape {
 // as the AVX-512 kernel found). Prefetching helps long contexts a little; prefetching two chunks
 // ahead helps no more: at long contexts the kernel reads the cache about as fast as DRAM serves a
 // gather of scattered blocks, so it is memory-bound there.
-template <bool TAIL>
-void attend_split(const float* q, const AttentionShape& s, const int64_t* table, int64_t start, int64_t end,
+template <bool TAIL, typename T>
+void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* table, int64_t start, int64_t end,
                   float* maxima, float* sums, float* acc) {
   const int64_t H = s.H, KVH = s.KVH, D = s.D, padded_dim = s.padded_dim, group = H / KVH;
-  const PagedCache& keys = *s.keys;
-  const PagedCache& values = *s.values;
+  const PagedCache<T>& keys = *s.keys;
+  const PagedCache<T>& values = *s.values;
   const int64_t full = D / 8, vectors = padded_dim / 8;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const __m256i tail = tail_mask(D % 8);
   std::vector<float> probs_storage(kKeyChunk * group), corrections(group);  // probs: [head in group][key]
   float* probs = probs_storage.data();
   // Slots (KV head 0) of this chunk, and of the chunk kPrefetchChunks ahead, whose rows are prefetched.
-  const float* key_slots[kKeyChunk];
-  const float* value_slots[kKeyChunk];
-  const float* ahead_key_slots[kKeyChunk];
-  const float* ahead_value_slots[kKeyChunk];
+  const T* key_slots[kKeyChunk];
+  const T* value_slots[kKeyChunk];
+  const T* ahead_key_slots[kKeyChunk];
+  const T* ahead_value_slots[kKeyChunk];
   for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
   std::fill(acc, acc + H * padded_dim, 0.0f);
   for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
@@ -328,7 +362,7 @@ void attend_split(const float* q, const AttentionShape& s, const int64_t* table,
         __m256 max_lanes = _mm256_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 8) {
           const int64_t count = std::min<int64_t>(8, n - j);
-          const float* rows[8];
+          const T* rows[8];
           for (int64_t i = 0; i < 8; ++i) {  // lanes past the chunk re-read its first key, masked below
             rows[i] = key_slots[j + (i < count ? i : 0)] + kv * keys.head_stride;
           }
@@ -342,7 +376,7 @@ void attend_split(const float* q, const AttentionShape& s, const int64_t* table,
               }
             }
           }
-          __m256 scores = _mm256_mul_ps(dot8<TAIL>(q + h * padded_dim, rows, full, tail), _mm256_set1_ps(s.scale));
+          __m256 scores = _mm256_mul_ps(dot8<TAIL, T>(q + h * padded_dim, rows, full, tail), _mm256_set1_ps(s.scale));
           if (count < 8) {
             scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
           }
@@ -366,7 +400,7 @@ void attend_split(const float* q, const AttentionShape& s, const int64_t* table,
         const int tile = static_cast<int>(std::min<int64_t>(kHeadTile, group - g0));
         for (int64_t first = 0; first < vectors; first += kStripe) {
           const int width = static_cast<int>(std::min<int64_t>(kStripe, vectors - first));
-          pick_accumulate(tile, width, TAIL && first + width == vectors)(
+          pick_accumulate<T>(tile, width, TAIL && first + width == vectors)(
               value_slots, kv * values.head_stride, n, probs + g0 * kKeyChunk, corrections.data() + g0,
               acc + (kv * group + g0) * padded_dim, padded_dim, first, tail);
         }
@@ -449,37 +483,41 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                            const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t window) {
-  paged::check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks, check_f32, /*min_head_dim=*/1);
+namespace {
+
+// decode_attention over a cache of T (float or BF16), its inputs checked.
+template <typename T>
+at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                 const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                 int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   TORCH_CHECK(B >= 1, "decode_attention needs at least one sequence");
   paged::check_block_tables(block_tables, context_lens, B, k_blocks);
-  const PagedCache keys = paged::cache<float>(k_blocks), values = paged::cache<float>(v_blocks);
+  const PagedCache<T> keys = paged::cache<T>(k_blocks), values = paged::cache<T>(v_blocks);
   const int64_t block_size = k_blocks.size(1), max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lengths = context_lens.const_data_ptr<int64_t>();
   const float* cp = cos.const_data_ptr<float>();
   const float* sp = sin.const_data_ptr<float>();
 
-  // The new token's K (rotated) and V go into the cache first: it attends to itself.
-  std::vector<float> scratch(D);
+  // The new token's K (rotated) and V go into the cache first (rounded to its dtype): it attends
+  // to itself as it is stored.
+  std::vector<float> scratch(D), rotated(D);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t position = lengths[b] - 1;
     const int64_t block = tables[b * max_blocks + position / block_size], slot = position % block_size;
     for (int64_t h = 0; h < KVH; ++h) {
       rotate(k.const_data_ptr<float>() + b * k.stride(0) + h * k.stride(1), cp + b * D, sp + b * D, D,
-             keys.at(block, slot, h), scratch.data());
-      const float* value = v.const_data_ptr<float>() + b * v.stride(0) + h * v.stride(1);
-      std::copy(value, value + D, values.at(block, slot, h));
+             rotated.data(), scratch.data());
+      store_row(rotated.data(), keys.at(block, slot, h), D);
+      store_row(v.const_data_ptr<float>() + b * v.stride(0) + h * v.stride(1), values.at(block, slot, h), D);
     }
   }
   at::Tensor out = at::empty({B, H * D}, q.options());
   float* op = out.mutable_data_ptr<float>();
   const int64_t padded_dim = (D + 7) / 8 * 8;
-  const AttentionShape shape{H, KVH, D, padded_dim, &keys, &values, block_size, static_cast<float>(scale)};
+  const AttentionShape<T> shape{H, KVH, D, padded_dim, &keys, &values, block_size, static_cast<float>(scale)};
   // A task is one split of one sequence's keys, for all its query heads (each slot is read once).
   // Sequences are split until there are two tasks per thread, down to kMinSplitKeys keys a split;
   // the splits' partial results are merged here by their maxima (as flash-decoding does).
@@ -507,7 +545,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
       const int64_t split = task - first_task[b], length = lengths[b] - start;
       const int64_t k0 = start + length * split / splits[b], k1 = start + length * (split + 1) / splits[b];
-      (D % 8 == 0 ? attend_split<false> : attend_split<true>)(queries.data(), shape, tables + b * max_blocks, k0, k1,
+      (D % 8 == 0 ? attend_split<false, T> : attend_split<true, T>)(queries.data(), shape, tables + b * max_blocks, k0, k1,
                                                                maxima.data() + task * H, sums.data() + task * H,
                                                                partial.data() + task * H * padded_dim);
     }
@@ -534,14 +572,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   const at::Tensor& cos, const at::Tensor& sin,
-                                                   const at::Tensor& k_blocks, const at::Tensor& v_blocks,
-                                                   const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets) {
-  paged::check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks, check_f32, /*min_head_dim=*/1);
+// rotary_kv_write into a cache of C (float or BF16), its inputs checked.
+template <typename C>
+std::tuple<at::Tensor, at::Tensor> rotary_kv_write_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        const at::Tensor& cos, const at::Tensor& sin,
+                                                        const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                                                        const at::Tensor& slot_block_ids,
+                                                        const at::Tensor& slot_offsets) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  paged::check_slots(slot_block_ids, slot_offsets, T, k_blocks);
-  const PagedCache keys = paged::cache<float>(k_blocks), values = paged::cache<float>(v_blocks);
+  const PagedCache<C> keys = paged::cache<C>(k_blocks), values = paged::cache<C>(v_blocks);
   const int64_t* blocks = slot_block_ids.const_data_ptr<int64_t>();
   const int64_t* offsets = slot_offsets.const_data_ptr<int64_t>();
   at::Tensor q_out = at::empty({T, H, D}, q.options());
@@ -561,13 +600,33 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
         float* rotated = ko + (t * KVH + h) * D;
         rotate(k.const_data_ptr<float>() + t * k.stride(0) + h * k.stride(1), cp + t * D, sp + t * D, D, rotated,
                scratch.data());
-        std::copy(rotated, rotated + D, keys.at(blocks[t], offsets[t], h));
-        const float* value = v.const_data_ptr<float>() + t * v.stride(0) + h * v.stride(1);
-        std::copy(value, value + D, values.at(blocks[t], offsets[t], h));
+        store_row(rotated, keys.at(blocks[t], offsets[t], h), D);
+        store_row(v.const_data_ptr<float>() + t * v.stride(0) + h * v.stride(1), values.at(blocks[t], offsets[t], h), D);
       }
     }
   });
   return {q_out, k_out};
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                            const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window) {
+  check_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
+  const auto over = k_blocks.scalar_type() == at::kBFloat16 ? &decode_attention_over<bf16> : &decode_attention_over<float>;
+  return over(q, k, v, cos, sin, k_blocks, v_blocks, block_tables, context_lens, scale, window);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& cos, const at::Tensor& sin,
+                                                   const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                                                   const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets) {
+  check_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
+  paged::check_slots(slot_block_ids, slot_offsets, q.size(0), k_blocks);
+  const auto into = k_blocks.scalar_type() == at::kBFloat16 ? &rotary_kv_write_into<bf16> : &rotary_kv_write_into<float>;
+  return into(q, k, v, cos, sin, k_blocks, v_blocks, slot_block_ids, slot_offsets);
 }
 
 }  // namespace kunlun_cpu

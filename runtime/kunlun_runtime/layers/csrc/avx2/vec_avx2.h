@@ -1,8 +1,9 @@
-// AVX2 + FMA helpers for the AVX2 tier: 8 FP32 lanes; BF16 weights widened in registers.
+// AVX2 + FMA helpers for the AVX2 tier: 8 FP32 lanes; BF16 weights and KV rows widened in
+// registers, KV rows narrowed to BF16 on the way into a BF16 cache.
 //
 // BF16 → FP32 is exact (the BF16 bits become the upper half of the FP32 bits), so a kernel that
 // widens in registers computes what an FP32 matmul over the widened weight computes, up to the
-// order of the additions.
+// order of the additions. FP32 → BF16 rounds to nearest even, as torch's .to(torch.bfloat16).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -43,6 +44,39 @@ inline __m256 widen_bf16x8_tail(const bf16* p, int64_t count) {  // count < 8, t
   alignas(16) uint16_t buffer[8] = {};
   for (int64_t i = 0; i < count; ++i) buffer[i] = reinterpret_cast<const uint16_t*>(p)[i];
   return widen_bf16x8(reinterpret_cast<const bf16*>(buffer));
+}
+
+// Eight BF16 values of which only the leading lanes set in `lanes` (an FP32 lane mask of an even
+// number of lanes, as tail_mask makes it) are read: whole 32-bit pairs by a masked load, so nothing
+// past them is touched (a cache row may end its allocation); the other lanes are zero.
+inline __m256 widen_bf16x8_masked(const bf16* p, __m256i lanes) {
+  const __m128i pairs = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(lanes, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+  const __m128i raw = _mm_maskload_epi32(reinterpret_cast<const int*>(p), pairs);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Eight FP32 values rounded to BF16, to nearest even (ties to the even BF16); a NaN becomes the
+// quiet NaN 0x7FC0 (as c10::BFloat16 makes it), ±inf and values rounding past the largest BF16
+// become ±inf, as torch's conversion gives them.
+inline __m128i narrow_bf16x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  // Each 32-bit lane holds 0..0xFFFF, so the signed-saturating pack keeps it; it packs within each
+  // 128-bit half, and the permute joins the halves' low quadwords.
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// `count` FP32 values rounded to BF16 (narrow_bf16x8's rounding, the tail through c10's own).
+inline void narrow_bf16(const float* src, bf16* dst, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), narrow_bf16x8(_mm256_loadu_ps(src + i)));
+  }
+  for (; i < count; ++i) dst[i] = bf16(src[i]);
 }
 
 inline float hsum(__m256 v) {
