@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
         "turn off only where no node agent sets it (it would keep the pods NotReady)",
     )
     run.add_argument(
+        "--xpu-health-gate-grace-seconds",
+        type=_non_negative_seconds,
+        default=120.0,
+        metavar="S",
+        help="a runtime pod whose containers are ready but whose kunlun.dev/xpu-healthy condition no device "
+        "plugin set for S seconds gets it True from the operator (reason NoHealthReporter, with Warning "
+        "events), so a missing or denied device plugin cannot stall a rollout; 0: never",
+    )
+    run.add_argument(
         "--leaderworkerset",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -117,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--watch-timeout", type=float, default=300.0, help="server-side timeout of watch requests"
     )
     return parser
+
+
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _webhook(args: argparse.Namespace) -> kopf.WebhookServer | None:
@@ -193,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
             policy=_admission_policy(args.admission_policy),
             preflight_host=parse_preflight_host(args),
             leaderworkerset=args.leaderworkerset,
+            health_gate_grace_seconds=args.xpu_health_gate_grace_seconds,
         ),
         metrics,
         post_event,

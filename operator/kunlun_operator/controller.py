@@ -31,10 +31,13 @@ from kunlun_operator.apply import (
 )
 from kunlun_operator.builders.deployment import DEFAULT_PREFLIGHT_HOST, PreflightHost
 from kunlun_operator.errors import ApiError, OwnershipError, SpecError
+from kunlun_operator.health_gate import gated_pod
+from kunlun_operator.image_pull import image_pull
 from kunlun_operator.kube import POD, PVC, KubeClient
 from kunlun_operator.matrix import MATRIX_KEY, Matrix, load_default_matrix, merge_cards, parse_matrix
 from kunlun_operator.metrics import OperatorMetrics
 from kunlun_operator.nodes import NodeFacts
+from kunlun_operator.pod_gates import EventSink, GateOpener
 from kunlun_operator.policy import STRICTEST, AdmissionPolicy
 from kunlun_operator.reconcile import ClusterFacts, Plan, PodFacts, reconcile
 from kunlun_operator.replicas import (
@@ -51,8 +54,6 @@ from kunlun_operator.status import DeploymentFacts
 
 logger = logging.getLogger(__name__)
 
-#: Posts a Kubernetes Event about ``body``: (body, type, reason, message).
-EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 _CHANGE_EVENTS = {
     CREATED: ("Normal", "Created", "created {kind} {name}"),
     UPDATED: ("Normal", "Updated", "updated {kind} {name} to the new spec"),
@@ -81,6 +82,9 @@ class ControllerConfig:
     )
     #: --[no-]leaderworkerset: multi-node services may use LeaderWorkerSet where the cluster serves it
     leaderworkerset: bool = True
+    #: --xpu-health-gate-grace-seconds: how long a ready pod waits for the device plugin's report
+    #: before the operator sets its readiness gate (``health_gate``); 0: never
+    health_gate_grace_seconds: float = 120.0
 
 
 def pipeline_stages(spec: Mapping[str, Any]) -> int:
@@ -114,6 +118,7 @@ class Controller:
         # uids whose eviction the API accepted (a stale listing must not evict them twice).
         self._first_seen: dict[tuple[str, str], dict[str, datetime.datetime]] = {}
         self._evicted: dict[tuple[str, str], set[str]] = {}
+        self.gates = GateOpener(client, metrics, post_event, grace_seconds=config.health_gate_grace_seconds)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -177,6 +182,8 @@ class Controller:
                 (p.get("spec") or {}).get("nodeName"),
                 uid=p["metadata"].get("uid") or p["metadata"]["name"],
                 fault=card_fault(p),
+                gate=gated_pod(p),
+                pull=image_pull(p),
             )
             for p in items  # filtered here too: not every API honours labelSelector
             if all(((p["metadata"].get("labels") or {}).get(k) == v) for k, v in selector.items())
@@ -225,7 +232,11 @@ class Controller:
         previous = body.get("status") or {}
         now = self.clock()
         facts = self.read_facts(ref, spec, nodes)
-        facts = dataclasses.replace(facts, replacements=self.replace_replicas(ref, body, facts.pods, now))
+        facts = dataclasses.replace(
+            facts,
+            replacements=self.replace_replicas(ref, body, facts.pods, now),
+            gates=self.gates.open_gates(ref, body, (p.gate for p in facts.pods if p.gate), now),
+        )
         plan = reconcile(ref, spec, previous, facts, now=now)
         existed_before = (
             previous.get("observedGeneration") == ref.generation and previous.get("phase") != "Failed"
@@ -375,6 +386,7 @@ class Controller:
         self._phases.pop((ref.namespace, ref.name), None)
         self._first_seen.pop((ref.namespace, ref.name), None)
         self._evicted.pop((ref.namespace, ref.name), None)
+        self.gates.forget(ref.namespace, ref.name)
         self.metrics.set_phases(self._phases)
         logger.info(
             "cleaned up %s/%s: %s",

@@ -3,9 +3,10 @@
 Owns: kopf registrations and settings only; the work is in ``Controller`` (one reconcile pass) and
 ``admission`` (the webhook's verdict). Each KunlunInferenceService gets one daemon, a level-
 triggered loop: it reconciles, then sleeps until woken (its spec changed, an owned object or a
-Kunlun node changed, or the card health of one of its pods) or until the resync period passes, or
-until a replica on a failed card becomes due for replacement; a failed pass is retried with doubling
-delays. So one service never has two passes at once, and no trigger is lost while a pass runs.
+Kunlun node changed, or the card health, readiness-gate facts or image pull of one of its pods) or
+until the resync period passes, or until a replica on a failed card becomes due for replacement or
+a pod's readiness gate for opening; a failed pass is retried with doubling delays. So one service
+never has two passes at once, and no trigger is lost while a pass runs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import kopf
 from kunlun_operator import admission, names
 from kunlun_operator.controller import Controller
 from kunlun_operator.errors import ApiError
+from kunlun_operator.health_gate import gated_pod
+from kunlun_operator.image_pull import image_pull
 from kunlun_operator.kube import POD
 from kunlun_operator.nodes import NodeFacts
 from kunlun_operator.replicas import card_fault
@@ -86,12 +89,23 @@ def _node_fingerprint(labels: Mapping[str, str], spec: Mapping[str, Any]) -> tup
 
 
 def _pod_fingerprint(pod: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What of a runtime pod its service depends on: its node, whether it is terminating, and its
-    card health (``replicas.card_fault``); container restarts and probe results are not."""
+    """What of a runtime pod its service depends on: its node, whether it is terminating, its card
+    health (``replicas.card_fault``), its readiness gate's facts (containers ready, who reported:
+    ``health_gate.gated_pod``) and whether its runtime image pulls (``image_pull``); container
+    restarts, probe results and kubelet's back-off messages are not."""
     fault = card_fault(pod)
+    gate = gated_pod(pod)
+    pull = image_pull(pod)
     meta = pod.get("metadata") or {}
     health = None if fault is None else (fault.card, fault.reason, fault.since)
-    return (pod.get("spec") or {}).get("nodeName"), bool(meta.get("deletionTimestamp")), health
+    gate_facts = None if gate is None else (gate.containers_ready, gate.health)
+    return (
+        (pod.get("spec") or {}).get("nodeName"),
+        bool(meta.get("deletionTimestamp")),
+        health,
+        gate_facts,
+        None if pull is None else pull.state,
+    )
 
 
 async def _sleep_until_woken(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:

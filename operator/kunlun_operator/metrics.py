@@ -58,6 +58,18 @@ class OperatorMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.health_gates_opened = Counter(
+            "kunlun_operator_health_gates_opened_total",
+            "Runtime pods whose kunlun.dev/xpu-healthy readiness gate the operator set True (reason"
+            " NoHealthReporter) because no device plugin reported their card health within the grace period.",
+            registry=self.registry,
+        )
+        self.unmonitored_pods = Gauge(
+            "kunlun_operator_unmonitored_pods",
+            "Runtime pods whose card health no device plugin reports: their readiness gate was set by"
+            " the operator (NoHealthReporter) and the device plugin has not written its own verdict since.",
+            registry=self.registry,
+        )
         for phase in PHASES:
             self.managed_services.labels(phase=phase).set(0)
         # Counters start at 0 for every known label value: rate() and increase() need a sample

@@ -32,6 +32,10 @@ from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service, endpoint_url
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
 from kunlun_operator.errors import SpecError
+from kunlun_operator.health_gate import CONDITION_TYPE as CARD_HEALTH_REPORTED
+from kunlun_operator.health_gate import GatedPod, GateOutcome, health_reported_condition
+from kunlun_operator.image_pull import CONDITION_TYPE as RUNTIME_IMAGE_AVAILABLE
+from kunlun_operator.image_pull import ImagePull, runtime_image_condition
 from kunlun_operator.matrix import Matrix, check_versions, select_image
 from kunlun_operator.nodes import NodeFacts, assess_nodes, version_mismatches
 from kunlun_operator.policy import STRICTEST, AdmissionPolicy, check_policy
@@ -59,6 +63,8 @@ class PodFacts:
     node_name: str | None
     uid: str = ""
     fault: CardFault | None = None  # its card is unhealthy (``replicas.card_fault``)
+    gate: GatedPod | None = None  # it carries the readiness gate (``health_gate.gated_pod``)
+    pull: ImagePull | None = None  # its runtime image's pull state (``image_pull.image_pull``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,8 @@ class ClusterFacts:
     policy: AdmissionPolicy = STRICTEST  # the cluster admin's admission policy
     #: Replicas on failed cards: who waits, who was evicted in this pass, who could not be.
     replacements: ReplacementOutcome = field(default_factory=ReplacementOutcome)
+    #: Readiness gates nobody reported on: who waits, whose gate the operator set.
+    gates: GateOutcome = field(default_factory=GateOutcome)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +166,10 @@ def reconcile(
         ),
         _model_condition(spec, facts, ready),
         replicas_condition(facts.replacements),
+        health_reported_condition(facts.gates, gate=facts.xpu_health_gate),
+        runtime_image_condition(
+            (p.pull for p in facts.pods if p.pull is not None), image, from_matrix=spec.runtime.image is None
+        ),
     ]
     status: dict[str, Any] = {
         "phase": phase,
@@ -183,8 +195,15 @@ def reconcile(
         status=status,
         events=events,
         live_fields=live,
-        requeue_after_seconds=facts.replacements.recheck_after_seconds,
+        requeue_after_seconds=_earliest(
+            facts.replacements.recheck_after_seconds, facts.gates.recheck_after_seconds
+        ),
     )
+
+
+def _earliest(*delays: float | None) -> float | None:
+    """The soonest of the delays that are set; None when none is."""
+    return min((d for d in delays if d is not None), default=None)
 
 
 def _replacement_status(outcome: ReplacementOutcome, previous: Mapping[str, Any], now: str) -> dict[str, Any]:
@@ -349,6 +368,8 @@ def _failed_plan(
         Condition("DevicesAvailable", "Unknown", error.reason, "not evaluated: the spec is invalid"),
         Condition("ModelAvailable", "Unknown", error.reason, "not evaluated: the spec is invalid"),
         Condition(REPLICAS_HEALTHY, "Unknown", error.reason, "not evaluated: the spec is invalid"),
+        Condition(CARD_HEALTH_REPORTED, "Unknown", error.reason, "not evaluated: the spec is invalid"),
+        Condition(RUNTIME_IMAGE_AVAILABLE, "Unknown", error.reason, "not evaluated: the spec is invalid"),
     ]
     status: dict[str, Any] = {
         "phase": FAILED,
@@ -380,6 +401,7 @@ _TRANSITIONS: Mapping[tuple[str, str], tuple[EventType, str | None]] = {
     ("DevicesAvailable", "False"): ("Warning", None),
     ("VersionsCompatible", "False"): ("Warning", None),
     ("ModelAvailable", "False"): ("Warning", None),
+    (RUNTIME_IMAGE_AVAILABLE, "False"): ("Warning", None),
 }
 
 

@@ -55,6 +55,7 @@ def test_operator_arguments_default(default_render: Rendered) -> None:
         "--liveness=http://0.0.0.0:8081/healthz",
         "--metrics-port=8080",
         "--log-level=info",
+        "--xpu-health-gate-grace-seconds=120",
         "--all-namespaces",
         f"--compatibility-configmap={NAMESPACE}/{PREFIX}-compatibility",
         "--default-runtime-image=ghcr.io/kunlun-inference/kunlun-runtime:0.1.0",
@@ -71,6 +72,11 @@ def test_operator_arguments_default(default_render: Rendered) -> None:
         8080,
         9443,
     )
+    assert args.xpu_health_gate_grace_seconds == 120.0
+    zero = containers(
+        render(overrides={"operator": {"xpuHealthGateGraceSeconds": 0}}), "Deployment", "-operator"
+    )
+    assert parse_cli(operator_cli, zero["operator"]["args"]).xpu_health_gate_grace_seconds == 0.0
 
 
 def test_preflight_host_files_follow_the_device_plugins_paths_unless_set() -> None:

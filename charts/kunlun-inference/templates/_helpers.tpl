@@ -118,6 +118,7 @@ seccompProfile:
 - --liveness=http://0.0.0.0:{{ .Values.operator.health.port }}/healthz
 - --metrics-port={{ .Values.operator.metrics.port }}
 - --log-level={{ .Values.operator.logLevel }}
+- --xpu-health-gate-grace-seconds={{ .Values.operator.xpuHealthGateGraceSeconds }}
 {{- if .Values.operator.watchNamespaces }}
 {{- range .Values.operator.watchNamespaces }}
 - --namespace={{ . }}

@@ -2,7 +2,8 @@
 
 The fake API records each call as (verb, group, resource); one run walks the operator through every
 code path that talks to the API (create, autoscaling on and off, Warn policy, a PVC source, the
-matrix ConfigMap, a node change, drift, a replica on a failed card evicted, admission, deletion).
+matrix ConfigMap, a node change, drift, a replica on a failed card evicted, a readiness gate nobody
+reported on set by the operator, admission, deletion).
 The observed table must equal ``kunlun_operator/api_calls.yaml`` minus the peering rules (tests
 run standalone) and the LeaderWorkerSet rules, which a second run (a multi-node service on a cluster
 serving LeaderWorkerSet: create, scale, autoscaling, drift, deletion) must make exactly.
@@ -18,6 +19,7 @@ import yaml
 
 from tests.integration.operator.conftest import LWS_GROUP, NAMESPACE, Cluster, add_failed_pod, wait_for
 from tests.integration.operator.test_admission import _accepts, review
+from tests.integration.operator.test_health_gate import add_pod, ago, kubelet_ready
 
 pytestmark = pytest.mark.slow
 SPEC = {
@@ -32,6 +34,12 @@ MULTI_NODE = {
     "runtime": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
     "resources": {"xpus": 8},
 }
+
+
+def add_unreported_pod(cluster: Cluster) -> None:
+    """A runtime pod with the readiness gate, ready for ten minutes, that no device plugin reported on."""
+    add_pod(cluster, "qwen-unreported")
+    kubelet_ready(cluster, "qwen-unreported", since=ago(600))
 
 
 def documented(*, leaderworkerset: bool = False) -> set[tuple[str, str, str]]:
@@ -65,6 +73,11 @@ def test_the_operator_calls_exactly_the_documented_api(cluster: Cluster) -> None
     wait_for(lambda: cluster.kube.objects("prometheusrules", "monitoring.coreos.com"), message="the objects")
     add_failed_pod(cluster)  # watched, listed, then evicted
     wait_for(lambda: cluster.status().get("replicaReplacements") == 1, message="the replica replaced")
+    add_unreported_pod(cluster)  # its readiness gate set by the operator (pods/status)
+    wait_for(
+        lambda: (cluster.condition("CardHealthReported") or ("", ""))[1] == "NoHealthReporter",
+        message="the gate opened",
+    )
     cluster.patch_service(
         {
             "spec": {

@@ -38,7 +38,7 @@ def test_create_builds_every_object_and_reports_status(cluster: Cluster) -> None
     }
     assert [v["hostPath"] for v in pod["volumes"] if "hostPath" in v] == [
         {"path": "/data/qwen", "type": "Directory"},  # the model
-        {"path": "/usr/local/xpu/kml/VERSION", "type": "File"},
+        {"path": "/usr/local/xpu/kml", "type": ""},  # the KML version file's directory, unchecked
         {"path": "/opt/xpu/bin/xpu-smi", "type": "File"},
     ]
     for plural, group in [

@@ -47,6 +47,8 @@ def test_new_service_plans_its_objects_and_is_pending() -> None:
         "DevicesAvailable": ("True", "CompatibleNodesFound"),
         "ModelAvailable": ("Unknown", "NotLoadedYet"),
         "ReplicasHealthy": ("True", "AllCardsHealthy"),
+        "CardHealthReported": ("True", "HealthReported"),
+        "RuntimeImageAvailable": ("Unknown", "NotPulledYet"),
     }
     assert plan.status["replicaReplacements"] == 0
     assert plan.events == ()
@@ -82,6 +84,8 @@ def test_ready_transition_emits_one_event_and_keeps_transition_times() -> None:
         "DevicesAvailable": NOW,
         "ModelAvailable": LATER,
         "ReplicasHealthy": NOW,
+        "CardHealthReported": NOW,
+        "RuntimeImageAvailable": NOW,
     }
     assert ready.status["ready"] == "1/1"
 

@@ -1,0 +1,126 @@
+"""The shell that opens readiness gates: the guarded pods/status write, events, metrics, races."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kunlun_operator.errors import ApiError
+from kunlun_operator.kube import POD
+from kunlun_operator.metrics import OperatorMetrics
+from kunlun_operator.pod_gates import GateOpener
+from tests.unit.operator.factories import make_ref
+from tests.unit.operator.test_health_gate import PLUGIN_TRUE, gated
+
+BEFORE = "2026-01-01T00:01:59Z"  # 119 s after the containers became ready (T0)
+DUE = "2026-01-01T00:02:00Z"
+SERVICE = {
+    "apiVersion": "serving.kunlun.dev/v1alpha1",
+    "kind": "KunlunInferenceService",
+    "metadata": {"name": "qwen"},
+}
+
+
+class StatusClient:
+    """Answers ``patch`` with the statuses queued per pod (None: accepted), like ``KubeClient``."""
+
+    def __init__(self, answers: dict[str, list[int | None]] | None = None) -> None:
+        self.answers = answers or {}
+        self.patches: list[tuple[str, str, str, dict[str, Any], str | None]] = []
+
+    def patch(
+        self,
+        kind: Any,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
+    ) -> None:
+        self.patches.append((kind.kind, namespace, name, dict(patch), subresource))
+        status = self.answers.get(name, [None]).pop(0)
+        if status is not None:
+            raise ApiError(status, "Forbidden" if status == 403 else "Conflict", "no", call=f"PATCH {name}")
+
+
+def opener(client: StatusClient, events: list[tuple[str, str, str, str]]) -> GateOpener:
+    def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        events.append((body["kind"], body["metadata"]["name"], type_, reason))
+
+    return GateOpener(client, OperatorMetrics(), post_event, grace_seconds=120)  # type: ignore[arg-type]
+
+
+def sample(gates: GateOpener, name: str) -> float | None:
+    return gates.metrics.registry.get_sample_value(name)
+
+
+def test_an_overdue_gate_is_set_with_the_read_conditions_and_resource_version_and_announced() -> None:
+    client, events = StatusClient(), []
+    gates = opener(client, events)
+    waiting = gates.open_gates(make_ref(), SERVICE, [gated()], BEFORE)
+    assert (client.patches, [p.name for p in waiting.waiting], waiting.recheck_after_seconds) == (
+        [],
+        ["qwen-1"],
+        1.0,
+    )
+
+    done = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
+    [(kind, namespace, name, patch, subresource)] = client.patches
+    assert (kind, namespace, name, subresource) == (POD.kind, "ml", "qwen-1", "status")
+    assert patch["metadata"] == {"resourceVersion": "7"}
+    conditions = patch["status"]["conditions"]
+    assert [c["type"] for c in conditions] == [
+        "Initialized",
+        "ContainersReady",
+        "Ready",
+        "kunlun.dev/xpu-healthy",
+    ]
+    assert (conditions[-1]["status"], conditions[-1]["reason"]) == ("True", "NoHealthReporter")
+    assert [p.name for p in done.opened] == ["qwen-1"]
+    assert events == [
+        ("Pod", "qwen-1", "Warning", "NoHealthReporter"),
+        ("KunlunInferenceService", "qwen", "Warning", "NoHealthReporter"),
+    ]
+    assert sample(gates, "kunlun_operator_health_gates_opened_total") == 1.0
+    assert sample(gates, "kunlun_operator_unmonitored_pods") == 1.0
+
+
+def test_the_plugins_late_verdict_stops_the_countdown_and_a_race_is_lost_quietly() -> None:
+    client, events = StatusClient({"qwen-1": [409]}), []
+    gates = opener(client, events)
+    raced = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)  # the plugin wrote since the listing
+    assert (raced.opened, raced.failed, events, raced.recheck_after_seconds) == ((), (), [], 10.0)
+    reported = gates.open_gates(make_ref(), SERVICE, [gated(health=PLUGIN_TRUE)], DUE)
+    assert (reported.opened, reported.waiting, len(client.patches)) == ((), (), 1)
+    assert sample(gates, "kunlun_operator_health_gates_opened_total") == 0.0
+
+
+def test_a_denied_write_is_reported_and_retried_never_turned_false() -> None:
+    client, events = StatusClient({"qwen-1": [403, None]}), []
+    gates = opener(client, events)
+    denied = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
+    assert ([(p.name, e) for p, e in denied.failed], denied.recheck_after_seconds, events) == (
+        [("qwen-1", "403 Forbidden")],
+        10.0,
+        [],
+    )
+    again = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
+    assert [p.name for p in again.opened] == ["qwen-1"]
+    assert {
+        c["status"] for _, _, _, patch, _ in client.patches for c in patch["status"]["conditions"][-1:]
+    } == {"True"}
+
+
+def test_a_gate_opened_earlier_counts_until_the_plugin_writes_and_a_deleted_service_is_forgotten() -> None:
+    gates = opener(StatusClient(), [])
+    gates.open_gates(
+        make_ref(), SERVICE, [gated(health={"status": "True", "reason": "NoHealthReporter"})], DUE
+    )
+    assert sample(gates, "kunlun_operator_unmonitored_pods") == 1.0
+    gates.open_gates(make_ref(), SERVICE, [gated(health=PLUGIN_TRUE)], DUE)
+    assert sample(gates, "kunlun_operator_unmonitored_pods") == 0.0
+    gates.open_gates(
+        make_ref(), SERVICE, [gated(health={"status": "True", "reason": "NoHealthReporter"})], DUE
+    )
+    gates.forget("ml", "qwen")
+    assert sample(gates, "kunlun_operator_unmonitored_pods") == 0.0
