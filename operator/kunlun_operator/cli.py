@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="runtime pods get a readiness gate on the node agent's kunlun.dev/xpu-healthy condition; "
-        "turn off only where no node agent sets it (it would keep the pods NotReady)",
+        "turn off where no node agent runs (else each new pod waits --xpu-health-gate-grace-seconds "
+        "before the operator sets the condition itself)",
     )
     run.add_argument(
         "--xpu-health-gate-grace-seconds",
