@@ -1,5 +1,6 @@
 """Suite-wide hooks: under ``KUNLUN_REQUIRE_TOOLS=1`` (CI) a test that skipped because a tool CI
-fetches is missing is reported as failed, naming the tool (tests/support/prerequisites.py).
+fetches (or a package it installs) is missing is reported as failed, naming it
+(tests/support/prerequisites.py).
 
 Other skips (another CPU tier, no GPU, no cluster) stay skips; pytest's ``-ra`` (pyproject's
 addopts) lists their reasons at the end of the run.
@@ -33,6 +34,6 @@ def pytest_runtest_makereport(
         if tool is not None:
             report.outcome = "failed"
             report.longrepr = (
-                f"{REQUIRE_ENV}=1: skipped for a tool CI fetches ({tool}), which is a failure here: {reason}"
+                f"{REQUIRE_ENV}=1: skipped for what CI fetches or installs ({tool}), a failure here: {reason}"
             )
     return report

