@@ -147,8 +147,11 @@ class FaultResponder:
             if healthy != self._reported[uuid]:
                 self._reported[uuid] = healthy
                 self._flipped.add(uuid)
-        self._tell_pods()
-        self._write_files()
+        self._write_files()  # the quarantine is persisted (and exported) before any pod hears of it
+        try:
+            self._tell_pods()
+        finally:
+            self._write_files()  # this round's pod patches, counted
         return states
 
     # --- decisions on in-memory state ----------------------------------------------------------------
@@ -181,8 +184,12 @@ class FaultResponder:
         try:
             self.ledger.restore(read_state_file(path), self._seconds(), str(path))
         except FaultStateError as exc:
-            logger.warning(
-                "no last-known quarantine (%s): until node %s is read, none is held", exc, self.node_name
+            level = logging.INFO if exc.reason == "missing" else logging.WARNING  # missing: a first start
+            logger.log(
+                level,
+                "no last-known quarantine (%s): until node %s is read, none is held",
+                exc,
+                self.node_name,
             )
 
     def _sync_node(self, now: float) -> None:
@@ -253,7 +260,8 @@ class FaultResponder:
         present = {v.pod for v in verdicts}
         self._written = {pod: w for pod, w in self._written.items() if pod in present}
         self._events_due = {(pod, uuid) for pod, uuid in self._events_due if pod in present}
-        self.api_errors.keep_only(PATCH_POD_STATUS, (f"{p.namespace}/{p.name}" for p in present))
+        for call in (PATCH_POD_STATUS, CREATE_EVENT):  # a pod that is gone is no longer failing
+            self.api_errors.keep_only(call, [f"{p.namespace}/{p.name}" for p in present])
         written = {pod: verdict for pod, (verdict, _) in self._written.items()}
         unwritten: set[PodRef] = set()
         for verdict in verdicts_to_write(verdicts, written):

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,19 @@ def make_pod(name: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    host = copy_host("p800-8", tmp_path)
-    quarantine_file = tmp_path / "quarantine.json"
+@dataclass
+class World:
+    """What one node's plugin talks to: the fake API (Node n1, pods qwen-0 on cards 4 and 5, qwen-1 on
+    card 0), the fake kubelet and its PodResources."""
+
+    kube: RunningKubeAPI
+    kubelet_dir: Path
+    kubelet: FakeKubelet
+    pod_resources: FakePodResources
+
+
+@contextmanager
+def running_world(tmp_path: Path) -> Iterator[World]:
     with running_fake_api(tmp_path) as kube, short_tempdir() as kubelet_dir:
         core = kubernetes.client.CoreV1Api(kube.client())
         core.create_node({"metadata": {"name": "n1"}})
@@ -86,27 +96,38 @@ def node(tmp_path: Path) -> Iterator[Node]:
         pod_resources.start()
         kubelet = FakeKubelet(kubelet_dir)
         kubelet.start()
+        try:
+            yield World(kube, kubelet_dir, kubelet, pod_resources)
+        finally:
+            kubelet.stop()
+            pod_resources.stop()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    host = copy_host("p800-8", tmp_path)
+    quarantine_file = tmp_path / "quarantine.json"
+    with running_world(tmp_path) as world:
+        kube = world.kube
 
         def respond(devices: tuple[XpuDevice, ...]) -> FaultResponder:
             return FaultResponder(
                 devices,
                 "n1",
                 kubernetes.client.CoreV1Api(kube.client()),
-                PodResourcesClient(str(pod_resources.socket)),
+                PodResourcesClient(str(world.pod_resources.socket)),
                 QuarantinePolicy(max_failures=3, window_seconds=600),
                 taint=True,
                 node_sync_seconds=0.05,
                 quarantine_file=quarantine_file,
             )
 
-        plugin = fast_plugin(tmp_path, kubelet_dir, fault_response=respond)
+        plugin = fast_plugin(tmp_path, world.kubelet_dir, fault_response=respond)
         plugin.start()
         try:
-            yield Node(host, kube, kubelet, plugin, quarantine_file)
+            yield Node(host, kube, world.kubelet, plugin, quarantine_file)
         finally:
             plugin.stop()
-            kubelet.stop()
-            pod_resources.stop()
 
 
 def condition(kube: RunningKubeAPI, pod: str) -> dict[str, Any] | None:

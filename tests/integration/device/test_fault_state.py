@@ -16,28 +16,29 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import kubernetes
 import pytest
 
 from kunlun_device.errors import FaultStateError
 from kunlun_device.faults import FaultResponder, QuarantinePolicy, read_state_file
+from kunlun_device.faults.history import parse_failures
 from kunlun_device.faults.state import FaultState
 from kunlun_device.labels import FAILURES_ANNOTATION, QUARANTINE_ANNOTATION
 from kunlun_device.plugin import PluginServer
 from kunlun_device.podresources import PodResourcesClient
 from kunlun_device.xpu.model import XpuDevice
-from tests.integration.device.fake_kubelet import FakeKubelet, FakePodResources, fast_plugin, short_tempdir
+from tests.integration.device.fake_kubelet import FakeKubelet, fast_plugin
 from tests.integration.device.test_fault_response import (
     BOUND_SECONDS,
+    World,
     condition_becomes,
     fail_and_recover,
     list_and_watch,
-    make_pod,
+    running_world,
     uuid,
 )
-from tests.support.kubeapi import RunningKubeAPI, running_fake_api
+from tests.support.kubeapi import RunningKubeAPI
 from tests.support.waiting import wait_for
 from tests.unit.device.hosts import copy_host
 
@@ -48,14 +49,19 @@ class Cluster:
 
     tmp: Path
     host: Path
-    kube: RunningKubeAPI
-    kubelet: FakeKubelet
-    kubelet_dir: Path
-    pod_resources: FakePodResources
+    world: World
     state_file: Path
     quarantine_file: Path
     plugins: list[PluginServer] = field(default_factory=list)
-    plugin: Any = None
+    plugin: PluginServer | None = None
+
+    @property
+    def kube(self) -> RunningKubeAPI:
+        return self.world.kube
+
+    @property
+    def kubelet(self) -> FakeKubelet:
+        return self.world.kubelet
 
     def start_plugin(self, api: kubernetes.client.ApiClient | None = None) -> PluginServer:
         core = kubernetes.client.CoreV1Api(api or self.kube.client())
@@ -65,19 +71,21 @@ class Cluster:
                 devices,
                 "n1",
                 core,
-                PodResourcesClient(str(self.pod_resources.socket)),
+                PodResourcesClient(str(self.world.pod_resources.socket)),
                 QuarantinePolicy(max_failures=3, window_seconds=600),
                 node_sync_seconds=0.05,
                 quarantine_file=self.quarantine_file,
                 state_file=self.state_file,
             )
 
-        self.plugin = fast_plugin(self.tmp, self.kubelet_dir, fault_response=respond)
-        self.plugins.append(self.plugin)
-        self.plugin.start()
-        return self.plugin  # type: ignore[no-any-return]
+        plugin = fast_plugin(self.tmp, self.world.kubelet_dir, fault_response=respond)
+        self.plugin = plugin
+        self.plugins.append(plugin)
+        plugin.start()
+        return plugin
 
     def stop_plugin(self) -> None:
+        assert self.plugin is not None
         self.plugin.stop()
 
     def annotations(self) -> dict[str, str]:
@@ -91,36 +99,13 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     host = copy_host("p800-8", tmp_path)
-    with running_fake_api(tmp_path) as kube, short_tempdir() as kubelet_dir:
-        core = kubernetes.client.CoreV1Api(kube.client())
-        core.create_node({"metadata": {"name": "n1"}})
-        for name in ("qwen-0", "qwen-1"):
-            core.create_namespaced_pod("bank-prod", make_pod(name))
-        pod_resources = FakePodResources(kubelet_dir / "pod-resources.sock")
-        pod_resources.assignments = {
-            ("bank-prod", "qwen-0", "runtime"): [uuid(4), uuid(5)],
-            ("bank-prod", "qwen-1", "runtime"): [uuid(0)],
-        }
-        pod_resources.start()
-        kubelet = FakeKubelet(kubelet_dir)
-        kubelet.start()
-        state = Cluster(
-            tmp_path,
-            host,
-            kube,
-            kubelet,
-            kubelet_dir,
-            pod_resources,
-            tmp_path / "state.json",
-            tmp_path / "q.json",
-        )
+    with running_world(tmp_path) as world:
+        state = Cluster(tmp_path, host, world, tmp_path / "state.json", tmp_path / "q.json")
         try:
             yield state
         finally:
             for plugin in state.plugins:
                 plugin.stop()
-            kubelet.stop()
-            pod_resources.stop()
 
 
 def unreachable_client(kube: RunningKubeAPI) -> kubernetes.client.ApiClient:
@@ -163,8 +148,6 @@ def test_a_restarted_plugin_keeps_counting_failures(cluster: Cluster) -> None:
 
 
 def read_failures(cluster: Cluster) -> dict[str, tuple[float, ...]]:
-    from kunlun_device.faults.history import parse_failures
-
     return parse_failures(cluster.annotations().get(FAILURES_ANNOTATION))
 
 
