@@ -64,7 +64,7 @@ class ApiErrorLog:
         if self._failing.get((call, target)) == reason:
             return
         self._failing[(call, target)] = reason
-        logger.warning("%s %s failed, %s (retrying every round): %s", call, target, consequence, reason)
+        logger.warning("%s %s failed, %s: %s", call, target, consequence, reason)
 
     def succeeded(self, call: str, target: str) -> None:
         """Note a success; log it when `target` was failing."""
