@@ -109,6 +109,13 @@ def add_distributed_args(parser: argparse.ArgumentParser | argparse._ArgumentGro
         default=60.0,
         help="seconds a rank may stay silent before the group fails (the leader then exits 1)",
     )
+    parser.add_argument(
+        "--leader-wait-timeout",
+        type=float,
+        default=None,
+        help="seconds a worker node (--node-rank >= 1) retries the leader's port before it exits 1 "
+        "(default: --distributed-timeout)",
+    )
 
 
 def rendezvous_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
@@ -225,6 +232,7 @@ def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_timeout_seconds=args.distributed_timeout,
+        leader_wait_timeout_seconds=args.leader_wait_timeout,
         **rendezvous_options(args, os.environ),
         quantization=args.quantization,
         linear_backend=args.linear_backend,

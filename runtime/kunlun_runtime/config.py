@@ -92,6 +92,10 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # the leader's address, where every rank joins
     master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT across nodes
     distributed_timeout_seconds: float = 60.0  # a rank silent this long fails the group
+    # How long a worker node retries the leader's rendezvous port before it exits 1; None: the
+    # distributed timeout. Under LeaderWorkerSet the leader's pod may still be pulling its image or
+    # model, so the operator passes its startup budget here rather than lengthening every step's.
+    leader_wait_timeout_seconds: float | None = None
     quantization: QuantizationName | None = None
     seed: int = 0
     extra: dict[str, str] = field(default_factory=dict)
@@ -165,6 +169,11 @@ class EngineConfig:
             1 <= self.distributed_timeout_seconds < float("inf"),
             "distributed_timeout",
             f"must be at least 1 second (idle keepalives go every third of it), got {self.distributed_timeout_seconds}",
+        )
+        _check(
+            self.leader_wait_timeout_seconds is None or 1 <= self.leader_wait_timeout_seconds < float("inf"),
+            "leader_wait_timeout",
+            f"must be at least 1 second, got {self.leader_wait_timeout_seconds}",
         )
         _check(
             self.quantization is None or self.quantization in QUANTIZATIONS,

@@ -15,6 +15,7 @@ import yaml
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
+from kunlun_operator.feasibility import startup_budget_seconds
 from kunlun_operator.matrix import parse_bytes
 from kunlun_operator.spec import InferenceSpec, ServiceRef
 
@@ -60,7 +61,9 @@ def rendezvous_args(spec: InferenceSpec) -> list[str]:
     Kubernetes expands ``$(VAR)`` in container arguments from the container's environment, which
     LeaderWorkerSet fills in every pod (``LWS_WORKER_INDEX``: 0 on the leader; ``LWS_LEADER_ADDRESS``:
     the leader's DNS name); explicit flags show the rendezvous in ``kubectl describe``. Not in the
-    ConfigMap: the values differ per pod.
+    ConfigMap: the values differ per pod. A worker waits for the leader's port as long as the
+    group's startup budget (``--leader-wait-timeout``): the leader's pod may still be pulling its
+    image or model, and a worker that gave up sooner would make LeaderWorkerSet recreate the group.
     """
     if not spec.multi_node:
         return []
@@ -73,6 +76,8 @@ def rendezvous_args(spec: InferenceSpec) -> list[str]:
         f"$({names.LWS_ENV_LEADER_ADDRESS})",
         "--master-port",
         str(names.RENDEZVOUS_PORT),
+        "--leader-wait-timeout",
+        str(startup_budget_seconds(spec)),
     ]
 
 

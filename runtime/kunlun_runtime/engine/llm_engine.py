@@ -153,6 +153,7 @@ def plan_ranks(
         master_port=port,
         platform=platform,
         timeout_seconds=config.distributed_timeout_seconds,
+        leader_wait_seconds=config.leader_wait_timeout_seconds,
         vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size,
     )

@@ -4,8 +4,8 @@ torch.distributed's TCP rendezvous retries a refused or unresolvable leader in s
 its timeout (the 30-minute startup timeout here), so a worker pointed at the wrong address, or
 at a leader that never came up, would wait half an hour without a word. A worker node therefore
 first opens plain TCP connections to the leader's port (``wait_for_leader``): it logs its
-failed attempts with the address every few seconds and gives up after ``--distributed-timeout``
-with an error naming the address and the flags that set it.
+failed attempts with the address every few seconds and gives up after ``--leader-wait-timeout``
+(by default ``--distributed-timeout``)with an error naming the address and the flags that set it.
 
 It only connects and closes; it never speaks the store's protocol. Reaching the port says the
 leader is up, not that the group will form: joining then waits for every node (startup timeout).
@@ -77,8 +77,8 @@ def wait_for_leader(
                 f"parallel group: node {node_rank} could not reach the leader at {host}:{port} within "
                 f"{timeout_seconds:g} s ({attempts} attempts; last: {error}): check --master-addr and "
                 "--master-port (under LeaderWorkerSet: LWS_LEADER_ADDRESS), that the leader (node 0) is "
-                f"running, and that port {port} is open between the nodes; --distributed-timeout sets "
-                "how long a worker waits"
+                f"running, and that port {port} is open between the nodes; --leader-wait-timeout "
+                "(default: --distributed-timeout) sets how long a worker waits"
             )
         if logged_at is None or now - logged_at >= LOG_EVERY_SECONDS:
             logger.warning(

@@ -78,6 +78,7 @@ class RankSpec:
     master_port: int
     platform: Platform  # the engine's platform (pickled to the workers); binds each rank's device
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    leader_wait_seconds: float | None = None  # a worker node's wait for the leader; None: timeout_seconds
     vocab_size: int = 0  # of the logits the last stage returns
     hidden_size: int = 0
     kv_cache_dtype: torch.dtype | None = None  # what the KV cache stores; None: the activations' dtype
@@ -277,7 +278,12 @@ def run_worker_node(spec: RankSpec) -> int:
     layout = spec.layout
     rank = layout.node_ranks[0]
     try:  # before anything starts: torch.distributed would wait for an absent leader in silence
-        wait_for_leader(spec.master_addr, spec.master_port, spec.timeout_seconds, node_rank=layout.node_rank)
+        wait_for_leader(
+            spec.master_addr,
+            spec.master_port,
+            spec.leader_wait_seconds or spec.timeout_seconds,
+            node_rank=layout.node_rank,
+        )
     except EngineDeadError as error:
         logger.error("%s", error)
         return 1

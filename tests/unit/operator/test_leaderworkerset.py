@@ -47,6 +47,7 @@ RENDEZVOUS = [
     "$(LWS_LEADER_ADDRESS)",
     "--master-port",
     "29500",
+    "--leader-wait-timeout",
 ]
 
 
@@ -135,8 +136,14 @@ def test_every_pod_of_a_group_runs_the_same_serve_command_with_the_rendezvous() 
             "--pipeline-parallel-size",
             "2",
             *RENDEZVOUS,
+            leader["args"][-1],
         ]
     )
+    # a worker waits for the leader's port as long as the leader's startup probe waits for its load
+    # (the leader's pod may still be pulling its image or model): never less, within one period
+    probe = leader["startupProbe"]
+    budget_seconds = probe["periodSeconds"] * probe["failureThreshold"]
+    assert budget_seconds - probe["periodSeconds"] < int(leader["args"][-1]) <= budget_seconds
     # the version lock, the preflight on the pod's own 8 cards and the resources: on every pod
     for template in (templates["leaderTemplate"], templates["workerTemplate"]):
         spec = template["spec"]
@@ -159,7 +166,7 @@ def test_extra_args_come_after_the_rendezvous() -> None:
         )
     )
     args = _runtime(lws["spec"]["leaderWorkerTemplate"]["workerTemplate"])["args"]
-    assert args[-9:] == [*RENDEZVOUS, "--x"]
+    assert args[-11:] == [*RENDEZVOUS, args[-2], "--x"]
 
 
 def test_the_leaders_startup_probe_waits_for_the_whole_group() -> None:

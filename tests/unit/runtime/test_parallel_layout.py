@@ -280,3 +280,13 @@ def test_a_stage_reads_only_its_own_weights_and_a_stray_layer_is_still_refused(t
     for stage in (range(0, 2), range(2, 4)):
         with pytest.raises(ModelLoadError, match=r"unexpected weight 'layers\.7"):
             loader.load_model(model_dir, torch.float32, torch.device("cpu"), 64, layers=stage)
+
+
+def test_a_worker_nodes_wait_for_the_leader_defaults_to_the_distributed_timeout_and_can_be_longer() -> None:
+    argv = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
+    assert engine_config_from_args(_parse(argv)).leader_wait_timeout_seconds is None
+    config = engine_config_from_args(_parse([*argv, "--leader-wait-timeout", "1800"]))
+    assert config.leader_wait_timeout_seconds == 1800.0
+    assert config.distributed_timeout_seconds == 60.0
+    with pytest.raises(ConfigError, match="leader_wait_timeout: must be at least 1 second, got 0.5"):
+        engine_config_from_args(_parse([*argv, "--leader-wait-timeout", "0.5"]))
