@@ -288,5 +288,5 @@ def test_a_worker_nodes_wait_for_the_leader_defaults_to_the_distributed_timeout_
     config = engine_config_from_args(_parse([*argv, "--leader-wait-timeout", "1800"]))
     assert config.leader_wait_timeout_seconds == 1800.0
     assert config.distributed_timeout_seconds == 60.0
-    with pytest.raises(ConfigError, match="leader_wait_timeout: must be at least 1 second, got 0.5"):
+    with pytest.raises(ConfigError, match=r"leader_wait_timeout: must be at least 1 second, got 0\.5"):
         engine_config_from_args(_parse([*argv, "--leader-wait-timeout", "0.5"]))
