@@ -26,11 +26,13 @@ def resolve_kv_cache_dtype(
 
     ``auto`` is the activation dtype (vLLM's meaning), except where the platform computes in FP32
     only because its BF16 arithmetic is emulated (a CPU under ``--dtype auto`` whose default is
-    FP32): there it is BF16. Rounding K/V to BF16 halves the cache's bytes per token, so the same
-    budget holds twice the tokens, and on those CPUs decode reads the cache at DRAM speed, so
-    reading half the bytes is no slower per step (faster at long contexts), while BF16 keys and
-    values stay within the documented golden bounds (docs/performance.md). An explicit
-    ``--dtype float32`` keeps FP32 K/V: it asks for reference precision.
+    FP32: the AVX2 tier and the plain floor): there it is BF16. BF16 K/V halve the cache's bytes
+    per token, so the same budget holds twice the tokens; and decode reads the cache from DRAM, so
+    reading half the bytes outweighs widening them, more so the longer the context and the larger
+    the batch (measured side by side: ``benchmarks/bench_kv_dtype.py``, docs/performance.md), on
+    the AVX2 kernels and on the plain path alike; the accuracy given up is bounded and tested
+    (``golden.BF16_KV_TOLERANCE``). An explicit ``--dtype float32`` keeps FP32 K/V: it asks for
+    reference precision.
 
     Raises ConfigError naming ``kv_cache_dtype`` for an unknown name or a dtype the platform does
     not support.
