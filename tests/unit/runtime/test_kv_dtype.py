@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kunlun_runtime import LLM
+from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.cli import build_parser
 from kunlun_runtime.cli_args import engine_config_from_args
 from kunlun_runtime.config import EngineConfig
@@ -142,3 +142,19 @@ def test_the_engine_allocates_and_reports_the_resolved_kv_dtype(model_dir, monke
     assert bf16.num_kv_tokens == 2 * fp32.num_kv_tokens
     reference = LLM(str(model_dir), dtype="float32", **options).engine  # named FP32: FP32 K/V
     assert reference.kv_cache_dtype == F32
+
+
+def test_a_cache_no_kernel_reads_runs_the_plain_path_and_says_so(model_dir, caplog):
+    from kunlun_runtime.layers import cpu_kernels
+
+    if not cpu_kernels.load(BF16):
+        pytest.skip(str(cpu_kernels.unavailable_reason(BF16)))
+    options = {"kv_cache_memory": "1MiB", "max_model_len": 64}
+    with caplog.at_level("WARNING", logger="kunlun_runtime.parallel.workers"):
+        llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_dtype="float32", **options)
+    assert llm.engine.model.native_kernels and llm.engine.kv_cache.k_blocks[0].dtype == F32
+    assert "no kernel reads a torch.float32 KV cache under torch.bfloat16 activations" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12]}]
+    outputs = llm.generate(prompts, params)  # prefill, then decode steps over the FP32 cache
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [4, 4]
