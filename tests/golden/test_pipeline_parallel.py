@@ -154,18 +154,21 @@ def test_a_rank_that_fails_to_load_fails_the_start_naming_it(tmp_path, deep_mode
 
 
 WORKER_NODE_MAIN = """
+import socket
 import sys
 import torch
-from kunlun_runtime.parallel.group import free_port
 from kunlun_runtime.parallel.layout import ParallelLayout
 from kunlun_runtime.parallel.workers import RankSpec, run_worker_node
 from tests.support.failing_platform import FailingBindPlatform
 
 if __name__ == "__main__":
+    # A "leader" whose port accepts connections but never forms the group: the node gets past its
+    # wait for the leader, and its join then waits for a group that never comes.
+    leader = socket.create_server(("127.0.0.1", 0))
     layout = ParallelLayout(tensor=2, pipeline=2, nnodes=2, node_rank=1).validate()
     spec = RankSpec(
         sys.argv[1], torch.float32, torch.float32, 64, 8, 16, 64, 64, True, "plain", None, True, False,
-        layout, (range(2), range(2, 4)), "gloo", "127.0.0.1", free_port(), FailingBindPlatform(1),
+        layout, (range(2), range(2, 4)), "gloo", "127.0.0.1", leader.getsockname()[1], FailingBindPlatform(1),
         vocab_size=320, hidden_size=64,
     )
     sys.exit(run_worker_node(spec))
