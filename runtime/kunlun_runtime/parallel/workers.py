@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from kunlun_runtime.errors import EngineDeadError
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
+from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention_backend import kernels_read_cache
 from kunlun_runtime.layers.linear import convert_linears
 from kunlun_runtime.models.decoder import DecoderLayer, DecoderModel
@@ -130,6 +131,17 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
         assert isinstance(layer, DecoderLayer)  # DecoderModel builds its layers so
         layer.self_attn.attn.fused = spec.fused_attention
     native = spec.native_kernels and model.enable_native_kernels()
+    if spec.native_kernels and not native and device.type == "cpu":
+        # The node's start line reports the kernels its main process loaded; a rank in another
+        # process that could not load them must say so itself, or it runs slower in silence.
+        reason = cpu_kernels.unavailable_reason(spec.dtype)
+        if reason is not None:
+            logger.warning(
+                "rank %d: our CPU kernels did not load in this process; its layers run on plain "
+                "PyTorch (slower decode): %s",
+                rank,
+                reason,
+            )
     if native and not kernels_read_cache(spec.dtype, spec.cache_dtype):
         logger.warning(
             "no kernel reads a %s KV cache under %s activations: attention runs the plain PyTorch path "

@@ -158,3 +158,20 @@ def test_a_cache_no_kernel_reads_runs_the_plain_path_and_says_so(model_dir, capl
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12]}]
     outputs = llm.generate(prompts, params)  # prefill, then decode steps over the FP32 cache
     assert [len(output.outputs[0].token_ids) for output in outputs] == [4, 4]
+
+
+def test_a_rank_whose_process_cannot_load_the_kernels_says_so(model_dir, monkeypatch, caplog):
+    from kunlun_runtime.layers import cpu_kernels
+    from kunlun_runtime.parallel.workers import build_rank
+
+    spec = _plan(model_dir, dtype="bfloat16", native_kernels=True, linear_backend="plain")
+    # The node planned with its own process's kernels; this rank's cannot load them (a native
+    # linear backend would refuse to build the rank, naming why; the layers would fall back).
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda dtype=BF16: "loading X.so failed: bad ELF")
+    with caplog.at_level("WARNING", logger="kunlun_runtime.parallel.workers"):
+        model, _, _ = build_rank(spec, 0)
+    assert not model.native_kernels
+    assert (
+        "rank 0: our CPU kernels did not load in this process; its layers run on plain PyTorch "
+        "(slower decode): loading X.so failed: bad ELF"
+    ) in caplog.text
