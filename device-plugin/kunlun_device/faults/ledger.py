@@ -24,7 +24,9 @@ from kunlun_device.faults.quarantine import (
     History,
     QuarantinePolicy,
     format_quarantine,
+    future_failures,
     invalid_quarantine_entries,
+    is_future,
     parse_quarantine,
     prune_history,
 )
@@ -49,6 +51,7 @@ class QuarantineLedger:
         self._held: set[str] = set()  # quarantined from the last-known state, the Node not read yet
         self._reasons: dict[str, str] = {}  # each card's last failure, for the quarantine message
         self._warned: set[tuple[str, str]] = set()  # (annotation, value) already reported malformed
+        self._future: set[tuple[str, float]] = set()  # (card, time) already reported in the future
 
     @property
     def needs_write(self) -> bool:
@@ -66,8 +69,10 @@ class QuarantineLedger:
             self.details[uuid] = (
                 f"quarantined (last-known state: node {self.node_name} not read since the plugin started)"
             )
-        self.window.replace({u: t for u, t in state.failures.items() if u in ours}, now)
+        failures = {u: t for u, t in state.failures.items() if u in ours}
         self.unwritten_failures = {u: set(t) for u, t in state.unwritten_failures.items() if u in ours}
+        self._drop_future(now, source, failures)
+        self.window.replace(failures, now)
         held = sorted(self.quarantined, key=self.cards.__getitem__)
         logger.warning(
             "until node %s is read, holding %s Unhealthy as quarantined in the last-known state %s",
@@ -83,6 +88,7 @@ class QuarantineLedger:
         if uuid in self.quarantined:
             return False
         self._reasons[uuid] = reason
+        self._drop_future(now, f"node {self.node_name}", self.window.future(now))
         self.unwritten_failures.setdefault(uuid, set()).add(now)
         if not self.window.record(uuid, now):
             return False
@@ -147,6 +153,8 @@ class QuarantineLedger:
         must change, the new value). A malformed value is replaced only when there is something to say."""
         node_history = self._node_history(raw)
         known = node_history or {}
+        node_future = future_failures(known, now)
+        self._drop_future(now, f"node {self.node_name}: {FAILURES_ANNOTATION}", node_future)
         self.window.replace({u: (*known.get(u, ()), *self.unwritten_failures.get(u, ())) for u in cards}, now)
         for uuid in sorted(cards, key=self.cards.__getitem__):
             if self.window.count(uuid) >= self.window.policy.max_failures:
@@ -155,7 +163,8 @@ class QuarantineLedger:
         if node_history is None:
             stale = bool(history)
         else:
-            stale = prune_history(node_history, now, self.window.policy) != history
+            # a future time goes from the Node too: left there, it would count once the clock reached it
+            stale = bool(node_future) or prune_history(node_history, now, self.window.policy) != history
         return stale, format_failures(history)
 
     def written(self) -> None:
@@ -172,6 +181,31 @@ class QuarantineLedger:
             unwritten_failures=prune_history(self.unwritten_failures, now, self.window.policy),
             node_read=self.node_read,
         )
+
+    def _drop_future(self, now: float, source: str, *found: Mapping[str, tuple[float, ...]]) -> None:
+        """Drop the future failure times (`is_future`) from the unwritten failures; log once each
+        (card, time) of them and of `found` (times from `source`, which the caller drops)."""
+        future = future_failures(self.unwritten_failures, now)
+        self.unwritten_failures = {
+            u: kept
+            for u, times in self.unwritten_failures.items()
+            if (kept := {t for t in times if not is_future(t, now)})
+        }
+        for history in found:
+            for uuid, times in future_failures(history, now).items():
+                future[uuid] = (*future.get(uuid, ()), *times)
+        for uuid in sorted(future):
+            new = sorted({t for t in future[uuid] if (uuid, t) not in self._future})
+            if not new:
+                continue
+            self._future.update((uuid, t) for t in new)
+            logger.warning(
+                "%s: failure times of %s later than now (%.3f) ignored, clock stepped back or edited by hand: %s",
+                source,
+                uuid,
+                now,
+                ", ".join(f"{t:.3f}" for t in new),
+            )
 
     def _node_history(self, raw: str | None) -> History | None:
         """The Node's failure history; None (reported once per value) when malformed."""

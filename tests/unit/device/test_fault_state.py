@@ -12,7 +12,7 @@ import pytest
 from kunlun_device.errors import FaultStateError
 from kunlun_device.faults.history import format_failures, parse_failures
 from kunlun_device.faults.ledger import QuarantineLedger
-from kunlun_device.faults.quarantine import QuarantinePolicy
+from kunlun_device.faults.quarantine import QuarantinePolicy, prune_history
 from kunlun_device.faults.state import FaultState, dump_state, read_state_file, write_state_file
 from kunlun_device.labels import FAILURES_ANNOTATION, QUARANTINE_ANNOTATION
 
@@ -131,3 +131,47 @@ def test_malformed_annotations_are_logged_once_and_ignored(caplog: pytest.LogCap
     ledger.record("GPU-1", "ecc", NOW)  # a failure to write replaces the malformed history
     changes, _ = ledger.sync(annotations, NOW)
     assert changes == {FAILURES_ANNOTATION: '{"failures":{"GPU-1":[1796094000.0]},"version":1}'}
+
+
+# --- failure times in the future (a clock stepped back, a hand-edited annotation) ------------------
+
+
+def test_future_failure_times_are_dropped_beyond_the_slack() -> None:
+    policy = QuarantinePolicy(3, 600)
+    history = {"GPU-0": (NOW - 10, NOW + 30, NOW + 61), "GPU-1": (NOW + 3600,)}
+    assert prune_history(history, NOW, policy) == {"GPU-0": (NOW - 10, NOW + 30)}  # 60 s of drift kept
+
+
+def test_a_future_time_on_the_node_is_removed_and_never_counts(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kunlun_device.faults")
+    ledger = QuarantineLedger(CARDS, QuarantinePolicy(2, 600), "n1")
+    annotations = {FAILURES_ANNOTATION: format_failures({"GPU-0": (NOW + 3000,)}) or ""}
+    for _ in range(2):  # read again before the removal is written: logged once
+        changes, _ = ledger.sync(annotations, NOW)
+        assert changes == {FAILURES_ANNOTATION: None}  # removed from the Node
+    assert [r.getMessage() for r in caplog.records] == [
+        f"node n1: {FAILURES_ANNOTATION}: failure times of GPU-0 later than now (1796094000.000) ignored, "
+        "clock stepped back or edited by hand: 1796097000.000"
+    ]
+    ledger.written()
+    ledger.sync({}, NOW + 3000)  # the clock reaches the time: it is not on the Node any more
+    assert ledger.record("GPU-0", "ecc", NOW + 3001) is False
+
+
+def test_failures_counted_before_the_clock_stepped_back_do_not_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kunlun_device.faults")
+    ledger = QuarantineLedger(CARDS, QuarantinePolicy(2, 600), "n1")
+    assert ledger.record("GPU-0", "ecc", NOW + 1000) is False
+    assert ledger.record("GPU-0", "ecc", NOW) is False  # the clock stepped back 1000 s
+    assert ledger.state(NOW).unwritten_failures == {"GPU-0": (NOW,)}
+    assert len(caplog.records) == 1 and "GPU-0 later than now" in caplog.records[0].getMessage()
+
+
+def test_future_times_in_the_state_file_are_not_restored() -> None:
+    ledger = QuarantineLedger(CARDS, QuarantinePolicy(2, 600), "n1")
+    future = {"GPU-0": (NOW + 3000,)}
+    ledger.restore(FaultState(failures=future, unwritten_failures=future), NOW, "state.json")
+    assert ledger.state(NOW + 3000).failures == {} and not ledger.needs_write
+    assert ledger.record("GPU-0", "ecc", NOW + 3001) is False
