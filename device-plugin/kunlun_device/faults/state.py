@@ -4,7 +4,9 @@ whether it has read its Node since it started, and its failed API calls.
 The plugin writes the same document to two places, each only when its text changed:
 - `--state-file` (node-local, a hostPath in the chart): read back at the next start, so that until
   the Node is read again the cards quarantined last time stay Unhealthy (fail closed for those cards
-  only) and failures recorded while the API was unreachable are not lost;
+  only) and failures recorded while the API was unreachable are not lost. It holds the document
+  without its counters (`persisted`: `api_errors` empty, `pods_unwritten` 0): they count since the
+  plugin started, and with them a call failing every round would rewrite the host file every round;
 - `--quarantine-file` (a shared in-memory volume): the exporter's source of `kunlun_xpu_quarantined`
   and the fault-response metrics (`kunlun_device.exporter.metrics`).
 
@@ -23,8 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,17 +134,28 @@ def read_state_file(path: Path) -> FaultState:
     return parse_state(text, str(path))
 
 
-class StateFiles:
-    """Writes a state to each of its files when the text differs from the one last written there;
-    a failed write is logged and retried at the next `write`, never raised."""
+def persisted(state: FaultState) -> FaultState:
+    """What `--state-file` holds of `state`: all but the counters of this run (`api_errors`,
+    `pods_unwritten`), which change every round while a call keeps failing."""
+    return replace(state, api_errors={}, pods_unwritten=0)
 
-    def __init__(self, *paths: Path | None) -> None:
-        self._written = {p: "" for p in paths if p is not None}  # path -> text written
+
+class StateFiles:
+    """Writes a state to the node-local state file (`persisted`) and to the exporter's file (whole),
+    each only when its text differs from the one last written there; a failed write is logged and
+    retried at the next `write`, never raised."""
+
+    def __init__(self, state_file: Path | None, exporter_file: Path | None) -> None:
+        files = ((state_file, persisted), (exporter_file, _whole))
+        self._views: dict[Path, Callable[[FaultState], FaultState]] = {
+            path: view for path, view in files if path is not None
+        }  # path -> what of a state it holds
+        self._written = dict.fromkeys(self._views, "")  # path -> text written
 
     def write(self, state: FaultState) -> None:
-        text = dump_state(state)
-        for path, written in self._written.items():
-            if written == text:
+        for path, view in self._views.items():
+            text = dump_state(view(state))
+            if self._written[path] == text:
                 continue
             try:
                 write_state_file(path, text)
@@ -150,6 +163,10 @@ class StateFiles:
                 logger.warning("fault state file %s not written (retrying next round): %s", path, exc)
                 continue
             self._written[path] = text
+
+
+def _whole(state: FaultState) -> FaultState:
+    return state
 
 
 def read_fault_state(path: Path) -> FaultState | None:

@@ -347,3 +347,17 @@ def test_denied_pod_patch_is_counted_logged_once_and_retried(
     assert caplog.records[-2].getMessage() == (
         'patch_pod_status ml/a succeeded again (it failed with: HTTP 403 Forbidden: pods "a" is forbidden)'
     )
+
+
+def test_a_call_failing_every_round_does_not_rewrite_the_state_file(tmp_path: Path) -> None:
+    state, exported = tmp_path / "state.json", tmp_path / "quarantine.json"
+    api, pods, clocks = FakeApi(deny_pods=True), FakePods({"GPU-0": Holder("ml", "a", "r")}), Clocks()
+    responder = make_responder(api, pods, clocks, state_file=state, quarantine_file=exported)
+    round_(responder, snapshot((H, H)))
+    written = state.stat().st_ino  # each write replaces the file: a new inode
+    for _ in range(2):  # the same state, the pod patch still denied
+        clocks.tick(10)
+        round_(responder, snapshot((H, H)))
+    assert read_state_file(exported).api_errors["patch_pod_status"] == 3  # the exporter's file counts
+    assert state.stat().st_ino == written  # the host file was written once
+    assert read_state_file(state).api_errors == {} and read_state_file(state).pods_unwritten == 0
