@@ -135,7 +135,6 @@ def rendezvous_options(args: argparse.Namespace, env: Mapping[str, str]) -> dict
 
     nnodes = number(args.nnodes, LWS_GROUP_SIZE, 1)
     master_addr = args.master_addr or env.get(LWS_LEADER_ADDRESS)
-    check_leader_address(nnodes, master_addr)
     return {
         "nnodes": nnodes,
         "node_rank": number(args.node_rank, LWS_WORKER_INDEX, 0),
@@ -192,29 +191,38 @@ def env_flag(env: Mapping[str, str], variable: str) -> bool:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the parsed flags; options from ``--config`` fill every flag left at its
     default. Raises ConfigError naming the option (or the file and key)."""
-    config = _config_from_flags(args)
+    # The leader's address is checked first, on what the flags, LeaderWorkerSet's environment and
+    # the file say together: the node count and the address may each come from any of them.
+    nnodes = rendezvous_options(args, os.environ)["nnodes"]
+    given_address = args.master_addr or os.environ.get(LWS_LEADER_ADDRESS)
     if getattr(args, "config", None) is None:
-        return config
+        check_leader_address(nnodes, given_address)
+        return _config_from_flags(args)
     from dataclasses import replace
 
     from kunlun_runtime.config_file import load_engine_options
 
+    file_options = load_engine_options(args.config)
+    check_leader_address(
+        nnodes if nnodes != 1 else file_options.get("nnodes", 1),
+        given_address or file_options.get("master_addr"),
+    )
+    # Validated once merged: the flags alone may be half of a valid whole (nodes from the
+    # environment, stages from the file).
+    config = _config_from_flags(args, validate=False)
     defaults = argparse.ArgumentParser(add_help=False)
     add_engine_args(defaults)
-    default_config = _config_from_flags(defaults.parse_args([]))
-    file_options = load_engine_options(args.config)
+    default_config = _config_from_flags(defaults.parse_args([]), validate=False)
     overrides = {
         key: value
         for key, value in file_options.items()
         if getattr(config, key) == getattr(default_config, key)  # not set on the command line
     }
-    if "nnodes" in overrides and "master_addr" not in overrides:  # the file made it several nodes
-        check_leader_address(overrides["nnodes"], args.master_addr or os.environ.get(LWS_LEADER_ADDRESS))
     return replace(config, **overrides).validate()
 
 
-def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
+def _config_from_flags(args: argparse.Namespace, *, validate: bool = True) -> EngineConfig:
+    config = EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
@@ -243,4 +251,5 @@ def _config_from_flags(args: argparse.Namespace) -> EngineConfig:
             else args.require_native_kernels
         ),
         seed=args.seed,
-    ).validate()
+    )
+    return config.validate() if validate else config

@@ -38,7 +38,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUE_LEN = 256
 # Loggers whose INFO lines a server always shows: the engine's start line (backend, tier, dtypes,
 # KV capacity) and the progress of a first start compiling our CPU kernels.
-ANNOUNCING_LOGGERS = ("kunlun_runtime.layers.runtime_info", "kunlun_runtime.layers.kernel_build")
+# The start line, a kernel build's progress and a leader's wait for its nodes: each may take
+# minutes, and WARNING (the default level) would leave them silent.
+ANNOUNCING_LOGGERS = (
+    "kunlun_runtime.layers.runtime_info",
+    "kunlun_runtime.layers.kernel_build",
+    "kunlun_runtime.parallel.group",
+)
 _GRACE_AFTER_DRAIN_SECONDS = 2
 
 

@@ -138,6 +138,9 @@ def test_two_nodes_serve_the_embedded_model_with_the_tokens_of_one_process(smoll
     )
     assert "node 1 ready: ranks [1], stage(s) [1] (backend gloo)" in worker_log
     assert "the leader stopped the group" in worker_log
+    # the leader's wait for its nodes is said at serve's default log level (WARNING)
+    leader_log = (tmp_path / "logs" / "leader.log").read_text()
+    assert "rank 0: waiting for the 2 ranks of 2 nodes to join at port" in leader_log
 
 
 def test_a_worker_killed_mid_stream_ends_the_stream_and_the_leader_exits_nonzero(tiny_model_dir, tmp_path):

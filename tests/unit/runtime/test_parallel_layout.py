@@ -198,9 +198,15 @@ def test_pipeline_flags_reach_the_engine_config(monkeypatch) -> None:
     ],
     ids=["flag", "leaderworkerset env without its leader address"],
 )
-def test_several_nodes_without_the_leader_address_is_a_start_error_naming_the_flags(argv, env) -> None:
+def test_several_nodes_without_the_leader_address_is_a_start_error_naming_the_flags(
+    argv, env, monkeypatch
+) -> None:
+    for variable in ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
     with pytest.raises(ConfigError) as failure:
-        rendezvous_options(_parse(argv), env)
+        engine_config_from_args(_parse(argv))
     assert failure.value.field == "master_addr"
     assert str(failure.value) == (
         "master_addr: --nnodes 2 (or $LWS_GROUP_SIZE) needs the leader's address: give --master-addr HOST "
@@ -219,6 +225,10 @@ def test_a_config_file_that_makes_several_nodes_needs_the_leader_address_too(tmp
     config = engine_config_from_args(_parse(["--config", str(file), "--master-addr", "10.0.0.1"]))
     assert (config.nnodes, config.master_addr) == (2, "10.0.0.1")
     file.write_text("pipeline_parallel_size: 2\nnnodes: 2\nmaster_addr: 10.0.0.2\n")
+    assert engine_config_from_args(_parse(["--config", str(file)])).master_addr == "10.0.0.2"
+    # the nodes from the environment, the address from the file: a valid group
+    file.write_text("pipeline_parallel_size: 2\nmaster_addr: 10.0.0.2\n")
+    monkeypatch.setenv("LWS_GROUP_SIZE", "2")
     assert engine_config_from_args(_parse(["--config", str(file)])).master_addr == "10.0.0.2"
 
 
