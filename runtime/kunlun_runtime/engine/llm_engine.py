@@ -154,6 +154,7 @@ def plan_ranks(
         platform=platform,
         timeout_seconds=config.distributed_timeout_seconds,
         leader_wait_seconds=config.leader_wait_timeout_seconds,
+        require_native_kernels=config.require_native_kernels,
         vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size,
     )

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kunlun_runtime.errors import EngineDeadError
+from kunlun_runtime.errors import ConfigError, EngineDeadError
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention_backend import kernels_read_cache
@@ -80,6 +80,7 @@ class RankSpec:
     platform: Platform  # the engine's platform (pickled to the workers); binds each rank's device
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     leader_wait_seconds: float | None = None  # a worker node's wait for the leader; None: timeout_seconds
+    require_native_kernels: bool = False  # a rank whose process cannot load our kernels fails
     vocab_size: int = 0  # of the logits the last stage returns
     hidden_size: int = 0
     kv_cache_dtype: torch.dtype | None = None  # what the KV cache stores; None: the activations' dtype
@@ -135,6 +136,11 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
         # The node's start line reports the kernels its main process loaded; a rank in another
         # process that could not load them must say so itself, or it runs slower in silence.
         reason = cpu_kernels.unavailable_reason(spec.dtype)
+        if reason is not None and spec.require_native_kernels:
+            raise ConfigError(
+                f"require_native_kernels: rank {rank}'s process could not load our CPU kernels: {reason}",
+                field="require_native_kernels",
+            )
         if reason is not None:
             logger.warning(
                 "rank %d: our CPU kernels did not load in this process; its layers run on plain "

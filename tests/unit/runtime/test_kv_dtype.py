@@ -175,3 +175,8 @@ def test_a_rank_whose_process_cannot_load_the_kernels_says_so(model_dir, monkeyp
         "rank 0: our CPU kernels did not load in this process; its layers run on plain PyTorch "
         "(slower decode): loading X.so failed: bad ELF"
     ) in caplog.text
+
+    # required (the images' KUNLUN_REQUIRE_NATIVE_KERNELS=1): the rank refuses to start instead
+    required = replace(spec, require_native_kernels=True)
+    with pytest.raises(ConfigError, match=r"rank 0's process could not load our CPU kernels: loading X\.so"):
+        build_rank(required, 0)
