@@ -14,7 +14,10 @@ with reason ``NoHealthReporter`` from the operator: it fails open, loudly (Warni
 and the service, ``CardHealthReported=False``, a metric). Invariant: the operator never sets
 ``False`` and never writes a condition that exists, whoever wrote it; the shell writes with the pod's
 ``resourceVersion`` as a precondition, so a verdict arriving meanwhile is never overwritten, and a
-device plugin that comes back replaces ours with its own. A grace of 0 never opens a gate.
+device plugin that comes back replaces ours with its own. A grace of 0 never opens a gate, and
+neither is the gate of a pod whose card the kubelet reports Unhealthy (``allocatedResourcesStatus``)
+ever opened: the plugin is up and its verdict was lost, so the pod stays NotReady and the service's
+condition names it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kunlun_operator import names
-from kunlun_operator.replicas import parse_time
+from kunlun_operator.replicas import parse_time, unhealthy_resource_ids
 from kunlun_operator.status import Condition
 
 CONDITION_TYPE = "CardHealthReported"
@@ -50,9 +53,18 @@ class GatedPod:
     health: tuple[str, str] | None
     #: The pod's conditions as read: a merge patch replaces the list, so a write carries them all.
     conditions: tuple[Mapping[str, Any], ...] = ()
+    #: The cards of this pod the kubelet reports Unhealthy (``allocatedResourcesStatus``, read by
+    #: ``replicas.unhealthy_resource_ids``): the device plugin runs and knows, even if its verdict
+    #: never reached the pod, so the operator never opens this pod's gate.
+    unhealthy_cards: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return f"pod {self.name} on node {self.node or 'unknown'}"
+
+    @property
+    def awaiting_report(self) -> bool:
+        """Containers ready, no report on the gate, no card the kubelet knows to be Unhealthy."""
+        return self.containers_ready and self.health is None and not self.unhealthy_cards
 
     @property
     def opened_by_operator(self) -> bool:
@@ -67,6 +79,8 @@ class GatePlan:
     waiting: tuple[GatedPod, ...]  # containers ready, no report yet, within the grace period
     opened: tuple[GatedPod, ...]  # still carry the operator's NoHealthReporter condition
     recheck_after_seconds: float | None  # when the first waiting pod becomes due
+    #: Containers ready, no report, but the kubelet reports a card Unhealthy: never opened.
+    held: tuple[GatedPod, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +92,7 @@ class GateOutcome:
     opened: tuple[GatedPod, ...] = ()  # by the operator, in this pass or before
     failed: tuple[tuple[GatedPod, str], ...] = ()  # the operator's own write failed (not a race)
     recheck_after_seconds: float | None = None
+    held: tuple[GatedPod, ...] = ()  # no report, a card the kubelet reports Unhealthy: kept shut
 
 
 def _condition(pod: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
@@ -106,6 +121,7 @@ def gated_pod(pod: Mapping[str, Any]) -> GatedPod | None:
         ready_since=parse_time(ready.get("lastTransitionTime")),
         health=(str(health.get("status")), str(health.get("reason") or "")) if health else None,
         conditions=tuple(status.get("conditions") or ()),
+        unhealthy_cards=tuple(unhealthy_resource_ids(pod)),
     )
 
 
@@ -126,11 +142,12 @@ def plan_gates(
         first_seen: per pod uid, when the operator first saw it waiting; a pod waits from the
             earlier of this and its containers' ready time.
     Returns:
-        The pods to set now, those waiting, those set by the operator earlier, and in how many
-        seconds the first waiting one becomes due (None: none, or a grace of 0).
+        The pods to set now, those waiting, those set by the operator earlier, in how many
+        seconds the first waiting one becomes due (None: none, or a grace of 0), and those held
+        shut because the kubelet reports one of their cards Unhealthy.
     """
     seen = first_seen or {}
-    to_open, waiting, opened = [], [], []
+    to_open, waiting, opened, held = [], [], [], []
     recheck: float | None = None
     for pod in sorted(pods, key=lambda p: p.name):
         if pod.opened_by_operator:
@@ -138,6 +155,9 @@ def plan_gates(
             continue
         if pod.health is not None or not pod.containers_ready:
             continue  # reported (the plugin's verdict stands), or not ready for other reasons
+        if pod.unhealthy_cards:
+            held.append(pod)  # a known-bad card: its pod event wakes the loop if that changes
+            continue
         dates = [t for t in (pod.ready_since, seen.get(pod.uid)) if t is not None]
         remaining = grace_seconds - (now - min(dates, default=now)).total_seconds()
         if grace_seconds > 0 and remaining <= 0:
@@ -146,7 +166,7 @@ def plan_gates(
         waiting.append(pod)
         if grace_seconds > 0:
             recheck = remaining if recheck is None else min(recheck, remaining)
-    return GatePlan(tuple(to_open), tuple(waiting), tuple(opened), recheck)
+    return GatePlan(tuple(to_open), tuple(waiting), tuple(opened), recheck, tuple(held))
 
 
 def gate_condition(now: str, grace_seconds: float) -> dict[str, Any]:
@@ -196,6 +216,13 @@ def health_reported_condition(outcome: GateOutcome, *, gate: bool = True) -> Con
             f"{pod.describe()} has no card health report and the operator could not set its gate "
             f"({error}; it needs patch on pods/status)"
         )
+    for pod in outcome.held:
+        parts.append(
+            f"{pod.describe()} has no card health report but the kubelet reports its card "
+            f"{','.join(pod.unhealthy_cards)} Unhealthy: the operator does not set its gate and the "
+            f"pod stays NotReady (the device plugin runs but its verdict did not reach the pod: "
+            f"check its right to patch pods/status)"
+        )
     if outcome.waiting:
         listed = ", ".join(p.describe() for p in outcome.waiting)
         then = (
@@ -204,7 +231,7 @@ def health_reported_condition(outcome: GateOutcome, *, gate: bool = True) -> Con
             else "the operator never sets it (grace 0): the pod stays NotReady until one does"
         )
         parts.append(f"waiting for a device plugin to report the card health of {listed}; {then}")
-    if outcome.opened or outcome.failed:
+    if outcome.opened or outcome.failed or outcome.held:
         return Condition(CONDITION_TYPE, "False", REASON_NO_HEALTH_REPORTER, "; ".join(parts))
     if outcome.waiting:
         return Condition(CONDITION_TYPE, "False", "AwaitingHealthReport", "; ".join(parts))

@@ -73,7 +73,7 @@ class GateOpener:
         current = parse_time(now) or datetime.datetime.now(datetime.UTC)
         pods = tuple(pods)
         first_seen = self._first_seen.setdefault(key, {})
-        waiting_uids = {p.uid for p in pods if p.containers_ready and p.health is None}
+        waiting_uids = {p.uid for p in pods if p.awaiting_report}
         for uid in set(first_seen) - waiting_uids:
             del first_seen[uid]  # reported, gone or not ready: a new wait starts anew
         for uid in waiting_uids:
@@ -110,6 +110,7 @@ class GateOpener:
             opened=(*plan.opened, *opened),
             failed=tuple(failed),
             recheck_after_seconds=recheck,
+            held=plan.held,
         )
 
     def forget(self, namespace: str, name: str) -> None:

@@ -93,7 +93,7 @@ def parse_time(text: str | None) -> datetime.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.UTC)
 
 
-def _unhealthy_resource_ids(pod: Mapping[str, Any]) -> list[str]:
+def unhealthy_resource_ids(pod: Mapping[str, Any]) -> list[str]:
     """Our cards that ``allocatedResourcesStatus`` reports Unhealthy, over all containers."""
     status = pod.get("status") or {}
     found = []
@@ -119,7 +119,7 @@ def card_fault(pod: Mapping[str, Any]) -> CardFault | None:
         (c for c in conditions if c.get("type") == names.XPU_HEALTHY_CONDITION), {}
     )
     ours_false = ours.get("status") == "False"
-    resource_ids = _unhealthy_resource_ids(pod)
+    resource_ids = unhealthy_resource_ids(pod)
     if not resource_ids and not ours_false:
         return None
     message = str(ours.get("message") or "") if ours_false else ""

@@ -16,6 +16,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from kunlun_operator import names
 from tests.integration.operator.conftest import NAMESPACE, RUNTIME_POD_LABELS, Cluster, free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,13 @@ PLUGIN_FALSE = {
     "status": "False",
     "reason": "XpuUnhealthy",
     "message": "node xpu-1: xpu0 (KL-0): ecc",
+}
+RUNTIME_STATUS = {
+    "name": "runtime",
+    "image": "kunlun-runtime:test",
+    "imageID": "",
+    "ready": True,
+    "restartCount": 0,
 }
 
 
@@ -218,3 +226,33 @@ def test_a_denied_plugin_patch_is_handled_like_no_plugin_and_a_denied_operator_p
         "True",
         "NoHealthReporter",
     )
+
+
+def test_a_pod_whose_card_the_kubelet_reports_unhealthy_is_never_opened_however_late(
+    cluster: Cluster,
+) -> None:
+    start(cluster)  # default grace: 120 s
+    add_pod(cluster, "qwen-a")
+    # the plugin runs (kubelet has its ListAndWatch verdict) but its pods/status patch was denied
+    card = {"name": names.RESOURCE_NAME, "resources": [{"resourceID": "xpu0", "health": "Unhealthy"}]}
+    cluster.core.patch_namespaced_pod_status(
+        "qwen-a",
+        NAMESPACE,
+        {"status": {"containerStatuses": [{**RUNTIME_STATUS, "allocatedResourcesStatus": [card]}]}},
+    )
+    kubelet_ready(cluster, "qwen-a", since=ago(600))  # ready for 10 minutes: well past the grace
+    _, reason, message = wait_for(
+        lambda: (c := cluster.condition("CardHealthReported")) and "kubelet reports" in c[2] and c,
+        message="the held pod reported",
+    )
+    assert reason == "NoHealthReporter"
+    assert (
+        "pod qwen-a on node xpu-1 has no card health report but the kubelet reports its card xpu0" in message
+    )
+    wait_for(
+        lambda: (cluster.condition("ReplicasHealthy") or ("", ""))[1] == "CardUnhealthy",
+        message="the sick pod seen",
+    )
+    assert gate(cluster, "qwen-a") is None  # the operator wrote nothing on the pod
+    assert cluster.kube.calls().count(STATUS_PATCH) == 2  # the test's own two writes
+    assert "NoHealthReporter" not in cluster.event_reasons()

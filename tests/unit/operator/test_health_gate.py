@@ -40,8 +40,10 @@ def make_pod(
     containers_ready: bool = True,
     health: dict[str, str] | None = None,
     terminating: bool = False,
+    unhealthy: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """A runtime pod as the API lists it: ready containers since T0, the gate's condition as given."""
+    """A runtime pod as the API lists it: ready containers since T0, the gate's condition as given,
+    the cards ``unhealthy`` reported Unhealthy by the kubelet (``allocatedResourcesStatus``)."""
     meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}", "resourceVersion": "7"}
     if terminating:
         meta["deletionTimestamp"] = NOW
@@ -59,7 +61,17 @@ def make_pod(
     spec: dict[str, Any] = {"nodeName": "xpu-1", "containers": []}
     if gate:
         spec["readinessGates"] = [{"conditionType": names.XPU_HEALTHY_CONDITION}]
-    return {"metadata": meta, "spec": spec, "status": {"phase": phase, "conditions": conditions}}
+    status: dict[str, Any] = {"phase": phase, "conditions": conditions}
+    if unhealthy:
+        resources = [{"resourceID": card, "health": "Unhealthy"} for card in unhealthy]
+        resources.append({"resourceID": "xpu9", "health": "Healthy"})
+        status["containerStatuses"] = [
+            {
+                "name": "runtime",
+                "allocatedResourcesStatus": [{"name": names.RESOURCE_NAME, "resources": resources}],
+            }
+        ]
+    return {"metadata": meta, "spec": spec, "status": status}
 
 
 def gated(**kwargs: Any) -> GatedPod:
@@ -119,6 +131,24 @@ def test_pods_not_ready_for_other_reasons_are_left_to_their_probes() -> None:
     pods = [gated(phase="Pending"), gated(containers_ready=False), gated(terminating=True)]
     plan = plan_gates(pods, now=at(10_000), grace_seconds=GRACE)
     assert (plan.open, plan.waiting) == ((), ())
+
+
+def test_a_pod_whose_card_the_kubelet_reports_unhealthy_is_never_opened() -> None:
+    # plugin up (its ListAndWatch marked xpu0 Unhealthy) but its pods/status patch was denied
+    bad = gated(unhealthy=("xpu0",))
+    assert bad.unhealthy_cards == ("xpu0",)
+    assert gated().unhealthy_cards == ()
+    plan = plan_gates([bad, gated(name="qwen-2")], now=at(10_000), grace_seconds=GRACE)
+    assert (names_of(plan.open), names_of(plan.held), plan.waiting) == (["qwen-2"], ["qwen-1"], ())
+    condition = health_reported_condition(GateOutcome(held=plan.held))
+    assert condition == Condition(
+        "CardHealthReported",
+        "False",
+        "NoHealthReporter",
+        "pod qwen-1 on node xpu-1 has no card health report but the kubelet reports its card xpu0 "
+        "Unhealthy: the operator does not set its gate and the pod stays NotReady (the device plugin "
+        "runs but its verdict did not reach the pod: check its right to patch pods/status)",
+    )
 
 
 def test_a_grace_of_zero_never_opens_and_never_rechecks() -> None:
