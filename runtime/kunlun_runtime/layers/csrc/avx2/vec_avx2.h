@@ -64,7 +64,7 @@ inline __m128i narrow_bf16x8(__m256 v) {
   __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  // Each 32-bit lane holds 0..0xFFFF, so the signed-saturating pack keeps it; it packs within each
+  // Each 32-bit lane holds 0..0xFFFF, so the unsigned-saturating pack keeps it; it packs within each
   // 128-bit half, and the permute joins the halves' low quadwords.
   const __m256i packed = _mm256_packus_epi32(rounded, rounded);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
