@@ -33,6 +33,8 @@ from kunlun_operator.status import Condition
 
 CONDITION_TYPE = "CardHealthReported"
 REASON_NO_HEALTH_REPORTER = "NoHealthReporter"
+#: The Warning event when the operator's own write of a gate fails (once per pod and error).
+REASON_CANNOT_SET_GATE = "CannotSetHealthGate"
 #: How soon to look again after a write of ours failed or lost a race (the pod's own events wake
 #: the loop sooner when something else wrote).
 GATE_RETRY_SECONDS = 10.0
@@ -193,6 +195,15 @@ def opened_message(pod: GatedPod, grace_seconds: float) -> str:
     )
 
 
+def write_failed_message(pod: GatedPod, error: str) -> str:
+    """Why ``pod``'s gate stays shut when the operator's own write failed with ``error``: the
+    service's condition and the Warning event ``CannotSetHealthGate``."""
+    return (
+        f"{pod.describe()} has no card health report and the operator could not set its gate "
+        f"({error}; it needs patch on pods/status)"
+    )
+
+
 def health_reported_condition(outcome: GateOutcome, *, gate: bool = True) -> Condition:
     """``CardHealthReported``: whether a device plugin reports the card health of every ready pod;
     ``gate``: the runtime pods carry the readiness gate (``--xpu-health-gate``)."""
@@ -211,11 +222,7 @@ def health_reported_condition(outcome: GateOutcome, *, gate: bool = True) -> Con
             f"no device plugin reports the card health of {listed}: the operator set its gate "
             f"(reason {REASON_NO_HEALTH_REPORTER}) and its cards are not monitored"
         )
-    for pod, error in outcome.failed:
-        parts.append(
-            f"{pod.describe()} has no card health report and the operator could not set its gate "
-            f"({error}; it needs patch on pods/status)"
-        )
+    parts.extend(write_failed_message(pod, error) for pod, error in outcome.failed)
     for pod in outcome.held:
         parts.append(
             f"{pod.describe()} has no card health report but the kubelet reports its card "

@@ -1,11 +1,13 @@
 """The shell around ``health_gate``: set the readiness gate of pods nobody reported on, and say so.
 
 Owns: the ``pods/status`` writes of the operator's ``NoHealthReporter`` condition, the Warning
-events on the pod and on its service, the metric, and the memory of when each waiting pod was
-first seen. Synchronous (called from the controller's pass). Invariant: a write carries the pod's
-``resourceVersion`` as a precondition, so a verdict the device plugin wrote since the pod was read
-is never overwritten (the API answers 409 and the pod's next event shows the verdict); a failed
-write is retried, never turned into a ``False``.
+events on the pod and on its service, the metric, the memory of when each waiting pod was first
+seen, and of which error each pod's failed write last met (a failure is announced once per pod and
+error: one Warning event on the service and one log line, not one every retry). Synchronous
+(called from the controller's pass). Invariant: a write carries the pod's ``resourceVersion`` as
+a precondition, so a verdict the device plugin wrote since the pod was read is never overwritten
+(the API answers 409 and the pod's next event shows the verdict); a failed write is retried, never
+turned into a ``False``.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from typing import Any
 from kunlun_operator.errors import ApiError
 from kunlun_operator.health_gate import (
     GATE_RETRY_SECONDS,
+    REASON_CANNOT_SET_GATE,
     REASON_NO_HEALTH_REPORTER,
     GatedPod,
     GateOutcome,
     gate_condition,
     opened_message,
     plan_gates,
+    write_failed_message,
 )
 from kunlun_operator.kube import POD, KubeClient
 from kunlun_operator.metrics import OperatorMetrics
@@ -63,6 +67,8 @@ class GateOpener:
         # Per service: pod uid -> when the operator first saw it waiting for a report.
         self._first_seen: dict[tuple[str, str], dict[str, datetime.datetime]] = {}
         self._unmonitored: dict[tuple[str, str], int] = {}
+        # Per service: pod uid -> the error its last failed write met (announced already).
+        self._failures: dict[tuple[str, str], dict[str, str]] = {}
 
     def open_gates(
         self, ref: ServiceRef, body: Mapping[str, Any], pods: Iterable[GatedPod], now: str
@@ -90,7 +96,7 @@ class GateOpener:
                     retry = True
                 elif error.status != 404:  # 404: the pod is gone
                     failed.append((pod, f"{error.status} {error.reason}"))
-                    logger.warning("cannot set the readiness gate of %s: %s", pod.describe(), error)
+                    self._announce_failure(ref, body, pod, failed[-1][1], error)
                 continue
             opened.append(pod)
             first_seen.pop(pod.uid, None)
@@ -102,6 +108,9 @@ class GateOpener:
         recheck = plan.recheck_after_seconds
         if failed or retry:
             recheck = min(recheck or GATE_RETRY_SECONDS, GATE_RETRY_SECONDS)
+        failures = self._failures.setdefault(key, {})
+        for uid in set(failures) - {pod.uid for pod, _ in failed}:
+            del failures[uid]  # written, reported, gone or not due: a later failure is news again
         self._unmonitored[key] = len(plan.opened) + len(opened)
         self.metrics.unmonitored_pods.set(sum(self._unmonitored.values()))
         return GateOutcome(
@@ -116,8 +125,25 @@ class GateOpener:
     def forget(self, namespace: str, name: str) -> None:
         """Drop what is kept about a deleted service."""
         self._first_seen.pop((namespace, name), None)
+        self._failures.pop((namespace, name), None)
         self._unmonitored.pop((namespace, name), None)
         self.metrics.unmonitored_pods.set(sum(self._unmonitored.values()))
+
+    def _announce_failure(
+        self, ref: ServiceRef, body: Mapping[str, Any], pod: GatedPod, reason: str, error: ApiError
+    ) -> None:
+        """One Warning event on the service and one log line per pod and error; retries meeting the
+        same error log at debug."""
+        failures = self._failures.setdefault((ref.namespace, ref.name), {})
+        if failures.get(pod.uid) == reason:
+            logger.debug("still cannot set the readiness gate of %s: %s", pod.describe(), error)
+            return
+        failures[pod.uid] = reason
+        message = write_failed_message(pod, reason)
+        self.post_event(body, "Warning", REASON_CANNOT_SET_GATE, message)
+        logger.warning(
+            "%s/%s: %s (retried every %gs): %s", ref.namespace, ref.name, message, GATE_RETRY_SECONDS, error
+        )
 
     def _write(self, namespace: str, pod: GatedPod, now: str) -> None:
         """Add our condition to the pod's, guarded by the resourceVersion it was read at.

@@ -221,6 +221,10 @@ def test_a_denied_plugin_patch_is_handled_like_no_plugin_and_a_denied_operator_p
     )
     assert reason == "NoHealthReporter" and "(403 InjectedFault; it needs patch on pods/status)" in message
     assert gate(cluster, "qwen-a") is None  # never False: the gate just stays closed
+    [denied_event] = wait_for(
+        lambda: events_on(cluster, "KunlunInferenceService", "CannotSetHealthGate"), message="the event"
+    )
+    assert denied_event["type"] == "Warning" and "pod qwen-a on node xpu-1" in denied_event["message"]
     cluster.kube.clear_faults()  # the operator's right is granted: its retry goes through
     assert wait_for(lambda: gate(cluster, "qwen-a"), message="the retried write") == (
         "True",

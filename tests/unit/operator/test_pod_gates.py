@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
+
 from kunlun_operator.errors import ApiError
 from kunlun_operator.kube import POD
 from kunlun_operator.metrics import OperatorMetrics
@@ -40,7 +42,8 @@ class StatusClient:
         self.patches.append((kind.kind, namespace, name, dict(patch), subresource))
         status = self.answers.get(name, [None]).pop(0)
         if status is not None:
-            raise ApiError(status, "Forbidden" if status == 403 else "Conflict", "no", call=f"PATCH {name}")
+            reason = {403: "Forbidden", 409: "Conflict"}.get(status, "InternalError")
+            raise ApiError(status, reason, "no", call=f"PATCH {name}")
 
 
 def opener(client: StatusClient, events: list[tuple[str, str, str, str]]) -> GateOpener:
@@ -102,13 +105,38 @@ def test_a_denied_write_is_reported_and_retried_never_turned_false() -> None:
     assert ([(p.name, e) for p, e in denied.failed], denied.recheck_after_seconds, events) == (
         [("qwen-1", "403 Forbidden")],
         10.0,
-        [],
+        [("KunlunInferenceService", "qwen", "Warning", "CannotSetHealthGate")],
     )
     again = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
     assert [p.name for p in again.opened] == ["qwen-1"]
     assert {
         c["status"] for _, _, _, patch, _ in client.patches for c in patch["status"]["conditions"][-1:]
     } == {"True"}
+
+
+def test_a_denied_write_is_announced_once_per_pod_and_error_until_it_changes_or_succeeds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = StatusClient({"qwen-1": [403, 403, 403, 500, None, 403], "qwen-2": [403]})
+    events: list[tuple[str, str, str, str]] = []
+    gates = opener(client, events)
+    announced = ("KunlunInferenceService", "qwen", "Warning", "CannotSetHealthGate")
+    with caplog.at_level("WARNING", logger="kunlun_operator.pod_gates"):
+        for _ in range(3):  # the retries every 10 s meet the same 403
+            gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
+        assert events == [announced]
+        assert [r.getMessage() for r in caplog.records] == [
+            "ml/qwen: pod qwen-1 on node xpu-1 has no card health report and the operator could not set "
+            "its gate (403 Forbidden; it needs patch on pods/status) (retried every 10s): "
+            "PATCH qwen-1: 403 Forbidden: no"
+        ]
+        gates.open_gates(make_ref(), SERVICE, [gated()], DUE)  # a new error is news
+        assert (events[1:], len(caplog.records)) == ([announced], 2)
+        gates.open_gates(make_ref(), SERVICE, [gated()], DUE)  # granted: the gate opens
+        assert [e[3] for e in events[2:]] == ["NoHealthReporter", "NoHealthReporter"]
+        gates.open_gates(make_ref(), SERVICE, [gated(name="qwen-2")], DUE)  # another pod: news too
+        gates.open_gates(make_ref(), SERVICE, [gated()], DUE)  # after a success, a failure is news
+    assert (events[4:], len(caplog.records)) == ([announced, announced], 5)
 
 
 def test_a_gate_opened_earlier_counts_until_the_plugin_writes_and_a_deleted_service_is_forgotten() -> None:
