@@ -176,6 +176,22 @@ def _admission_policy(path: str | None) -> AdmissionPolicy:
         raise SystemExit(f"kunlun-operator: --admission-policy: {error}") from None
 
 
+def _check_kml_version_file(path: str) -> None:
+    """Its directory is what the preflight mounts: never the node's whole root. So the path must be
+    normal (no ``.``, ``..`` or empty segment: ``/./VERSION``, ``//VERSION`` and ``/etc/../VERSION``
+    all name a file of ``/``) and its directory other than ``/``; the chart's schema says the same."""
+    segments = path.split("/")[1:]
+    if posixpath.normpath(path) != path or any(s in ("", ".", "..") for s in segments):
+        raise SystemExit(
+            "kunlun-operator: --preflight-kml-version-file must be a normal absolute path "
+            f"(no '.', '..' or empty segment), got {path!r}"
+        )
+    if len(segments) < 2:
+        raise SystemExit(
+            f"kunlun-operator: --preflight-kml-version-file must be in a directory other than /, got {path!r}"
+        )
+
+
 def parse_preflight_host(args: argparse.Namespace) -> PreflightHost:
     """The node files the preflight mounts; host paths must be absolute (a hostPath requires it)."""
     for flag, value in (
@@ -185,11 +201,8 @@ def parse_preflight_host(args: argparse.Namespace) -> PreflightHost:
         if value and not value.startswith("/"):
             raise SystemExit(f"kunlun-operator: {flag} must be an absolute host path, got {value!r}")
     kml = args.preflight_kml_version_file
-    if kml and posixpath.dirname(kml.rstrip("/")) == "/":
-        # its directory is what the preflight mounts: never the node's whole root
-        raise SystemExit(
-            f"kunlun-operator: --preflight-kml-version-file must be in a directory other than /, got {kml!r}"
-        )
+    if kml:
+        _check_kml_version_file(kml)
     return PreflightHost(
         kml_version_file=args.preflight_kml_version_file or None, xpu_smi=args.preflight_xpu_smi or None
     )

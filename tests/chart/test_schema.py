@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,15 @@ BAD_VALUES = [
         "at '/compatibility/extraEntries/0/driver/0'",
         "does not match pattern",
     ),
+    *(
+        (
+            f"kml-file-in-root-{name}",
+            {"runtime": {"preflight": {"kmlVersionFile": path}}},
+            "at '/runtime/preflight/kmlVersionFile'",
+            "does not match pattern",
+        )
+        for name, path in (("root", "/VERSION"), ("dot", "/./VERSION"), ("double-slash", "//VERSION"))
+    ),
     ("label-value-not-a-string", {"commonLabels": {"team": 7}}, "at '/commonLabels/team'", "want string"),
 ]
 
@@ -91,6 +101,39 @@ def test_schema_rejects_bad_values_naming_the_field(
     assert "don't meet the specifications of the schema" in proc.stderr, proc.stderr
     assert f"{field}'" in proc.stderr or f"{field}:" in proc.stderr, proc.stderr
     assert complaint in proc.stderr, proc.stderr
+
+
+KML_PATHS = [
+    ("", True),
+    ("/usr/local/xpu/kml/VERSION", True),
+    ("/etc/.kml/..VERSION", True),
+    ("/etc/.../VERSION", True),
+    ("/VERSION", False),  # its directory, what the preflight mounts, is the node's root
+    ("/./VERSION", False),
+    ("//VERSION", False),
+    ("/etc/../VERSION", False),
+    ("/etc/./kml/VERSION", False),
+    ("/etc//kml/VERSION", False),
+    ("/etc/kml/", False),
+    ("etc/kml/VERSION", False),
+]
+
+
+@pytest.mark.parametrize(("path", "allowed"), KML_PATHS)
+def test_the_kml_file_pattern_agrees_with_the_operators_check(path: str, allowed: bool) -> None:
+    """The chart refuses what ``kunlun-operator run --preflight-kml-version-file`` refuses (the
+    pattern uses no lookaround, so Python's ``re`` reads it as Helm's Go regexp does)."""
+    from kunlun_operator.cli import build_parser, parse_preflight_host
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    pattern = schema["properties"]["runtime"]["properties"]["preflight"]["properties"]["kmlVersionFile"]
+    assert (re.search(pattern["pattern"], path) is not None) == allowed
+    args = build_parser().parse_args(["run", "--preflight-kml-version-file", path])
+    if allowed:
+        assert parse_preflight_host(args).kml_version_file == (path or None)
+    else:
+        with pytest.raises(SystemExit, match="--preflight-kml-version-file"):
+            parse_preflight_host(args)
 
 
 def _walk(schema: dict, path: str = "") -> list[tuple[str, dict]]:

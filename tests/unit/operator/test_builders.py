@@ -581,5 +581,12 @@ def test_the_operator_flags_name_the_preflights_host_files() -> None:
         host("--preflight-xpu-smi", "xpu-smi")
     with pytest.raises(SystemExit, match="--preflight-kml-version-file must be in a directory other than /"):
         host("--preflight-kml-version-file", "/VERSION")  # its directory would be the node's root
+    for sneaky in ("/./VERSION", "//VERSION", "/etc/../VERSION", "/etc/kml/", "/etc//kml/VERSION"):
+        # each would mount the node's root (or is no file): refused before normalising it away
+        with pytest.raises(SystemExit, match=r"must be a normal absolute path .* got '"):
+            host("--preflight-kml-version-file", sneaky)
+    assert (
+        host("--preflight-kml-version-file", "/etc/.kml/..VERSION").kml_version_file == "/etc/.kml/..VERSION"
+    )
     # empty: no hostPath at all (Pod Security baseline/restricted namespaces refuse them)
     assert host("--preflight-kml-version-file", "") == PreflightHost(None, None)
