@@ -8,7 +8,8 @@ pod has the image, and is Unknown before any pod got that far.
 
 Why: a service without ``spec.runtime.image`` runs the compatibility matrix's image, the ``kunlun``
 variant that only a vendor Kunlun stack builds. On a cluster where nobody built and pushed it, the
-pods sit in ImagePullBackOff; this makes that a status and an event instead of a mystery.
+pods sit in ImagePullBackOff (or ErrImageNeverPull, InvalidImageName); this makes that a status
+and an event instead of a mystery.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from kunlun_operator.status import Condition
 
 CONDITION_TYPE = "RuntimeImageAvailable"
 REASON_UNAVAILABLE = "RuntimeImageUnavailable"
-#: kubelet's waiting reasons of a container whose image cannot be pulled.
-PULL_FAILURES = frozenset({"ImagePullBackOff", "ErrImagePull"})
+#: kubelet's waiting reasons of a container whose image is not there: it cannot be pulled, may not be
+#: pulled (``imagePullPolicy: Never`` and not on the node), or its name is not an image reference.
+INVALID_NAME = "InvalidImageName"
+NEVER_PULL = "ErrImageNeverPull"
+PULL_FAILURES = frozenset({"ImagePullBackOff", "ErrImagePull", NEVER_PULL, INVALID_NAME})
 #: The containers the operator gives the runtime image (builders/deployment.py).
 RUNTIME_CONTAINERS = frozenset({"runtime", "preflight"})
 BUILD_DOC = "docs/chart.md#container-images"
@@ -39,7 +43,7 @@ class ImagePull:
     node: str | None
     image: str  # the image kubelet pulls (the container's spec image)
     state: PullState
-    reason: str = ""  # ImagePullBackOff, ErrImagePull (failing only)
+    reason: str = ""  # one of PULL_FAILURES (failing only)
     message: str = ""  # kubelet's message (failing only)
 
     def describe(self) -> str:
@@ -89,19 +93,41 @@ def how_to_fix(image: str, *, from_matrix: bool) -> str:
     )
 
 
+def _unavailable(failing: list[ImagePull], image: str, from_matrix: bool) -> str:
+    """The message of ``RuntimeImageAvailable=False``: what kubelet said, and what to do."""
+    invalid = [p for p in failing if p.reason == INVALID_NAME]
+    if invalid:  # no registry can help: the reference itself is wrong
+        refs = sorted({p.image or image for p in invalid})
+        where = (
+            "the operator's --default-runtime-image, the compatibility matrix's image or the chart's "
+            "global.imageRegistry (the service sets no spec.runtime.image)"
+            if from_matrix
+            else "spec.runtime.image"
+        )
+        return (
+            f"the runtime image name {', '.join(refs)} is invalid: "
+            f"{'; '.join(p.describe() for p in invalid)}. Set {where} to a valid image reference "
+            "(registry/name:tag)"
+        )
+    images = sorted({p.image or image for p in failing})
+    listed = "; ".join(p.describe() for p in failing)
+    never = (
+        " With imagePullPolicy Never kubelet does not pull: load the image onto the node or allow pulls."
+        if any(p.reason == NEVER_PULL for p in failing)
+        else ""
+    )
+    return f"cannot pull the runtime image {', '.join(images)}: {listed}.{never} " + how_to_fix(
+        images[0], from_matrix=from_matrix
+    )
+
+
 def runtime_image_condition(pulls: Iterable[ImagePull], image: str, *, from_matrix: bool) -> Condition:
     """``RuntimeImageAvailable`` for the service's pods' pull states and the image it plans."""
     pulls = tuple(pulls)
     failing = sorted((p for p in pulls if p.state == "failing"), key=lambda p: p.pod)
     if failing:
-        images = sorted({p.image or image for p in failing})
-        listed = "; ".join(p.describe() for p in failing)
         return Condition(
-            CONDITION_TYPE,
-            "False",
-            REASON_UNAVAILABLE,
-            f"cannot pull the runtime image {', '.join(images)}: {listed}. "
-            + how_to_fix(images[0], from_matrix=from_matrix),
+            CONDITION_TYPE, "False", REASON_UNAVAILABLE, _unavailable(failing, image, from_matrix)
         )
     pulled = sorted({p.image or image for p in pulls if p.state == "pulled"})
     if pulled:

@@ -75,6 +75,35 @@ def test_the_unbuilt_matrix_image_says_how_to_build_and_push_it() -> None:
     assert "Check that spec.runtime.image" in own.message and "docs/chart.md#container-images" in own.message
 
 
+def test_an_image_never_pulled_or_an_invalid_name_is_unavailable_too() -> None:
+    never = f'Container image "{MATRIX_IMAGE}" is not present with pull policy of Never'
+    absent = image_pull(make_pod(main=[waiting("runtime", "ErrImageNeverPull", message=never)]))
+    assert absent == ImagePull("qwen-1", "xpu-1", MATRIX_IMAGE, "failing", "ErrImageNeverPull", never)
+    condition = runtime_image_condition([absent], MATRIX_IMAGE, from_matrix=True)
+    assert (condition.status, condition.reason) == ("False", "RuntimeImageUnavailable")
+    assert condition.message.startswith(
+        f"cannot pull the runtime image {MATRIX_IMAGE}: pod qwen-1 on node xpu-1 (ErrImageNeverPull: "
+        f"{never}). With imagePullPolicy Never kubelet does not pull: load the image onto the node or "
+        "allow pulls. The service sets no spec.runtime.image"
+    )
+
+    bad = "registry.local/RT:1"
+    message = f'Failed to apply default image tag "{bad}": couldn\'t parse image name'
+    invalid = image_pull(
+        make_pod(init=[waiting("preflight", "InvalidImageName", image=bad, message=message)])
+    )
+    assert invalid == ImagePull("qwen-1", "xpu-1", bad, "failing", "InvalidImageName", message)
+    condition = runtime_image_condition([invalid], bad, from_matrix=False)
+    assert (condition.status, condition.reason, condition.message) == (
+        "False",
+        "RuntimeImageUnavailable",
+        f"the runtime image name {bad} is invalid: pod qwen-1 on node xpu-1 (InvalidImageName: {message}). "
+        "Set spec.runtime.image to a valid image reference (registry/name:tag)",
+    )
+    from_matrix = runtime_image_condition([invalid], bad, from_matrix=True)
+    assert "Set the operator's --default-runtime-image" in from_matrix.message
+
+
 def test_the_condition_clears_once_a_pod_pulls_and_is_unknown_before() -> None:
     pulled = ImagePull("qwen-1", "xpu-1", MATRIX_IMAGE, "pulled")
     assert runtime_image_condition([pulled], MATRIX_IMAGE, from_matrix=True).status == "True"
