@@ -34,8 +34,8 @@ COMMANDS: tuple[Command, ...] = (
 class _VersionAction(argparse.Action):
     """``--version``: the package version, what the CPU probe found (ISA tier, caches) and, known
     without a model, the kernel tier ``--dtype auto`` runs here and whether its library is there
-    and loads (nothing is compiled). The backend and dtypes in force need a model: the engine's
-    start line and ``/version`` say them."""
+    and loads (nothing is compiled), and the backend, tier and dtypes the automatic choices give on
+    the CPU. What is in force needs a model: the engine's start line and ``/version`` say it."""
 
     def __init__(self, option_strings, dest, **kwargs) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -54,14 +54,21 @@ class _VersionAction(argparse.Action):
             for name, value in (("L1d", cpu.l1d_bytes), ("L2", cpu.l2_bytes), ("L3", cpu.l3_bytes))
             if value
         )
-        from kunlun_runtime.layers.runtime_info import kernels_without_model
+        from kunlun_runtime.engine.llm_engine import resolve_dtype, resolve_weight_dtype
+        from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
+        from kunlun_runtime.layers.runtime_info import defaults_without_model, kernels_without_model
+        from kunlun_runtime.platforms import CpuPlatform
 
+        platform = CpuPlatform()
+        kv_dtype = resolve_kv_cache_dtype("auto", resolve_dtype("auto", platform), platform)
         lines = [
             f"kunlun-runtime {__version__}",
             f"cpu: {cpu.model_name}",
             f"isa tier: {cpu.tier.value}{forced}",
             f"caches: {caches or 'unknown'}",
             f"cpu kernels (without a model): {kernels_without_model()}",
+            "defaults on the cpu (without a model): "
+            + defaults_without_model(resolve_weight_dtype("auto", platform), kv_dtype),
             "backend, kernel tier and dtypes in force: the engine's start line and /version",
         ]
         print("\n".join(lines))

@@ -9,6 +9,7 @@ says, without a model and without compiling, whether the kernels are there and l
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -149,7 +150,7 @@ def test_requiring_native_kernels_makes_the_fault_a_start_error(
     assert "without them decode runs on" in result.stderr and "--require-native-kernels" in result.stderr
 
 
-def version(env: dict[str, str]) -> str:
+def version(env: dict[str, str], prefix: str = "cpu kernels (without a model): ") -> str:
     result = subprocess.run(
         [sys.executable, "-c", CLI_MAIN, "--version"],
         capture_output=True,
@@ -158,10 +159,11 @@ def version(env: dict[str, str]) -> str:
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    (line,) = [
-        line for line in result.stdout.splitlines() if line.startswith("cpu kernels (without a model): ")
-    ]
-    return line.removeprefix("cpu kernels (without a model): ")
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith(prefix)]
+    return line.removeprefix(prefix)
+
+
+DEFAULTS = "defaults on the cpu (without a model): "
 
 
 def test_version_says_without_a_model_whether_the_kernels_load(fault: Fault, tmp_path: Path) -> None:
@@ -169,6 +171,11 @@ def test_version_says_without_a_model_whether_the_kernels_load(fault: Fault, tmp
     auto = f"{TIER.tier.value} (--dtype auto computes in {str(AUTO_DTYPE).removeprefix('torch.')} here): "
     if "KUNLUN_CPU_KERNELS_DIR" in fault.env:
         assert version(fault.env).startswith(auto + fault.reason)
+        # the backend the automatic choice falls back to, with no kernel tier running
+        assert re.fullmatch(
+            r"backend=(prepacked|plain) tier=none dtype=\w+ weights=\w+ kv_dtype=\w+",
+            version(fault.env, DEFAULTS),
+        )
         return
     cache = Path(fault.env["TORCH_EXTENSIONS_DIR"])
     found = shutil.which(fault.env["CXX"])
@@ -177,6 +184,8 @@ def test_version_says_without_a_model_whether_the_kernels_load(fault: Fault, tmp
         f"{cache / cpu_kernels.cached_library(TIER).parent.name}"
     )
     assert not cache.exists()  # asking compiled and created nothing
+    # not built yet: the defaults are what the first start builds and runs
+    assert version(fault.env, DEFAULTS).startswith(f"backend=native tier={TIER.tier.value} dtype=")
     if not cpu_kernels.load(AUTO_DTYPE):  # this process's build, copied where a later start finds it
         pytest.fail(
             f"the {TIER.tier.value} kernels do not build here: {cpu_kernels.unavailable_reason(AUTO_DTYPE)}"

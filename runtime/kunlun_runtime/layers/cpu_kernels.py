@@ -113,13 +113,13 @@ def tier_for_dtype(dtype: torch.dtype) -> KernelTier | None:
 
 
 def _library_name(tier: KernelTier) -> str:
-    # The name carries a digest of the sources, flags, torch version and compiler, so an edited
-    # kernel, or one built against another torch (whose headers and ABI it compiled in), is
-    # rebuilt rather than loaded from the cache as it was.
+    # The name carries a digest of the sources, flags and torch version, so an edited kernel, or
+    # one built against another torch (whose headers and ABI it compiled in), is rebuilt rather
+    # than loaded from the cache as it was.
     text = (
         b"".join(path.read_bytes() for path in (*tier.sources, *HEADERS))
         + " ".join(tier.compile_flags).encode()
-        + f" torch {torch.__version__} cxx {os.environ.get('CXX', 'c++')}".encode()
+        + f" torch {torch.__version__}".encode()
     )
     return f"{tier.namespace}_{hashlib.sha256(text).hexdigest()[:10]}"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kunlun_runtime.layers import cpu_kernels, kernel_build
-from kunlun_runtime.layers.kernel_choice import KernelChoice
+from kunlun_runtime.layers.kernel_choice import KernelChoice, KernelStatus, decide, onednn_bf16_reason
 from kunlun_runtime.platforms.cpu_features import cpu_capabilities
 
 log = logging.getLogger(__name__)
@@ -92,24 +92,48 @@ def announce_start(info: RuntimeInfo, *, model: object, max_model_len: int, kv_c
 def kernels_without_model() -> str:
     """The kernels ``--dtype auto`` would run here, known without a model and without compiling:
     a prebuilt library or an earlier build that loads, or a first start that will compile."""
-    dtype = torch.bfloat16 if cpu_capabilities().computes_bf16 else torch.float32
+    return _probe_without_model()[0]
+
+
+def defaults_without_model(weight_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """What the start line would say of the backend, tier and dtypes under ``--dtype auto`` and
+    ``--linear-backend auto`` on this CPU (``weight_dtype``, ``kv_dtype``: what auto resolves to
+    here), known without a model and without compiling; a library not built yet counts as the one
+    the first start builds."""
+    dtype, reason = _auto_dtype(), _probe_without_model()[1]
+    tier = cpu_kernels.tier_for_dtype(dtype)
+    status = KernelStatus(None if tier is None else tier.tier, reason, failed=False)
+    choice = decide("auto", True, dtype, weight_dtype, "cpu", status, onednn_bf16_reason())
+    return (
+        f"backend={choice.backend} tier={choice.tier} dtype={dtype_name(dtype)} "
+        f"weights={dtype_name(weight_dtype)} kv_dtype={dtype_name(kv_dtype)}"
+    )
+
+
+def _auto_dtype() -> torch.dtype:
+    return torch.bfloat16 if cpu_capabilities().computes_bf16 else torch.float32
+
+
+def _probe_without_model() -> tuple[str, str | None]:
+    """(what ``kernels_without_model`` says, why the library will not run here or None)."""
+    dtype = _auto_dtype()
     tier = cpu_kernels.tier_for_dtype(dtype)
     assert tier is not None  # both auto dtypes have a tier
     reason = cpu_kernels.cpu_reason(tier)
     if reason is not None:
-        return f"none ({reason}): the plain PyTorch path"
+        return f"none ({reason}): the plain PyTorch path", reason
     name = f"{tier.tier.value} (--dtype auto computes in {dtype_name(dtype)} here)"
     if os.environ.get(cpu_kernels.PREBUILT_ENV):
         path = os.path.join(os.environ[cpu_kernels.PREBUILT_ENV], f"{tier.namespace}.so")
         error = cpu_kernels.unavailable_reason(dtype)  # with a prebuilt folder this loads, never compiles
-        return f"{name}: " + (f"prebuilt in {path}, loads" if error is None else error)
+        return f"{name}: " + (f"prebuilt in {path}, loads" if error is None else error), error
     cached = cpu_kernels.cached_library(tier)
     if cached.exists():
         error = kernel_build.load_library(cached)
         return f"{name}: built earlier (cached in {cached.parent}), " + (
             "loads" if error is None else f"does not load: {error}"
-        )
+        ), error
     compiler = os.environ.get("CXX", "c++")
     found = shutil.which(compiler)
     where = f"with {found}" if found else f"but the compiler {compiler} is not on PATH"
-    return f"{name}: not built yet; the first start compiles it once, {where}, into {cached.parent}"
+    return f"{name}: not built yet; the first start compiles it once, {where}, into {cached.parent}", None
