@@ -116,7 +116,7 @@ def create_app(
     @app.get("/version")
     async def version() -> dict[str, object]:
         # What the engine runs with (backend, kernel tier, dtypes, KV capacity): null until loaded.
-        runtime = None if life.served is None else life.served.engine.engine.runtime_info.describe()
+        runtime = None if life.runtime_info is None else life.runtime_info.describe()
         return {"version": __version__, "cpu": cpu_capabilities().describe(), "runtime": runtime}
 
     @app.get("/metrics", responses={401: {"model": ErrorResponse}})

@@ -36,10 +36,9 @@ from kunlun_runtime.server.watchdog import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE_LEN = 256
-# Loggers whose INFO lines a server always shows: the engine's start line (backend, tier, dtypes,
-# KV capacity) and the progress of a first start compiling our CPU kernels.
-# The start line, a kernel build's progress and a leader's wait for its nodes: each may take
-# minutes, and WARNING (the default level) would leave them silent.
+# Loggers whose INFO lines a server always shows, whatever --log-level (default WARNING): the
+# engine's start line (backend, tier, dtypes, KV capacity), the progress of a first start compiling
+# our CPU kernels, and a leader's wait for its nodes (the last two may take minutes).
 ANNOUNCING_LOGGERS = (
     "kunlun_runtime.layers.runtime_info",
     "kunlun_runtime.layers.kernel_build",
@@ -225,7 +224,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server = DrainingServer(uvicorn_config, lifecycle, args.shutdown_timeout)
     lifecycle.on_fatal = server.fail
-    for name in ANNOUNCING_LOGGERS:  # the start line and a kernel build's progress, whatever --log-level
+    for name in ANNOUNCING_LOGGERS:
         announcer = logging.getLogger(name)
         announcer.setLevel(min(announcer.getEffectiveLevel(), logging.INFO))
     if config.device in ("auto", "cpu"):  # what every automatic CPU choice resolves against

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.layers.kernel_build import current_build
+from kunlun_runtime.layers.runtime_info import RuntimeInfo
 from kunlun_runtime.metrics import CacheConfigInfo, EngineMetrics, build_metrics
 from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.async_engine import AsyncEngine
@@ -106,6 +107,7 @@ class Lifecycle:
         self.registry = CollectorRegistry()
         self.state = ServerState.LOADING
         self.served: ServedModel | None = None
+        self.runtime_info: RuntimeInfo | None = None  # what the engine runs with (/version), once loaded
         self.metrics: EngineMetrics | None = None
         self.error: BaseException | None = None
         self._task: asyncio.Task | None = None
@@ -147,6 +149,7 @@ class Lifecycle:
                 kv_cache_memory_bytes=engine.config.kv_cache_memory_bytes,
             )
         )
+        self.runtime_info = engine.runtime_info
         self.metrics.set_runtime_info(**engine.runtime_info.labels())
         stats = StatsRecorder(self.metrics, engine)
         stats.record(engine, [], ran_step=False)  # publish the idle gauges before the first request
