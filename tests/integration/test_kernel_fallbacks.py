@@ -196,3 +196,33 @@ def test_version_says_without_a_model_whether_the_kernels_load(fault: Fault, tmp
     (cache / built.parent.name).mkdir(parents=True)
     shutil.copy2(source, cache / built.parent.name / built.name)
     assert version(fault.env) == f"{auto}built earlier (cached in {cache / built.parent.name}), loads"
+
+
+def test_a_cached_library_that_does_not_load_is_rebuilt_and_said(tmp_path: Path) -> None:
+    if os.environ.get(cpu_kernels.PREBUILT_ENV):
+        pytest.skip("this process loads prebuilt kernels (KUNLUN_CPU_KERNELS_DIR), not a build cache")
+    assert TIER is not None
+    if not cpu_kernels.load(AUTO_DTYPE):
+        pytest.fail(
+            f"the {TIER.tier.value} kernels do not build here: {cpu_kernels.unavailable_reason(AUTO_DTYPE)}"
+        )
+    built = cpu_kernels.cached_library(TIER)
+    cache = tmp_path / "torch_extensions"
+    shutil.copytree(built.parent, cache / built.parent.name)
+    broken = cache / built.parent.name / built.name
+    broken.write_bytes(b"\x7fELF truncated")  # a cached library that no longer loads
+    probe = (
+        "import torch; from kunlun_runtime.layers import cpu_kernels; "
+        f"print(cpu_kernels.unavailable_reason(torch.{str(AUTO_DTYPE).removeprefix('torch.')}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env=environment({"TORCH_EXTENSIONS_DIR": str(cache)}),
+        timeout=600,
+    )
+    assert result.stdout.strip() == "None", result.stderr  # rebuilt and loaded
+    assert f"the {TIER.tier.value} CPU kernels cached in {broken} do not load (" in result.stderr
+    assert "rebuilding" in result.stderr
+    assert broken.read_bytes()[:4] == b"\x7fELF" and broken.stat().st_size > 1000

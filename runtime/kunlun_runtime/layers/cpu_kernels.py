@@ -148,9 +148,16 @@ def _build(tier_name: IsaTier) -> str | None:
         log.info("loaded the %s CPU kernels from %s (%s)", tier.tier.value, path, PREBUILT_ENV)
         return None
     cached = kernel_build.cached_library(_library_name(tier))
-    if cached.exists() and kernel_build.load_library(cached) is None:
-        log.info("loaded the %s CPU kernels built earlier (cached in %s)", tier.tier.value, cached.parent)
-        return None
+    if cached.exists():
+        error = kernel_build.load_library(cached)
+        if error is None:
+            log.info("loaded the %s CPU kernels built earlier (cached in %s)", tier.tier.value, cached.parent)
+            return None
+        # Removed, so that the build below links it anew instead of finding it up to date.
+        log.warning(
+            "the %s CPU kernels cached in %s do not load (%s): rebuilding", tier.tier.value, cached, error
+        )
+        cached.unlink(missing_ok=True)
     try:
         with kernel_build.building(
             tier.tier.value, cached.parent, tuple(Path(s).name for s in _sources(tier))
