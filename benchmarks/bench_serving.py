@@ -159,7 +159,7 @@ def started(command: list[str], port: int, health_path: str = "/health") -> Iter
 
 
 def ours_command(args: argparse.Namespace, port: int) -> list[str]:
-    main = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
+    main = "import sys; from kunlun_runtime.commands.cli import main; sys.exit(main())"
     command = [sys.executable, "-c", main, "serve", "--host", "127.0.0.1", "--port", str(port)]
     if args.model:
         command += ["--model", args.model]

@@ -32,10 +32,10 @@ from transformers import AutoModelForCausalLM
 
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.engine import resolve_model_dir
-from kunlun_runtime.golden import capture_engine, capture_reference, compare, layer_names
+from kunlun_runtime.golden.runner import capture_engine, capture_reference, compare, layer_names
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.platforms import detect
-from kunlun_runtime.tokenizer import Tokenizer
+from kunlun_runtime.models.tokenizer import Tokenizer
 
 failed = False
 started = time.perf_counter()
@@ -117,5 +117,5 @@ EOF
 
 if [ "${GPU_CHECK_TUNE:-0}" = "1" ]; then
   echo "== tune (cuda, 60 s budget)"
-  "$PYTHON" -m kunlun_runtime.cli tune --device cuda --budget-s 60
+  "$PYTHON" -m kunlun_runtime.commands.cli tune --device cuda --budget-s 60
 fi

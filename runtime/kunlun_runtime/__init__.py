@@ -5,7 +5,7 @@ Public surface (vLLM-compatible in shape): ``LLM``, ``SamplingParams``,
 offline outputs' logprobs, as ``vllm.logprobs.Logprob``).
 """
 
-from kunlun_runtime.logprobs import Logprob
+from kunlun_runtime.engine.logprobs import Logprob
 from kunlun_runtime.version import __version__
 
 __all__ = ["LLM", "Logprob", "SamplingParams", "StructuredOutputsParams", "__version__"]
@@ -17,7 +17,7 @@ def __getattr__(name: str):  # lazy: importing the package must not import torch
 
         return LLM
     if name == "SamplingParams":
-        from kunlun_runtime.sampling_params import SamplingParams
+        from kunlun_runtime.engine.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "StructuredOutputsParams":

@@ -2,6 +2,6 @@
 
 import sys
 
-from kunlun_runtime.cli import main
+from kunlun_runtime.commands.cli import main
 
 sys.exit(main())

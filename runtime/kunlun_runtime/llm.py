@@ -3,7 +3,7 @@
 ``n > 1`` is served as n engine requests sharing the prompt (the prefix cache shares its blocks);
 their outputs are merged into one ``RequestOutput`` per prompt, in prompt order.
 
-Logprobs leave in vLLM's shape (``kunlun_runtime.logprobs``): the outputs this API returns, and
+Logprobs leave in vLLM's shape (``kunlun_runtime.engine.logprobs``): the outputs this API returns, and
 those ``on_output`` sees, carry ``token_id -> Logprob`` dicts where the engine's carry
 ``TokenLogprob`` records (which the server reads). Each position is converted once per call.
 """
@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kunlun_runtime.config import EngineConfig, parse_memory
 from kunlun_runtime.engine.llm_engine import LLMEngine
-from kunlun_runtime.engine.outputs import RequestOutput
-from kunlun_runtime.logprobs import (
+from kunlun_runtime.engine.logprobs import (
     PromptLogprobs,
     SampleLogprobs,
     build_prompt_logprobs,
     build_sample_logprobs,
 )
-from kunlun_runtime.sampling_params import SamplingParams
-from kunlun_runtime.tokenizer import RESERVED_TEMPLATE_VARIABLES, Tokenizer
+from kunlun_runtime.engine.outputs import RequestOutput
+from kunlun_runtime.engine.sampling_params import SamplingParams
+from kunlun_runtime.models.tokenizer import RESERVED_TEMPLATE_VARIABLES, Tokenizer
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13

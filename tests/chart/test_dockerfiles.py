@@ -306,7 +306,7 @@ def test_runtime_image_default_command_is_accepted_by_the_runtime_cli() -> None:
     import io
     import json
 
-    from kunlun_runtime import cli  # here, not at the top: it imports torch
+    from kunlun_runtime.commands import cli  # here, not at the top: it imports torch
 
     runtime = Dockerfile.read(REPO / "runtime" / "Dockerfile")
     entrypoint = json.loads(runtime.all("ENTRYPOINT")[-1])

@@ -9,8 +9,8 @@ import shlex
 
 import pytest
 
-from kunlun_operator import matrix
-from kunlun_operator.spec import parse_spec
+from kunlun_operator.policy import matrix
+from kunlun_operator.spec.service import parse_spec
 from tests.chart.tools import CHART, REPO, helm
 
 DOCS = [REPO / "docs" / "chart.md", CHART / "README.md", REPO / "README.md"]

@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 
 from kunlun_device import cli as device_cli
-from kunlun_operator import cli as operator_cli
-from kunlun_operator.policy import AdmissionPolicy, parse_policy
+from kunlun_operator.policy.admission_policy import AdmissionPolicy, parse_policy
+from kunlun_operator.shell import cli as operator_cli
 from tests.chart.test_templates import PREFIX, containers, parse_cli
 from tests.chart.tools import Rendered, render
 

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kunlun_device.exporter import Exporter
 from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.source import XpuSource
-from kunlun_operator.metrics import OperatorMetrics
-from kunlun_runtime.metrics import EngineMetrics
+from kunlun_operator.shell.metrics import OperatorMetrics
+from kunlun_runtime.server.metrics import EngineMetrics
 from tests.chart.promql_names import label_values_metric, metric_names
 from tests.chart.tools import REPO, Rendered
 

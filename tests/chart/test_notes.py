@@ -14,10 +14,11 @@ from pathlib import Path
 
 import yaml
 
-from kunlun_operator import cli, matrix
-from kunlun_operator.controller import Controller, ControllerConfig
-from kunlun_operator.metrics import OperatorMetrics
-from kunlun_operator.spec import parse_spec
+from kunlun_operator.policy import matrix
+from kunlun_operator.shell import cli
+from kunlun_operator.shell.controller import Controller, ControllerConfig
+from kunlun_operator.shell.metrics import OperatorMetrics
+from kunlun_operator.spec.service import parse_spec
 from tests.chart.tools import CHART, NAMESPACE, RELEASE, helm
 
 WARNING = re.compile(r"WARNING: (\S+)\n\s+is the default matrix image")

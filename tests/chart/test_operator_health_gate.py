@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kunlun_operator import cli as operator_cli
+from kunlun_operator.shell import cli as operator_cli
 from tests.chart.tools import render
 
 

@@ -39,7 +39,7 @@ from kunlun_operator.builders.deployment import build_deployment
 from kunlun_operator.builders.hpa import METRIC_NAMES
 from kunlun_operator.builders.service import build_service
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
-from kunlun_operator.spec import ServiceRef, parse_spec
+from kunlun_operator.spec.service import ServiceRef, parse_spec
 from tests.chart.monitored_stack import (
     FIXTURE_HOST,
     ExporterProcess,

@@ -95,7 +95,7 @@ def test_operator_cluster_role_is_exactly_its_api_calls(default_render: Rendered
 def test_leaderworkerset_rights_only_where_it_is_stated_installed() -> None:
     """leaderWorkerSet.installed=true grants exactly the LeaderWorkerSet calls and leaves the
     operator's --leaderworkerset on; by default the operator runs with --no-leaderworkerset."""
-    from kunlun_operator import cli as operator_cli
+    from kunlun_operator.shell import cli as operator_cli
 
     lws_calls = operator_calls(leaderworkerset=True) - operator_calls()
     assert lws_calls == {

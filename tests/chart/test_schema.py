@@ -123,7 +123,7 @@ KML_PATHS = [
 def test_the_kml_file_pattern_agrees_with_the_operators_check(path: str, allowed: bool) -> None:
     """The chart refuses what ``kunlun-operator run --preflight-kml-version-file`` refuses (the
     pattern uses no lookaround, so Python's ``re`` reads it as Helm's Go regexp does)."""
-    from kunlun_operator.cli import build_parser, parse_preflight_host
+    from kunlun_operator.shell.cli import build_parser, parse_preflight_host
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     pattern = schema["properties"]["runtime"]["properties"]["preflight"]["properties"]["kmlVersionFile"]

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from kunlun_device import cli as device_cli
-from kunlun_operator import cli as operator_cli
-from kunlun_operator import matrix
-from kunlun_operator.spec import parse_spec
+from kunlun_operator.policy import matrix
+from kunlun_operator.shell import cli as operator_cli
+from kunlun_operator.spec.service import parse_spec
 from tests.chart.tools import CHART, NAMESPACE, RELEASE, Rendered, helm, render
 
 PREFIX = f"{RELEASE}-kunlun-inference"

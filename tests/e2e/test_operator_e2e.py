@@ -124,7 +124,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
             [
                 sys.executable,
                 "-m",
-                "kunlun_operator.cli",
+                "kunlun_operator.shell.cli",
                 "run",
                 "--standalone",
                 "--namespace",

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kunlun_runtime import LLM, SamplingParams
-from kunlun_runtime.golden import BF16_KV_TOLERANCE, run_golden
+from kunlun_runtime.golden.runner import BF16_KV_TOLERANCE, run_golden
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.linear import convert_linears
 from kunlun_runtime.models.loader import load_model
@@ -89,7 +89,7 @@ def test_bf16_kv_is_fp32_attention_over_the_rounded_keys_and_values(
 
 @pytest.mark.parametrize("chunk", [4, None])
 def test_smollm2_with_bf16_kv_stays_within_the_bound(smollm2_dir, path, chunk):
-    from kunlun_runtime.tokenizer import Tokenizer
+    from kunlun_runtime.models.tokenizer import Tokenizer
 
     token_ids = Tokenizer(smollm2_dir).encode("The capital of France is Paris. The capital of Italy is")
     report = run_golden(

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kunlun_runtime import LLM, SamplingParams
-from kunlun_runtime.cli import main
-from kunlun_runtime.golden import run_golden
+from kunlun_runtime.commands.cli import main
+from kunlun_runtime.golden.runner import run_golden
 from kunlun_runtime.layers.linear import Int8Linear, convert_linears
 from kunlun_runtime.models.loader import load_model
 

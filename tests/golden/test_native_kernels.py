@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kunlun_runtime.cli import main
-from kunlun_runtime.golden import run_golden
+from kunlun_runtime.commands.cli import main
+from kunlun_runtime.golden.runner import run_golden
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.linear import NativeLinear, convert_linears
 from kunlun_runtime.models.loader import load_model

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kunlun_runtime import LLM, SamplingParams
-from kunlun_runtime.cli import main
+from kunlun_runtime.commands.cli import main
 from kunlun_runtime.errors import ConfigError, EngineDeadError
-from kunlun_runtime.golden import capture_engine, compare, layer_names
-from kunlun_runtime.golden_tp import capture_parallel
+from kunlun_runtime.golden.ranks import capture_parallel
+from kunlun_runtime.golden.runner import capture_engine, compare, layer_names
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.parallel.pipeline import MIN_MICRO_BATCH_TOKENS
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model

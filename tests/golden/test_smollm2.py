@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kunlun_runtime import LLM, SamplingParams
-from kunlun_runtime.cli import main
+from kunlun_runtime.commands.cli import main
 
 PROMPTS = [
     "The capital of France is",
@@ -45,9 +45,9 @@ def test_golden_cli_passes_on_the_embedded_model_and_prints_json(capsys):
 
 
 def test_bf16_engine_agrees_with_fp32_reference_within_the_documented_bound(smollm2_dir):
-    from kunlun_runtime.golden import run_golden
+    from kunlun_runtime.golden.runner import run_golden
     from kunlun_runtime.models.loader import load_model
-    from kunlun_runtime.tokenizer import Tokenizer
+    from kunlun_runtime.models.tokenizer import Tokenizer
 
     model, _ = load_model(smollm2_dir, torch.bfloat16, torch.device("cpu"), 256)
     token_ids = Tokenizer(smollm2_dir).encode(PROMPTS[2] + " there lived an old fisherman who")

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from kunlun_runtime import LLM, SamplingParams
-from kunlun_runtime.cli import main
+from kunlun_runtime.commands.cli import main
 from kunlun_runtime.errors import ConfigError
-from kunlun_runtime.golden import capture_engine, compare, layer_names
-from kunlun_runtime.golden_tp import capture_tensor_parallel
+from kunlun_runtime.golden.ranks import capture_tensor_parallel
+from kunlun_runtime.golden.runner import capture_engine, compare, layer_names
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.parallel.group import free_port
 from kunlun_runtime.parallel.layout import ParallelLayout

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kunlun_runtime.golden import run_golden
+from kunlun_runtime.golden.runner import run_golden
 from kunlun_runtime.models.loader import load_model
 from tests.support.tiny_models import TINY_SPECS
 

@@ -9,7 +9,7 @@ from tests.support.tiny_models import TINY_SPECS, make_tiny_model
 def test_chat_answers_each_line_and_keeps_the_history(tmp_path):
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
     command = [
-        sys.executable, "-c", "import sys; from kunlun_runtime.cli import main; sys.exit(main(sys.argv[1:]))",
+        sys.executable, "-c", "import sys; from kunlun_runtime.commands.cli import main; sys.exit(main(sys.argv[1:]))",
         "chat", "--model", str(model_dir), "--dtype", "float32", "--max-tokens", "5", "--kv-cache-memory", "8MiB",
     ]  # fmt: skip
     result = subprocess.run(command, input="hello\n\nthe end\n", capture_output=True, text=True, timeout=180)

@@ -14,13 +14,13 @@ import httpx
 import openai
 import pytest
 
-from kunlun_runtime.golden import BF16_KV_TOLERANCE
+from kunlun_runtime.golden.runner import BF16_KV_TOLERANCE
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 from tests.integration.server.live import free_port, health_status
 from tests.support.tiny_models import make_tiny_model
 from tests.support.waiting import wait_for
 
-CLI_MAIN = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
+CLI_MAIN = "import sys; from kunlun_runtime.commands.cli import main; sys.exit(main())"
 HAS_AVX2 = cpu_capabilities().detected_tier >= IsaTier.AVX2
 
 

@@ -28,7 +28,7 @@ from tests.integration.server.live import free_port, health_status, sample, scra
 from tests.support.tiny_models import make_tiny_model
 from tests.support.waiting import wait_for
 
-CLI_MAIN = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
+CLI_MAIN = "import sys; from kunlun_runtime.commands.cli import main; sys.exit(main())"
 AUTO_DTYPE = torch.bfloat16 if cpu_capabilities().computes_bf16 else torch.float32
 TIER = cpu_kernels.tier_for_dtype(AUTO_DTYPE)
 RUNS_A_TIER = TIER is not None and cpu_kernels.cpu_reason(TIER) is None

@@ -9,12 +9,12 @@ import pytest
 import torch
 import yaml
 
-from kunlun_runtime.cli import main
-from kunlun_runtime.config_file import load_engine_options
+from kunlun_runtime.commands.cli import main
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.llm import LLM
+from kunlun_runtime.options.config_file import load_engine_options
 from kunlun_runtime.platforms import CpuPlatform
 from kunlun_runtime.platforms.cpu_features import cpu_capabilities
-from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.tuning.profiler import BLOCK_SIZES, DECODE_SEQS, PREFILL_TOKENS
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
 

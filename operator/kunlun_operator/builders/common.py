@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kunlun_operator import names
-from kunlun_operator.spec import ServiceRef
+from kunlun_operator.spec.service import ServiceRef
 
 
 def owner_reference(ref: ServiceRef) -> dict[str, Any]:

@@ -15,9 +15,9 @@ import yaml
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
-from kunlun_operator.feasibility import startup_budget_seconds
-from kunlun_operator.matrix import parse_bytes
-from kunlun_operator.spec import InferenceSpec, ServiceRef
+from kunlun_operator.policy.feasibility import startup_budget_seconds
+from kunlun_operator.policy.matrix import parse_bytes
+from kunlun_operator.spec.service import InferenceSpec, ServiceRef
 
 CONFIG_KEY = "config.yaml"
 

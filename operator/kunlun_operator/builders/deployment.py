@@ -24,8 +24,8 @@ from typing import Any
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
 from kunlun_operator.builders.configmap import runtime_args
-from kunlun_operator.feasibility import startup_budget_seconds
-from kunlun_operator.spec import InferenceSpec, SecretKeyRef, ServiceRef
+from kunlun_operator.policy.feasibility import startup_budget_seconds
+from kunlun_operator.spec.service import InferenceSpec, SecretKeyRef, ServiceRef
 
 RUN_AS_USER = 1000
 STARTUP_PERIOD_SECONDS = 10

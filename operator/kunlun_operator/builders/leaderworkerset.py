@@ -24,7 +24,7 @@ from kunlun_operator.builders.deployment import (
     build_pod_spec,
 )
 from kunlun_operator.errors import SpecError
-from kunlun_operator.spec import InferenceSpec, ServiceRef
+from kunlun_operator.spec.service import InferenceSpec, ServiceRef
 
 #: The rendezvous port on the leader (``--master-port``); workers connect to it.
 RENDEZVOUS_PORT = {

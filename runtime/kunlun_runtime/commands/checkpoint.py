@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kunlun_runtime.cli_args import Command
+from kunlun_runtime.options.flags import Command
 
 
 def _import_gguf_args(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +41,10 @@ def _quantize_args(parser: argparse.ArgumentParser) -> None:
 def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
+    from kunlun_runtime.commands.quantize import calibrate, read_calibration_chunks, write_quantized
     from kunlun_runtime.engine.llm_engine import resolve_model_dir
     from kunlun_runtime.models.loader import load_model
-    from kunlun_runtime.quantize import calibrate, read_calibration_chunks, write_quantized
-    from kunlun_runtime.tokenizer import Tokenizer
+    from kunlun_runtime.models.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(args.model)
     if not args.calibration.is_file():

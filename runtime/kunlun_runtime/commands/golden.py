@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import get_args
 
-from kunlun_runtime.cli_args import Command, add_kernel_args
 from kunlun_runtime.config import KVCacheDTypeName
+from kunlun_runtime.options.flags import Command, add_kernel_args
 
 
 def _golden_args(parser: argparse.ArgumentParser) -> None:
@@ -44,11 +44,11 @@ def run_golden_command(args: argparse.Namespace) -> int:
     import torch
 
     from kunlun_runtime.engine.llm_engine import resolve_dtype, resolve_model_dir, resolve_weight_dtype
-    from kunlun_runtime.golden import format_report, report_against_reference, run_golden
+    from kunlun_runtime.golden.runner import format_report, report_against_reference, run_golden
     from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
     from kunlun_runtime.models.loader import load_model
+    from kunlun_runtime.models.tokenizer import Tokenizer
     from kunlun_runtime.platforms import CpuPlatform
-    from kunlun_runtime.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(args.model)
     dtype = resolve_dtype(args.dtype, CpuPlatform())
@@ -58,7 +58,7 @@ def run_golden_command(args: argparse.Namespace) -> int:
     )
     token_ids = Tokenizer(model_dir).encode(args.prompt)
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
-        from kunlun_runtime.golden_tp import capture_parallel
+        from kunlun_runtime.golden.ranks import capture_parallel
         from kunlun_runtime.models.model_config import load_model_config
 
         ours = capture_parallel(

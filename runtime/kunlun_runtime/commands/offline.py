@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kunlun_runtime.cli_args import Command, add_engine_args, engine_config_from_args
+from kunlun_runtime.options.flags import Command, add_engine_args, engine_config_from_args
 
 
 def _generate_args(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +22,8 @@ def _generate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from kunlun_runtime.engine.sampling_params import SamplingParams
     from kunlun_runtime.llm import LLM
-    from kunlun_runtime.sampling_params import SamplingParams
 
     llm = LLM.from_config(engine_config_from_args(args))
     params = SamplingParams(
@@ -63,8 +63,8 @@ def _chat_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from kunlun_runtime.engine.sampling_params import SamplingParams
     from kunlun_runtime.llm import LLM
-    from kunlun_runtime.sampling_params import SamplingParams
 
     llm = LLM.from_config(engine_config_from_args(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []

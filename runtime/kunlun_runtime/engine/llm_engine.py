@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from kunlun_runtime.config import DEFAULT_MASTER_PORT, EngineConfig
-from kunlun_runtime.detokenizer import IncrementalDetokenizer
+from kunlun_runtime.engine.detokenizer import IncrementalDetokenizer
 from kunlun_runtime.engine.model_runner import ModelRunner, StepLogits
 from kunlun_runtime.engine.outputs import CompletionOutput, RequestOutput, RequestTimes
 from kunlun_runtime.engine.request import Request, RequestStatus, TokenLogprob
 from kunlun_runtime.engine.sampler import AllowedTokens, Sampler, make_logprob
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
@@ -45,13 +46,12 @@ from kunlun_runtime.layers.kernel_choice import choose_for_config
 from kunlun_runtime.layers.runtime_info import RuntimeInfo, announce_start
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.sharding import shard_model_config
+from kunlun_runtime.models.tokenizer import Tokenizer
 from kunlun_runtime.parallel.group import free_port
 from kunlun_runtime.parallel.layout import ParallelLayout, stage_layers
 from kunlun_runtime.parallel.workers import LeaderGroup, RankSpec, build_rank, run_worker_node
 from kunlun_runtime.platforms import Platform, detect
-from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.structured.grammar import GrammarCompiler, GrammarMatcher
-from kunlun_runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

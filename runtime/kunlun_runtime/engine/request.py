@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

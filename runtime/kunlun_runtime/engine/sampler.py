@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kunlun_runtime.engine.request import Request, TokenLogprob
-from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.structured.bitmask import apply_token_bitmask
 
 

@@ -6,5 +6,5 @@ owns loading, readiness and draining, ``watchdog`` the engine-progress bound beh
 ``door`` refuses unauthenticated or oversized requests before their body is read, ``auth`` maps API
 keys to tenants (each its own prefix-cache namespace) and ``fair_share`` bounds each tenant's share
 of the waiting queue; ``cli`` defines the ``serve`` subcommand. Metrics live in
-``kunlun_runtime.metrics``. The server talks to the engine only through ``LLMEngine``'s API.
+``kunlun_runtime.server.metrics``. The server talks to the engine only through ``LLMEngine``'s API.
 """

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.outputs import RequestOutput
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.errors import EngineDeadError, InvalidRequestError, KunlunRuntimeError
-from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.errors import QueueFullError
 from kunlun_runtime.server.fair_share import WaitingShares
 from kunlun_runtime.server.stats import StatsRecorder

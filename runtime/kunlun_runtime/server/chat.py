@@ -24,6 +24,7 @@ from starlette.responses import Response
 from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.engine.request import TokenLogprob
 from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.models.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from kunlun_runtime.server.async_engine import EngineRequest, RequestStream
 from kunlun_runtime.server.door import tenant_of
 from kunlun_runtime.server.protocol import ChatCompletionRequest, ChatMessage
@@ -58,7 +59,6 @@ from kunlun_runtime.server.serving import (
 )
 from kunlun_runtime.server.tool_calls import ToolPlan, build_prompt, constrain, plan_tools
 from kunlun_runtime.server.tool_parsers import CallDelta, ReadsToolCalls
-from kunlun_runtime.tokenizer import RESERVED_TEMPLATE_VARIABLES
 
 # Template variables the request may not set through chat_template_kwargs: the server sets them.
 RESERVED_TEMPLATE_KWARGS = RESERVED_TEMPLATE_VARIABLES

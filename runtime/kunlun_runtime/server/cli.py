@@ -19,8 +19,8 @@ from types import FrameType
 
 import uvicorn
 
-from kunlun_runtime.cli_args import Command, add_engine_args, engine_config_from_args
 from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.options.flags import Command, add_engine_args, engine_config_from_args
 from kunlun_runtime.server.auth import build_tenants
 from kunlun_runtime.server.door import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kunlun_runtime.server.fair_share import DEFAULT_MAX_WAITING_SHARE

@@ -26,12 +26,12 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.layers.kernel_build import current_build
 from kunlun_runtime.layers.runtime_info import RuntimeInfo
-from kunlun_runtime.metrics import CacheConfigInfo, EngineMetrics, build_metrics
-from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.async_engine import AsyncEngine
 from kunlun_runtime.server.errors import unavailable
+from kunlun_runtime.server.metrics import CacheConfigInfo, EngineMetrics, build_metrics
 from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS, ServedModel
 from kunlun_runtime.server.stats import StatsRecorder
 from kunlun_runtime.server.tool_calls import validate_tool_flags

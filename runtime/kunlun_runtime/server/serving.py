@@ -32,8 +32,8 @@ from starlette.types import Receive, Scope, Send
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.outputs import RequestOutput
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.async_engine import AsyncEngine, EngineRequest, RequestStream
 from kunlun_runtime.server.auth import scoped_cache_salt
 from kunlun_runtime.server.errors import ERROR_TYPES, APIError

@@ -1,7 +1,7 @@
 """Turn engine steps into metric observations: counter increments, TTFT/ITL, finished requests.
 
 Runs on the engine thread right after each step (it reads engine counters, which only that thread
-changes) and feeds ``kunlun_runtime.metrics.EngineMetrics``. Counters are the differences of the
+changes) and feeds ``kunlun_runtime.server.metrics.EngineMetrics``. Counters are the differences of the
 engine's running totals since the previous call, so a warm-up run before ``reset`` is not counted.
 
 A finished request also reports its parameters, as vLLM observes them: its effective
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.outputs import RequestOutput, RequestTimes
-from kunlun_runtime.metrics import EngineMetrics, FinishedRequestStats, StepStats
+from kunlun_runtime.server.metrics import EngineMetrics, FinishedRequestStats, StepStats
 
 
 def _totals(engine: LLMEngine) -> tuple[int, int, int, int, int]:

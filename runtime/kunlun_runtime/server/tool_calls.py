@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
-from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from kunlun_runtime.server.tool_parsers import (
     TOOL_CALL_PARSERS,

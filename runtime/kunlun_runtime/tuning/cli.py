@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from kunlun_runtime.cli_args import Command
+from kunlun_runtime.options.flags import Command
 from kunlun_runtime.tuning.measurements import Measurements
 from kunlun_runtime.tuning.recommender import Recommendation, recommend
 from kunlun_runtime.tuning.targets import Targets, size

@@ -1,6 +1,6 @@
 """Fixtures for operator integration tests: the fake API, the real operator as a subprocess.
 
-The operator runs as ``python -m kunlun_operator.cli run`` (what the console script runs) with
+The operator runs as ``python -m kunlun_operator.shell.cli run`` (what the console script runs) with
 ``KUBECONFIG`` pointing at the fake API, short watch timeouts and retry delays, so that no test
 waits for wall-clock periods: tests poll for the state they expect, with a deadline.
 """
@@ -112,7 +112,7 @@ class Cluster:
         args = [
             sys.executable,
             "-m",
-            "kunlun_operator.cli",
+            "kunlun_operator.shell.cli",
             "run",
             *(["--standalone"] if standalone else []),
             "--metrics-port",

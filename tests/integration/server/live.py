@@ -123,7 +123,7 @@ def serve_in_thread(
         thread.join(30)
 
 
-SERVE_MAIN = "import sys; from kunlun_runtime.cli import main; sys.exit(main())"
+SERVE_MAIN = "import sys; from kunlun_runtime.commands.cli import main; sys.exit(main())"
 
 
 def start_serve_process(

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kunlun_runtime.metrics import METRIC_NAMES
+from kunlun_runtime.server.metrics import METRIC_NAMES
 from tests.integration.server.live import LiveServer, sample, scrape
 
 REPO = Path(__file__).resolve().parents[3]

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from kunlun_runtime.tokenizer import Tokenizer
+from kunlun_runtime.models.tokenizer import Tokenizer
 from tests.integration.server.live import LiveServer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]

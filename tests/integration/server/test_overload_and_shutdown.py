@@ -16,7 +16,7 @@ from tests.integration.server.live import health_status, serve_in_thread, start_
 from tests.support.waiting import wait_for
 
 BURST = 12
-# The console script's entry point, run by this interpreter (``-m kunlun_runtime.cli`` would load the
+# The console script's entry point, run by this interpreter (``-m kunlun_runtime.commands.cli`` would load the
 # CLI module twice, once as __main__, and miss the subcommands registered on the other copy).
 
 

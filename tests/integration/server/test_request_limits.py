@@ -17,9 +17,13 @@ import httpx
 import pytest
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
-from kunlun_runtime.sampling_params import MAX_NUM_STOP_STRINGS, MAX_NUM_STOP_TOKEN_IDS, MAX_STOP_STRING_CHARS
+from kunlun_runtime.engine.sampling_params import (
+    MAX_NUM_STOP_STRINGS,
+    MAX_NUM_STOP_TOKEN_IDS,
+    MAX_STOP_STRING_CHARS,
+)
+from kunlun_runtime.models.tokenizer import Tokenizer
 from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS, INLINE_TOKENIZE_MAX_CHARS
-from kunlun_runtime.tokenizer import Tokenizer
 from tests.integration.server.live import LiveServer, health_status, serve_in_thread
 from tests.support.waiting import wait_for
 

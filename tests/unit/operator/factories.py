@@ -9,10 +9,10 @@ from typing import Any
 import yaml
 
 from kunlun_operator import names
-from kunlun_operator.matrix import load_default_matrix
-from kunlun_operator.nodes import NodeFacts
-from kunlun_operator.reconcile import ClusterFacts
-from kunlun_operator.spec import ServiceRef
+from kunlun_operator.decide.nodes import NodeFacts
+from kunlun_operator.decide.reconcile import ClusterFacts
+from kunlun_operator.policy.matrix import load_default_matrix
+from kunlun_operator.spec.service import ServiceRef
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 VERSIONS = {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"}

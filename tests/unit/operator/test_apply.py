@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kunlun_operator import names
-from kunlun_operator.apply import (
+from kunlun_operator.shell.apply import (
     is_owned,
     is_subset,
     keep_live_fields,

@@ -25,8 +25,8 @@ from kunlun_operator.builders.pdb import build_pdb
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
-from kunlun_operator.reconcile import desired_objects
-from kunlun_operator.spec import parse_spec
+from kunlun_operator.decide.reconcile import desired_objects
+from kunlun_operator.spec.service import parse_spec
 from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
 from tests.unit.operator.factories import example_names, load_example, make_facts, make_raw_spec, make_ref
 
@@ -548,7 +548,7 @@ def test_every_built_object_is_valid_for_kubernetes(example: str, k8s_version: s
 
 def test_the_runtime_cli_accepts_every_command_the_operator_builds() -> None:
     """The contract with kunlun-runtime: its own parser takes our serve and preflight arguments."""
-    from kunlun_runtime import cli as runtime_cli  # here, not at the top: it imports torch
+    from kunlun_runtime.commands import cli as runtime_cli  # here, not at the top: it imports torch
 
     parser = runtime_cli.build_parser()
     raws = [load_example(name)["spec"] for name in example_names()]
@@ -568,7 +568,7 @@ def test_the_runtime_cli_accepts_every_command_the_operator_builds() -> None:
 
 
 def test_the_operator_flags_name_the_preflights_host_files() -> None:
-    from kunlun_operator.cli import build_parser, parse_preflight_host
+    from kunlun_operator.shell.cli import build_parser, parse_preflight_host
 
     def host(*flags: str) -> PreflightHost:
         return parse_preflight_host(build_parser().parse_args(["run", *flags]))

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from kunlun_operator import names
-from kunlun_operator.controller import Controller, ControllerConfig
-from kunlun_operator.metrics import OperatorMetrics
+from kunlun_operator.shell.controller import Controller, ControllerConfig
+from kunlun_operator.shell.metrics import OperatorMetrics
 
 
 class ConfigMapOnlyClient:

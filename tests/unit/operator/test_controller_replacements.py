@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kunlun_operator.controller import Controller, ControllerConfig
+from kunlun_operator.decide.reconcile import PodFacts
+from kunlun_operator.decide.replicas import CardFault, parse_time
 from kunlun_operator.errors import ApiError
-from kunlun_operator.metrics import OperatorMetrics
-from kunlun_operator.reconcile import PodFacts
-from kunlun_operator.replicas import CardFault, parse_time
+from kunlun_operator.shell.controller import Controller, ControllerConfig
+from kunlun_operator.shell.metrics import OperatorMetrics
 from tests.unit.operator.factories import make_raw_spec, make_ref
 
 

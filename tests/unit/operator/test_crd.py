@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 
 from kunlun_operator.errors import SpecError
-from kunlun_operator.spec import parse_spec
+from kunlun_operator.spec.service import parse_spec
 from tests.unit.operator.crd_schema import load_crd, openapi_schema, validate_cr
 from tests.unit.operator.factories import example_names, load_example, make_raw_spec
 

@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kunlun_operator.reconcile import reconcile
-from kunlun_operator.spec import ServiceRef
-from kunlun_operator.status import DeploymentFacts
+from kunlun_operator.decide.reconcile import reconcile
+from kunlun_operator.decide.status import DeploymentFacts
+from kunlun_operator.spec.service import ServiceRef
 from tests.unit.operator.crd_schema import load_crd
 from tests.unit.operator.factories import NOW, load_example, make_facts
 
@@ -50,7 +50,7 @@ def test_the_documented_kubectl_get_row_matches_the_printer_columns() -> None:
 def test_the_documented_multi_node_rejection_is_the_operators_message() -> None:
     """docs/operator.md and docs/chart.md quote the denial a multi-node service gets without LWS."""
     from kunlun_operator.builders.leaderworkerset import require_leaderworkerset
-    from kunlun_operator.spec import parse_spec
+    from kunlun_operator.spec.service import parse_spec
 
     example = load_example("kis-multinode.yaml")
     error = require_leaderworkerset(parse_spec(example["spec"]), served=False)

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from kunlun_operator import names
-from kunlun_operator.handlers import _pod_fingerprint
-from kunlun_operator.health_gate import (
+from kunlun_operator.decide.health_gate import (
     GatedPod,
     GateOutcome,
     gate_condition,
@@ -21,8 +20,9 @@ from kunlun_operator.health_gate import (
     health_reported_condition,
     plan_gates,
 )
-from kunlun_operator.reconcile import PodFacts, reconcile
-from kunlun_operator.status import Condition
+from kunlun_operator.decide.reconcile import PodFacts, reconcile
+from kunlun_operator.decide.status import Condition
+from kunlun_operator.shell.handlers import _pod_fingerprint
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

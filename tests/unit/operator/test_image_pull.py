@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kunlun_operator.handlers import _pod_fingerprint
-from kunlun_operator.image_pull import ImagePull, image_pull, runtime_image_condition
-from kunlun_operator.reconcile import PodFacts, reconcile
+from kunlun_operator.decide.image_pull import ImagePull, image_pull, runtime_image_condition
+from kunlun_operator.decide.reconcile import PodFacts, reconcile
+from kunlun_operator.shell.handlers import _pod_fingerprint
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 MATRIX_IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0-kunlun"  # the packaged matrix's entry

@@ -11,7 +11,6 @@ import kubernetes_validate
 import pytest
 
 from kunlun_operator import names
-from kunlun_operator.admission import review
 from kunlun_operator.builders.deployment import PreflightHost, build_pod_spec
 from kunlun_operator.builders.hpa import build_hpa
 from kunlun_operator.builders.leaderworkerset import (
@@ -20,11 +19,12 @@ from kunlun_operator.builders.leaderworkerset import (
 )
 from kunlun_operator.builders.pdb import build_pdb
 from kunlun_operator.builders.service import build_service
-from kunlun_operator.feasibility import GiB, estimate_memory, startup_budget_seconds
-from kunlun_operator.matrix import load_default_matrix
-from kunlun_operator.reconcile import desired_objects, reconcile
-from kunlun_operator.spec import ServiceRef, parse_spec
-from kunlun_operator.status import DeploymentFacts
+from kunlun_operator.decide.admission import review
+from kunlun_operator.decide.reconcile import desired_objects, reconcile
+from kunlun_operator.decide.status import DeploymentFacts
+from kunlun_operator.policy.feasibility import GiB, estimate_memory, startup_budget_seconds
+from kunlun_operator.policy.matrix import load_default_matrix
+from kunlun_operator.spec.service import ServiceRef, parse_spec
 from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
 from tests.unit.operator.factories import NOW, load_example, make_facts, make_raw_spec, make_ref
 
@@ -397,7 +397,7 @@ def _kubelet_expand(args: list[str], env: dict[str, str]) -> list[str]:
 
 def test_the_runtime_cli_accepts_the_multi_node_command() -> None:
     """The contract with kunlun-runtime (its half of issue 19): the group's serve command parses."""
-    from kunlun_runtime import cli as runtime_cli  # here, not at the top: it imports torch
+    from kunlun_runtime.commands import cli as runtime_cli  # here, not at the top: it imports torch
 
     parser = runtime_cli.build_parser()
     serve = next(sub for sub in _subparsers(parser) if sub.prog.endswith(" serve"))
@@ -427,7 +427,7 @@ def _subparsers(parser: Any) -> list[Any]:
 
 
 def test_the_controller_reads_the_stage_count_of_a_raw_spec_to_pick_the_workload() -> None:
-    from kunlun_operator.controller import pipeline_stages
+    from kunlun_operator.shell.controller import pipeline_stages
 
     assert pipeline_stages({"runtime": {"pipelineParallelSize": 2}}) == 2
     assert pipeline_stages({}) == pipeline_stages({"runtime": None}) == 1

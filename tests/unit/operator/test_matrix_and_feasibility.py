@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kunlun_operator.admission import card_memory_of, review
-from kunlun_operator.feasibility import GiB, estimate_memory, startup_budget_seconds
-from kunlun_operator.matrix import (
+from kunlun_operator.decide.admission import card_memory_of, review
+from kunlun_operator.policy.feasibility import GiB, estimate_memory, startup_budget_seconds
+from kunlun_operator.policy.matrix import (
     as_dict,
     check_versions,
     load_default_matrix,
@@ -19,7 +19,7 @@ from kunlun_operator.matrix import (
     runtime_version,
     select_image,
 )
-from kunlun_operator.spec import VersionsSpec, parse_spec
+from kunlun_operator.spec.service import VersionsSpec, parse_spec
 from tests.unit.operator.factories import make_raw_spec
 
 VERSIONS_YAML = Path(__file__).resolve().parents[3] / "versions.yaml"
@@ -46,7 +46,7 @@ def test_every_release_entry_names_the_kunlun_variant_of_its_runtime() -> None:
     repository = versions["images"]["runtime"]["repository"]
     for entry in versions["compatibility"]:
         assert entry["image"] == f"{repository}:{entry['runtime']}-kunlun"
-    packaged = yaml.safe_load(resources.files("kunlun_operator").joinpath("default_matrix.yaml").read_text())
+    packaged = yaml.safe_load(resources.files("kunlun_operator.policy").joinpath("default_matrix.yaml").read_text())
     assert packaged["registry"] == versions["images"]["registry"]
     assert packaged["entries"] == versions["compatibility"]
 

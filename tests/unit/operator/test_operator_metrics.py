@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kunlun_operator.metrics import ADMISSION_RESULTS, RECONCILE_RESULTS, OperatorMetrics
+from kunlun_operator.shell.metrics import ADMISSION_RESULTS, RECONCILE_RESULTS, OperatorMetrics
 
 
 def samples(metrics: OperatorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

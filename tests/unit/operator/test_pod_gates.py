@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from kunlun_operator.errors import ApiError
-from kunlun_operator.kube import POD
-from kunlun_operator.metrics import OperatorMetrics
-from kunlun_operator.pod_gates import GateOpener
+from kunlun_operator.shell.kube import POD
+from kunlun_operator.shell.metrics import OperatorMetrics
+from kunlun_operator.shell.pod_gates import GateOpener
 from tests.unit.operator.factories import make_ref
 from tests.unit.operator.test_health_gate import PLUGIN_TRUE, gated
 
@@ -121,7 +121,7 @@ def test_a_denied_write_is_announced_once_per_pod_and_error_until_it_changes_or_
     events: list[tuple[str, str, str, str]] = []
     gates = opener(client, events)
     announced = ("KunlunInferenceService", "qwen", "Warning", "CannotSetHealthGate")
-    with caplog.at_level("WARNING", logger="kunlun_operator.pod_gates"):
+    with caplog.at_level("WARNING", logger="kunlun_operator.shell.pod_gates"):
         for _ in range(3):  # the retries every 10 s meet the same 403
             gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
         assert events == [announced]

@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 
 from kunlun_operator import names
-from kunlun_operator.admission import review
 from kunlun_operator.builders.configmap import build_configmap, runtime_args
 from kunlun_operator.builders.deployment import build_deployment, model_path
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
+from kunlun_operator.decide.admission import review
+from kunlun_operator.decide.reconcile import reconcile
 from kunlun_operator.errors import SpecError
-from kunlun_operator.matrix import load_default_matrix
-from kunlun_operator.policy import (
+from kunlun_operator.policy.admission_policy import (
     STRICTEST,
     AdmissionPolicy,
     host_path_allowed,
@@ -21,8 +21,8 @@ from kunlun_operator.policy import (
     parse_policy,
     reserved_flag,
 )
-from kunlun_operator.reconcile import reconcile
-from kunlun_operator.spec import SecretKeyRef, parse_spec
+from kunlun_operator.policy.matrix import load_default_matrix
+from kunlun_operator.spec.service import SecretKeyRef, parse_spec
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"

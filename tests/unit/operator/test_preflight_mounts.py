@@ -18,8 +18,8 @@ import pytest
 
 from kunlun_operator.builders.deployment import build_deployment
 from kunlun_operator.builders.leaderworkerset import build_leaderworkerset
-from kunlun_operator.spec import parse_spec
-from kunlun_runtime.cli import main
+from kunlun_operator.spec.service import parse_spec
+from kunlun_runtime.commands.cli import main
 from tests.unit.operator.factories import make_raw_spec, make_ref
 
 FIXTURE_HOST = Path(__file__).resolve().parents[2] / "fixtures" / "xpu" / "p800-8"

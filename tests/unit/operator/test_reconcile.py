@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from kunlun_operator import names
-from kunlun_operator.matrix import parse_matrix
-from kunlun_operator.policy import AdmissionPolicy
-from kunlun_operator.reconcile import PodFacts, reconcile
-from kunlun_operator.status import DeploymentFacts
+from kunlun_operator.decide.reconcile import PodFacts, reconcile
+from kunlun_operator.decide.status import DeploymentFacts
+from kunlun_operator.policy.admission_policy import AdmissionPolicy
+from kunlun_operator.policy.matrix import parse_matrix
 from tests.unit.operator.factories import NOW, make_facts, make_node, make_raw_spec, make_ref
 
 LATER = "2026-01-01T00:05:00Z"

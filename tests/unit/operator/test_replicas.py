@@ -8,9 +8,8 @@ from typing import Any
 import pytest
 
 from kunlun_operator import names
-from kunlun_operator.handlers import _pod_fingerprint
-from kunlun_operator.reconcile import PodFacts, reconcile
-from kunlun_operator.replicas import (
+from kunlun_operator.decide.reconcile import PodFacts, reconcile
+from kunlun_operator.decide.replicas import (
     CardFault,
     ReplacementOutcome,
     card_fault,
@@ -18,7 +17,8 @@ from kunlun_operator.replicas import (
     plan_replacements,
     replicas_condition,
 )
-from kunlun_operator.spec import parse_spec
+from kunlun_operator.shell.handlers import _pod_fingerprint
+from kunlun_operator.spec.service import parse_spec
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

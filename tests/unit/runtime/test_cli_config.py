@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from kunlun_runtime.cli import build_parser
-from kunlun_runtime.cli_args import engine_config_from_args
+from kunlun_runtime.commands.cli import build_parser
 from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.options.flags import engine_config_from_args
 
 
 def parse(*argv):

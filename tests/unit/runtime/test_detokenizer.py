@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kunlun_runtime.detokenizer import IncrementalDetokenizer
-from kunlun_runtime.tokenizer import Tokenizer
+from kunlun_runtime.engine.detokenizer import IncrementalDetokenizer
+from kunlun_runtime.models.tokenizer import Tokenizer
 from tests.support.tiny_models import build_tokenizer
 
 

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kunlun_runtime.cli_args import add_engine_args, engine_config_from_args
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine.request import Request, RequestStatus
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.engine.step_cost import StepFeatures
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.kv_manager import KVManager
-from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.options.flags import add_engine_args, engine_config_from_args
 from tests.support.scheduling import run_step, summary
 
 # Synthetic device: 10 ms per step, 0.1 ms per prefill token, 1 ms per decode, attention free.

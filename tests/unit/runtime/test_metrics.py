@@ -8,7 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kunlun_runtime.config import EngineConfig, parse_memory
 from kunlun_runtime.engine.llm_engine import LLMEngine
-from kunlun_runtime.metrics import (
+from kunlun_runtime.engine.sampling_params import SamplingParams
+from kunlun_runtime.platforms.base import Telemetry
+from kunlun_runtime.server.metrics import (
     ITL_BUCKETS_SECONDS,
     METRIC_NAMES,
     REQUEST_LATENCY_BUCKETS_SECONDS,
@@ -20,8 +22,6 @@ from kunlun_runtime.metrics import (
     build_1_2_5_buckets,
     build_metrics,
 )
-from kunlun_runtime.platforms.base import Telemetry
-from kunlun_runtime.sampling_params import SamplingParams
 from kunlun_runtime.server.stats import StatsRecorder
 from kunlun_runtime.structured.grammar import CONSTRAINT_KINDS
 from kunlun_runtime.structured.params import StructuredOutputsParams

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import kunlun_runtime
 from kunlun_runtime import LLM, SamplingParams
-from kunlun_runtime.logprobs import Logprob
+from kunlun_runtime.engine.logprobs import Logprob
 from tests.support.tiny_models import make_tiny_model
 
 PROMPT = [5, 17, 99, 3, 250, 8]

@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from kunlun_runtime.cli_args import add_engine_args, engine_config_from_args, rendezvous_options
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.layers.rotary import RopeConfig
 from kunlun_runtime.models.forward import StepInputs
 from kunlun_runtime.models.model_config import ModelConfig
+from kunlun_runtime.options.flags import add_engine_args, engine_config_from_args, rendezvous_options
 from kunlun_runtime.parallel.layout import ParallelLayout, layer_bytes, split_layers, stage_layers
 from kunlun_runtime.parallel.pipeline import MIN_MICRO_BATCH_TOKENS, plan_step
 

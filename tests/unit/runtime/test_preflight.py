@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kunlun_operator.builders.deployment import build_pod_spec
-from kunlun_operator.spec import parse_spec
-from kunlun_runtime.cli import main
+from kunlun_operator.spec.service import parse_spec
+from kunlun_runtime.commands.cli import main
 from tests.unit.operator.factories import make_raw_spec, make_ref
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "xpu"

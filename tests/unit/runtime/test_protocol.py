@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.sampling_params import (
+from kunlun_runtime.engine.sampling_params import (
     MAX_NUM_STOP_STRINGS,
     MAX_NUM_STOP_TOKEN_IDS,
     MAX_STOP_STRING_CHARS,
     SamplingParams,
 )
+from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.server.completions import _prompts
 from kunlun_runtime.server.errors import APIError, param_from_location
 from kunlun_runtime.server.protocol import ChatCompletionRequest, CompletionRequest

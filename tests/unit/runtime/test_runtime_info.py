@@ -12,13 +12,13 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kunlun_runtime.cli_args import REQUIRE_NATIVE_KERNELS_ENV, add_engine_args, engine_config_from_args
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.layers import runtime_info
 from kunlun_runtime.layers.kernel_choice import KernelChoice, fallback_cost
 from kunlun_runtime.layers.runtime_info import RuntimeInfo, announce_start
-from kunlun_runtime.metrics import build_metrics
+from kunlun_runtime.options.flags import REQUIRE_NATIVE_KERNELS_ENV, add_engine_args, engine_config_from_args
+from kunlun_runtime.server.metrics import build_metrics
 
 FAULT = "building the avx2 CPU kernels failed: Command '['/bin/false', '--version']' returned non-zero exit status 1"
 FELL_BACK = RuntimeInfo(

@@ -7,8 +7,8 @@ import torch
 
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampler import Sampler, apply_penalties, truncate_distribution
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.sampling_params import SamplingParams
 
 
 def make_request(request_id="r", params=None, prompt=(1, 2), output=()):

@@ -1,10 +1,10 @@
 """Scheduler policy, without a model: budgets, chunked prefill, preemption, protection, aging."""
 
 from kunlun_runtime.engine.request import Request, RequestStatus
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.kv_manager import KVManager
-from kunlun_runtime.sampling_params import SamplingParams
 from tests.support.scheduling import run_step, summary
 
 BLOCK = 4

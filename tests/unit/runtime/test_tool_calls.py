@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
-from kunlun_runtime.sampling_params import SamplingParams
+from kunlun_runtime.models.tokenizer import Tokenizer
 from kunlun_runtime.server.cli import SERVE
 from kunlun_runtime.server.lifecycle import Lifecycle
 from kunlun_runtime.server.protocol import ChatCompletionRequest
@@ -27,7 +28,6 @@ from kunlun_runtime.server.tool_calls import (
 )
 from kunlun_runtime.server.tool_parsers import CallDelta, NamedCallParser, RequiredCallsParser, SmolLM2Parser
 from kunlun_runtime.structured.params import StructuredOutputsParams
-from kunlun_runtime.tokenizer import Tokenizer
 from tests.support.tiny_models import CHATML, build_tokenizer
 
 WEATHER_PARAMETERS = {

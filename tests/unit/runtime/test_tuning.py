@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from kunlun_device.xpu import XpuSource
-from kunlun_runtime.config_file import load_engine_options
 from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.options.config_file import load_engine_options
 from kunlun_runtime.platforms import CpuPlatform
 from kunlun_runtime.platforms.kunlun import KunlunPlatform
 from kunlun_runtime.tuning import Measurements, Targets, TuningError, recommend

@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from kunlun_runtime.config_file import load_engine_options
 from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.options.config_file import load_engine_options
 from kunlun_runtime.tuning import Measurements, Targets, TuningError, profiler, recommend
 from kunlun_runtime.tuning import cli as tune_cli
 from kunlun_runtime.tuning.facts import part_bytes

@@ -17,11 +17,11 @@ import kopf
 
 from kunlun_operator import names
 from kunlun_operator.builders.deployment import PreflightHost
-from kunlun_operator.controller import Controller, ControllerConfig
-from kunlun_operator.handlers import LoopConfig, build_registry, post_event
-from kunlun_operator.kube import KubeClient, load_config
-from kunlun_operator.metrics import OperatorMetrics
-from kunlun_operator.policy import STRICTEST, AdmissionPolicy, parse_policy
+from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, parse_policy
+from kunlun_operator.shell.controller import Controller, ControllerConfig
+from kunlun_operator.shell.handlers import LoopConfig, build_registry, post_event
+from kunlun_operator.shell.kube import KubeClient, load_config
+from kunlun_operator.shell.metrics import OperatorMetrics
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 

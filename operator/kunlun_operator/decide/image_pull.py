@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kunlun_operator.status import Condition
+from kunlun_operator.decide.status import Condition
 
 CONDITION_TYPE = "RuntimeImageAvailable"
 REASON_UNAVAILABLE = "RuntimeImageUnavailable"

@@ -18,7 +18,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from kunlun_operator import names
-from kunlun_operator.apply import (
+from kunlun_operator.builders.deployment import DEFAULT_PREFLIGHT_HOST, PreflightHost
+from kunlun_operator.decide.health_gate import gated_pod
+from kunlun_operator.decide.image_pull import image_pull
+from kunlun_operator.decide.nodes import NodeFacts
+from kunlun_operator.decide.reconcile import ClusterFacts, Plan, PodFacts, reconcile
+from kunlun_operator.decide.replicas import (
+    EVICTION_RETRY_SECONDS,
+    CardFault,
+    ReplacementOutcome,
+    card_fault,
+    parse_time,
+    plan_replacements,
+    replacement_message,
+)
+from kunlun_operator.decide.status import DeploymentFacts
+from kunlun_operator.errors import ApiError, OwnershipError, SpecError
+from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy
+from kunlun_operator.policy.matrix import MATRIX_KEY, Matrix, load_default_matrix, merge_cards, parse_matrix
+from kunlun_operator.shell.apply import (
     CREATED,
     DELETED,
     RESTORED,
@@ -29,28 +47,10 @@ from kunlun_operator.apply import (
     delete_object,
     removal_patch,
 )
-from kunlun_operator.builders.deployment import DEFAULT_PREFLIGHT_HOST, PreflightHost
-from kunlun_operator.errors import ApiError, OwnershipError, SpecError
-from kunlun_operator.health_gate import gated_pod
-from kunlun_operator.image_pull import image_pull
-from kunlun_operator.kube import POD, PVC, KubeClient
-from kunlun_operator.matrix import MATRIX_KEY, Matrix, load_default_matrix, merge_cards, parse_matrix
-from kunlun_operator.metrics import OperatorMetrics
-from kunlun_operator.nodes import NodeFacts
-from kunlun_operator.pod_gates import EventSink, GateOpener
-from kunlun_operator.policy import STRICTEST, AdmissionPolicy
-from kunlun_operator.reconcile import ClusterFacts, Plan, PodFacts, reconcile
-from kunlun_operator.replicas import (
-    EVICTION_RETRY_SECONDS,
-    CardFault,
-    ReplacementOutcome,
-    card_fault,
-    parse_time,
-    plan_replacements,
-    replacement_message,
-)
-from kunlun_operator.spec import ServiceRef, parse_service_ref, parse_spec
-from kunlun_operator.status import DeploymentFacts
+from kunlun_operator.shell.kube import POD, PVC, KubeClient
+from kunlun_operator.shell.metrics import OperatorMetrics
+from kunlun_operator.shell.pod_gates import EventSink, GateOpener
+from kunlun_operator.spec.service import ServiceRef, parse_service_ref, parse_spec
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kunlun_operator import names
-from kunlun_operator.replicas import parse_time, unhealthy_resource_ids
-from kunlun_operator.status import Condition
+from kunlun_operator.decide.replicas import parse_time, unhealthy_resource_ids
+from kunlun_operator.decide.status import Condition
 
 CONDITION_TYPE = "CardHealthReported"
 REASON_NO_HEALTH_REPORTER = "NoHealthReporter"

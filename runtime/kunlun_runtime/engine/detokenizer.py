@@ -7,7 +7,7 @@ step decodes a short window (a few tokens of context) rather than the whole outp
 
 from __future__ import annotations
 
-from kunlun_runtime.tokenizer import Tokenizer
+from kunlun_runtime.models.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5
 

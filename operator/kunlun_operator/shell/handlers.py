@@ -20,14 +20,15 @@ from typing import Any
 
 import kopf
 
-from kunlun_operator import admission, names
-from kunlun_operator.controller import Controller
+from kunlun_operator import names
+from kunlun_operator.decide import admission
+from kunlun_operator.decide.health_gate import gated_pod
+from kunlun_operator.decide.image_pull import image_pull
+from kunlun_operator.decide.nodes import NodeFacts
+from kunlun_operator.decide.replicas import card_fault
 from kunlun_operator.errors import ApiError
-from kunlun_operator.health_gate import gated_pod
-from kunlun_operator.image_pull import image_pull
-from kunlun_operator.kube import POD
-from kunlun_operator.nodes import NodeFacts
-from kunlun_operator.replicas import card_fault
+from kunlun_operator.shell.controller import Controller
+from kunlun_operator.shell.kube import POD
 
 KIS = (names.GROUP, names.VERSION, names.PLURAL)
 WATCHED_OWNED_KINDS = (names.CONFIGMAP, names.SERVICE, names.DEPLOYMENT, names.PDB, names.HPA)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from kunlun_device.labels import XPU_CARD_IN_MESSAGE
 from kunlun_operator import names
-from kunlun_operator.status import Condition
+from kunlun_operator.decide.status import Condition
 
 Source = Literal["allocatedResourcesStatus", "condition"]
 CONDITION_TYPE = "ReplicasHealthy"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, get_args
 
 from kunlun_operator.errors import SpecError
-from kunlun_operator.spec_fields import (
+from kunlun_operator.spec.fields import (
     read_bool,
     read_choice,
     read_int,

@@ -17,8 +17,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kunlun_operator.errors import ApiError
-from kunlun_operator.health_gate import (
+from kunlun_operator.decide.health_gate import (
     GATE_RETRY_SECONDS,
     REASON_CANNOT_SET_GATE,
     REASON_NO_HEALTH_REPORTER,
@@ -29,10 +28,11 @@ from kunlun_operator.health_gate import (
     plan_gates,
     write_failed_message,
 )
-from kunlun_operator.kube import POD, KubeClient
-from kunlun_operator.metrics import OperatorMetrics
-from kunlun_operator.replicas import parse_time
-from kunlun_operator.spec import ServiceRef
+from kunlun_operator.decide.replicas import parse_time
+from kunlun_operator.errors import ApiError
+from kunlun_operator.shell.kube import POD, KubeClient
+from kunlun_operator.shell.metrics import OperatorMetrics
+from kunlun_operator.spec.service import ServiceRef
 
 logger = logging.getLogger(__name__)
 

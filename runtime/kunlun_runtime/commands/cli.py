@@ -12,10 +12,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kunlun_runtime import preflight
-from kunlun_runtime.cli_args import Command
-from kunlun_runtime.commands import checkpoint, golden, offline
+from kunlun_runtime.commands import checkpoint, golden, offline, preflight
 from kunlun_runtime.errors import KunlunRuntimeError
+from kunlun_runtime.options.flags import Command
 from kunlun_runtime.server import cli as server_cli
 from kunlun_runtime.tuning import cli as tuning_cli
 

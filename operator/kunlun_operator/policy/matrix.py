@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from kunlun_operator.errors import SpecError
-from kunlun_operator.spec import VersionsSpec
+from kunlun_operator.spec.service import VersionsSpec
 
 MATRIX_KEY = "matrix.yaml"
 _COMPONENTS = ("driver", "firmware", "kml")
@@ -157,8 +157,8 @@ def parse_matrix(text: str, *, source: str) -> Matrix:
 
 def load_default_matrix() -> Matrix:
     """The matrix shipped in the package (used when the chart's ConfigMap is absent)."""
-    text = resources.files("kunlun_operator").joinpath("default_matrix.yaml").read_text()
-    return parse_matrix(text, source="kunlun_operator/default_matrix.yaml")
+    text = resources.files("kunlun_operator.policy").joinpath("default_matrix.yaml").read_text()
+    return parse_matrix(text, source="kunlun_operator/policy/default_matrix.yaml")
 
 
 def merge_cards(matrix: Matrix, defaults: Matrix) -> Matrix:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kunlun_operator.status import PHASES
+from kunlun_operator.decide.status import PHASES
 
 RECONCILE_RESULTS = ("success", "invalid", "retry", "error")
 ADMISSION_RESULTS = ("allowed", "warned", "denied")

@@ -23,7 +23,7 @@ from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers.linear import quantize_per_channel_int8
 from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.models.forward import StepInputs, run_forward
-from kunlun_runtime.tokenizer import Tokenizer
+from kunlun_runtime.models.tokenizer import Tokenizer
 
 QUANT_METHOD = "kunlun-int8"
 STATIC_MAX_REL_ERR = 0.01  # relative output error of W8A8 on the calibration set

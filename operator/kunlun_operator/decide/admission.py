@@ -15,10 +15,10 @@ from typing import Any
 
 from kunlun_operator.builders.leaderworkerset import leaderworkerset_name_error, require_leaderworkerset
 from kunlun_operator.errors import SpecError
-from kunlun_operator.feasibility import estimate_memory
-from kunlun_operator.matrix import Matrix, check_versions, select_image
-from kunlun_operator.policy import STRICTEST, AdmissionPolicy, check_policy
-from kunlun_operator.spec import InferenceSpec, parse_spec
+from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
+from kunlun_operator.policy.feasibility import estimate_memory
+from kunlun_operator.policy.matrix import Matrix, check_versions, select_image
+from kunlun_operator.spec.service import InferenceSpec, parse_spec
 
 
 @dataclass(frozen=True, slots=True)

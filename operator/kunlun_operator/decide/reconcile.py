@@ -31,18 +31,14 @@ from kunlun_operator.builders.pdb import build_pdb
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service, endpoint_url
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
-from kunlun_operator.errors import SpecError
-from kunlun_operator.health_gate import CONDITION_TYPE as CARD_HEALTH_REPORTED
-from kunlun_operator.health_gate import GatedPod, GateOutcome, health_reported_condition
-from kunlun_operator.image_pull import CONDITION_TYPE as RUNTIME_IMAGE_AVAILABLE
-from kunlun_operator.image_pull import ImagePull, runtime_image_condition
-from kunlun_operator.matrix import Matrix, check_versions, select_image
-from kunlun_operator.nodes import NodeFacts, assess_nodes, version_mismatches
-from kunlun_operator.policy import STRICTEST, AdmissionPolicy, check_policy
-from kunlun_operator.replicas import CONDITION_TYPE as REPLICAS_HEALTHY
-from kunlun_operator.replicas import CardFault, ReplacementOutcome, replicas_condition
-from kunlun_operator.spec import InferenceSpec, ServiceRef, parse_spec
-from kunlun_operator.status import (
+from kunlun_operator.decide.health_gate import CONDITION_TYPE as CARD_HEALTH_REPORTED
+from kunlun_operator.decide.health_gate import GatedPod, GateOutcome, health_reported_condition
+from kunlun_operator.decide.image_pull import CONDITION_TYPE as RUNTIME_IMAGE_AVAILABLE
+from kunlun_operator.decide.image_pull import ImagePull, runtime_image_condition
+from kunlun_operator.decide.nodes import NodeFacts, assess_nodes, version_mismatches
+from kunlun_operator.decide.replicas import CONDITION_TYPE as REPLICAS_HEALTHY
+from kunlun_operator.decide.replicas import CardFault, ReplacementOutcome, replicas_condition
+from kunlun_operator.decide.status import (
     FAILED,
     PROGRESSING,
     READY,
@@ -53,6 +49,10 @@ from kunlun_operator.status import (
     decide_phase,
     merge_conditions,
 )
+from kunlun_operator.errors import SpecError
+from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
+from kunlun_operator.policy.matrix import Matrix, check_versions, select_image
+from kunlun_operator.spec.service import InferenceSpec, ServiceRef, parse_spec
 
 EventType = Literal["Normal", "Warning"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kunlun_runtime.errors import EngineDeadError
-from kunlun_runtime.golden import _hook_outputs
+from kunlun_runtime.golden.runner import _hook_outputs
 from kunlun_runtime.models.forward import StepInputs
 from kunlun_runtime.models.model_config import load_model_config
 from kunlun_runtime.parallel.group import free_port

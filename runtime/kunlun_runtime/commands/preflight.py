@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass
 from kunlun_device.errors import XpuError, XpuToolMissingError
 from kunlun_device.xpu import DEFAULT_KML_VERSION_FILE, XpuDevice, XpuSource
 from kunlun_device.xpu.health import HealthPolicy, Severity, evaluate
-from kunlun_runtime.cli_args import Command
 from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.options.flags import Command
 from kunlun_runtime.platforms.kunlun import (
     DEV_ROOT_ENV,
     KML_VERSION_FILE_ENV,

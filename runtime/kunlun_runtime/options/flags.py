@@ -200,7 +200,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         return _config_from_flags(args)
     from dataclasses import replace
 
-    from kunlun_runtime.config_file import load_engine_options
+    from kunlun_runtime.options.config_file import load_engine_options
 
     file_options = load_engine_options(args.config)
     check_leader_address(

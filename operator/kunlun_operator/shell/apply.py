@@ -19,7 +19,7 @@ from kubernetes.utils import parse_quantity
 
 from kunlun_operator import names
 from kunlun_operator.errors import ApiError, OwnershipError
-from kunlun_operator.kube import KubeClient
+from kunlun_operator.shell.kube import KubeClient
 
 Action = Literal["created", "updated", "restored", "deleted", "unchanged"]
 CREATED: Final = "created"
