@@ -9,6 +9,8 @@
 #                                         kunlunStack.imageTag); only with --kunlun-stack or KUNLUN_STACK
 #   localhost/kunlun-operator:dev         the operator
 #   localhost/kunlun-device-plugin:dev    the device plugin, xpu-smi mounted from the host
+#   localhost/kunlun-common:dev, localhost/kunlun-package:dev
+#                                         what the three share (images/common.Dockerfile), first
 #
 # --only takes a comma-separated subset of: base, cpu, kunlun, operator, device-plugin.
 # --kunlun-tag IMAGE tags the kunlun variant IMAGE alone (tests use it for their fake stack).
@@ -33,7 +35,7 @@ while [ $# -gt 0 ]; do
         --kunlun-stack) stack=$(absolute "$2"); shift 2 ;;
         --only) only=$2; shift 2 ;;
         --kunlun-tag) kunlun_tag=$2; shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "build-images: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -136,7 +138,15 @@ if wanted kunlun; then
     stack_sums "$sums"
 fi
 if wanted base || ! podman image exists "$base"; then timed base bootstrap_base; fi
-from=(--build-arg "PYTHON_IMAGE=$base")
+# The base the three images share and our package's wheel: built once, before any image (podman's
+# layer cache makes this seconds when nothing changed), and handed to each as a build argument.
+common_image=localhost/kunlun-common:dev
+package_image=localhost/kunlun-package:dev
+timed common podman build "${common[@]}" --build-arg "PYTHON_IMAGE=$base" \
+    -f images/common.Dockerfile --target common -t "$common_image" .
+timed package podman build "${common[@]}" --build-arg "PYTHON_IMAGE=$base" \
+    -f images/common.Dockerfile --target package -t "$package_image" .
+from=(--build-arg "COMMON_IMAGE=$common_image" --build-arg "PACKAGE_IMAGE=$package_image")
 # The local CPU torch wheel, when there is one; without it the lock's URL is used.
 [ -d "$wheels" ] && from+=(-v "$wheels:/wheels:ro")
 

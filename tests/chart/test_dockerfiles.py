@@ -1,6 +1,7 @@
-"""Static checks of the three Dockerfiles: pinned base image and packages, a non-root USER and
-OCI labels that carry the versions in every image target, and the runtime's Kunlun stack versions
-as recorded build arguments. tests/images builds and runs the images themselves (with podman)."""
+"""Static checks of the three Dockerfiles and the stages they share (images/common.Dockerfile):
+pinned base image and packages, a non-root USER and OCI labels that carry the versions in every
+image target, the shared stages written once, and the runtime's Kunlun stack versions as recorded
+build arguments. tests/images builds and runs the images themselves (with podman)."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ class Dockerfile:
 _PIP_VALUE_OPTIONS = {"-r", "--requirement", "--index-url", "-i", "--prefix", "-c", "--constraint"}
 
 
-def check(dockerfile: Dockerfile, targets: tuple[str | None, ...] = ()) -> list[str]:
+def check(dockerfile: Dockerfile, targets: tuple[str | None, ...] | None = ()) -> list[str]:
     """Every problem of one Dockerfile and of each of its image ``targets`` (default: the last
-    stage), as readable sentences (empty when it passes)."""
+    stage; ``None``: none, for a file of shared stages), as readable sentences (empty when it passes)."""
     problems = []
     args = dockerfile.args()
     for name, default in args.items():
@@ -96,7 +97,7 @@ def check(dockerfile: Dockerfile, targets: tuple[str | None, ...] = ()) -> list[
                     continue
                 if "==" not in word:
                     problems.append(f"pip package {word} is not pinned (name==version)")
-    for target in targets or (None,):
+    for target in () if targets is None else targets or (None,):
         problems += check_image(dockerfile.stage(target), "" if target is None else f"{target}: ")
     return problems
 
@@ -133,6 +134,22 @@ TARGETS: dict[str, tuple[str | None, ...]] = {
 @pytest.mark.parametrize("component", COMPONENTS)
 def test_dockerfile_passes_the_static_checks(component: str) -> None:
     assert check(Dockerfile.read(REPO / component / "Dockerfile"), TARGETS[component]) == []
+
+
+def test_the_shared_stages_are_pinned_and_written_once() -> None:
+    common = Dockerfile.read(REPO / "images" / "common.Dockerfile")
+    assert check(common, None) == []  # no image of its own: each image sets its USER and labels
+    assert common.stage_names() == {"common", "package"}
+    assert any("pip wheel" in run for run in common.all("RUN"))
+    for component in COMPONENTS:
+        dockerfile = Dockerfile.read(REPO / component / "Dockerfile")
+        bases = {dockerfile.resolve(f.split()[0]) for f in dockerfile.all("FROM")} - dockerfile.stage_names()
+        assert bases == {
+            "ghcr.io/kunlun-inference/kunlun-common:0.1.0",
+            "ghcr.io/kunlun-inference/kunlun-package:0.1.0",
+        }, component
+        for run in dockerfile.all("RUN"):  # what the shared stages do is done there only
+            assert "pip wheel" not in run and "useradd" not in run and "python3 -m venv" not in run, component
 
 
 def test_a_plain_runtime_build_is_the_cpu_image() -> None:

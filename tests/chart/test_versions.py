@@ -91,12 +91,17 @@ def test_dockerfile_build_arg_defaults_are_the_versions_file_values() -> None:
         },
     }
     stack = {f"KUNLUN_{k.upper()}_VERSION": VERSIONS["kunlunStack"][k] for k in ("xre", "kml", "driver")}
+    common = dict(re.findall(r"^ARG (\w+)=(\S+)$", (REPO / "images" / "common.Dockerfile").read_text(), re.M))
+    assert {k: common.get(k) for k in expected if k != "VERSION"} == {k: v for k, v in expected.items() if k != "VERSION"}
     for component in ("runtime", "operator", "device-plugin"):
         text = (REPO / component / "Dockerfile").read_text()
         args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
         shared = {k: v for k, v in expected.items() if k in args}
         assert shared == {k: args[k] for k in shared}, component
-        assert {"PYTHON_IMAGE", "VERSION"} <= set(args), component
+        assert "VERSION" in args, component
+        # the shared base and wheel of this release (images/common.Dockerfile)
+        assert args["COMMON_IMAGE"].endswith(f"/kunlun-common:{PROJECT_VERSION}"), component
+        assert args["PACKAGE_IMAGE"].endswith(f"/kunlun-package:{PROJECT_VERSION}"), component
         for name, value in stack.items():
             if name in args:
                 assert args[name] == value, f"{component}: {name}"

@@ -194,7 +194,8 @@ def test_the_dockerfile_checks_the_stack_itself(
     ca = "/etc/ssl/certs/ca-certificates.crt"
     result = podman(
         "build", "--network", "host", "--volume", f"{ca}:{ca}:ro",
-        "--build-arg", "PYTHON_IMAGE=localhost/kunlun-base:bookworm",
+        "--build-arg", "COMMON_IMAGE=localhost/kunlun-common:dev",
+        "--build-arg", "PACKAGE_IMAGE=localhost/kunlun-package:dev",
         "--build-context", f"kunlun-stack={small}", "--build-context", f"kunlun-stack-sums={tmp_path / 'sums'}",
         "-f", str(REPO / "runtime" / "Dockerfile"), "--target", "kunlun", str(REPO),
         check=False, timeout=900,
