@@ -224,7 +224,7 @@ def decode_rate(run: Callable, prompts, new_tokens: int) -> tuple[float, float]:
 
 
 def run_scenarios(args: argparse.Namespace) -> dict:
-    from kunlun_runtime.engine.llm_engine import resolve_model_dir
+    from kunlun_runtime.models.model_dir import resolve_model_dir
 
     model_dir = args.model or str(resolve_model_dir(None))
     llama = llama_bench_from_env()  # checked first: a missing GGUF should not cost a whole run

@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
     args = parser.parse_args(argv)
-    from kunlun_runtime.engine.llm_engine import resolve_model_dir
     from kunlun_runtime.models.model_config import load_model_config
+    from kunlun_runtime.models.model_dir import resolve_model_dir
 
     torch.set_num_threads(args.threads)
     if not cpu_kernels.load(torch.float32):

@@ -69,7 +69,7 @@ def teacher_forced_agreement(llm, prompts: list[list[int]], continuations: list[
 
 def run(args: argparse.Namespace) -> dict:
     from kunlun_runtime import LLM
-    from kunlun_runtime.engine.llm_engine import resolve_model_dir
+    from kunlun_runtime.models.model_dir import resolve_model_dir
 
     model_dir = str(resolve_model_dir(args.model))
     # auto: what serve runs on this CPU's tier (BF16, or FP32 over BF16 weights below AVX-512 BF16),

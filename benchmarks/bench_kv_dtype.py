@@ -122,8 +122,8 @@ def fp32_budget_bytes(config, num_tokens: int) -> int:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from kunlun_runtime.engine.llm_engine import resolve_model_dir
     from kunlun_runtime.models.model_config import load_model_config
+    from kunlun_runtime.models.model_dir import resolve_model_dir
     from kunlun_runtime.platforms.cpu_features import cpu_capabilities
 
     if args.threads is not None:

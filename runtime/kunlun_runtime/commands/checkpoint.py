@@ -42,8 +42,8 @@ def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
     from kunlun_runtime.commands.quantize import calibrate, read_calibration_chunks, write_quantized
-    from kunlun_runtime.engine.llm_engine import resolve_model_dir
     from kunlun_runtime.models.loader import load_model
+    from kunlun_runtime.models.model_dir import resolve_model_dir
     from kunlun_runtime.models.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(args.model)

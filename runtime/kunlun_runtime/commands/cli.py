@@ -53,10 +53,10 @@ class _VersionAction(argparse.Action):
             for name, value in (("L1d", cpu.l1d_bytes), ("L2", cpu.l2_bytes), ("L3", cpu.l3_bytes))
             if value
         )
-        from kunlun_runtime.engine.llm_engine import resolve_dtype, resolve_weight_dtype
         from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
         from kunlun_runtime.layers.runtime_info import defaults_without_model, kernels_without_model
         from kunlun_runtime.platforms import CpuPlatform
+        from kunlun_runtime.platforms.dtypes import resolve_dtype, resolve_weight_dtype
 
         platform = CpuPlatform()
         kv_dtype = resolve_kv_cache_dtype("auto", resolve_dtype("auto", platform), platform)

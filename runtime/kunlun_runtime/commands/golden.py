@@ -43,12 +43,13 @@ def _golden_args(parser: argparse.ArgumentParser) -> None:
 def run_golden_command(args: argparse.Namespace) -> int:
     import torch
 
-    from kunlun_runtime.engine.llm_engine import resolve_dtype, resolve_model_dir, resolve_weight_dtype
     from kunlun_runtime.golden.runner import format_report, report_against_reference, run_golden
     from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
     from kunlun_runtime.models.loader import load_model
+    from kunlun_runtime.models.model_dir import resolve_model_dir
     from kunlun_runtime.models.tokenizer import Tokenizer
     from kunlun_runtime.platforms import CpuPlatform
+    from kunlun_runtime.platforms.dtypes import resolve_dtype, resolve_weight_dtype
 
     model_dir = resolve_model_dir(args.model)
     dtype = resolve_dtype(args.dtype, CpuPlatform())

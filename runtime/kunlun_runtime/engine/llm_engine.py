@@ -20,167 +20,38 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kunlun_runtime.config import DEFAULT_MASTER_PORT, EngineConfig
-from kunlun_runtime.engine.detokenizer import IncrementalDetokenizer
+from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.model_runner import ModelRunner, StepLogits
-from kunlun_runtime.engine.outputs import CompletionOutput, RequestOutput, RequestTimes
-from kunlun_runtime.engine.request import Request, RequestStatus, TokenLogprob
+from kunlun_runtime.engine.output_processor import OutputProcessor, RequestState
+from kunlun_runtime.engine.outputs import RequestOutput
+from kunlun_runtime.engine.request import Request, RequestStatus
 from kunlun_runtime.engine.sampler import AllowedTokens, Sampler, make_logprob
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
-from kunlun_runtime.kv.cache import KVCache, KVCacheSpec, plan_num_blocks
-from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.kernel_choice import choose_for_config
 from kunlun_runtime.layers.runtime_info import RuntimeInfo, announce_start
-from kunlun_runtime.models.model_config import ModelConfig, load_model_config
-from kunlun_runtime.models.sharding import shard_model_config
+from kunlun_runtime.models.model_config import load_model_config
+from kunlun_runtime.models.model_dir import resolve_max_model_len, resolve_model_dir, served_model_name
 from kunlun_runtime.models.tokenizer import Tokenizer
-from kunlun_runtime.parallel.group import free_port
-from kunlun_runtime.parallel.layout import ParallelLayout, stage_layers
-from kunlun_runtime.parallel.workers import LeaderGroup, RankSpec, build_rank, run_worker_node
-from kunlun_runtime.platforms import Platform, detect
+from kunlun_runtime.parallel.rank_plan import plan_ranks
+from kunlun_runtime.parallel.workers import LeaderGroup, build_rank
+from kunlun_runtime.platforms import detect
+from kunlun_runtime.platforms.dtypes import resolve_dtype, resolve_weight_dtype
 from kunlun_runtime.structured.grammar import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    """The model directory: the given path, or the embedded default model (converted once)."""
-    if model is None:
-        from kunlun_runtime.models.default_model import resolve_default_model
-
-        return resolve_default_model()
-    return Path(model)
-
-
-def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
-    """The compute (activation) dtype of ``--dtype name`` on ``platform``."""
-    if name == "auto":
-        return platform.default_dtype()
-    dtype = _DTYPES[name]
-    if dtype not in platform.supported_dtypes():
-        raise ConfigError(f"dtype: {name} is not supported on {platform.name}", field="dtype")
-    return dtype
-
-
-def resolve_weight_dtype(name: str, platform: Platform) -> torch.dtype:
-    """The dtype the weights are kept in: the platform's choice under ``auto``, else ``name``'s."""
-    return platform.default_weight_dtype() if name == "auto" else resolve_dtype(name, platform)
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    limit = model_config.max_position_embeddings
-    window = model_config.sliding_window
-    wanted = config.max_model_len
-    if window is not None and wanted is not None and wanted > window:
-        raise ConfigError(
-            f"max_model_len: {wanted} exceeds the sliding window ({window}) of {model_config.architecture}; "
-            "sliding-window attention beyond the window is not supported",
-            field="max_model_len",
-        )
-    if wanted is not None and wanted > limit:
-        raise ConfigError(
-            f"max_model_len: {wanted} exceeds the model's max_position_embeddings ({limit})",
-            field="max_model_len",
-        )
-    return wanted or (min(limit, window) if window else limit)
-
-
-def plan_ranks(
-    config: EngineConfig, platform: Platform, model_config: ModelConfig, model_dir: Path, max_model_len: int
-) -> RankSpec:
-    """What every rank builds: its stage and shard, and a KV cache of as many blocks as fit the
-    budget on the rank with the most layers (every stage's cache has the same block count: the
-    leader's scheduler hands out one block id for all of them). Every node computes it from its
-    own flags; the preflight checks that they agree."""
-    dtype = resolve_dtype(config.dtype, platform)
-    weight_dtype = resolve_weight_dtype(config.dtype, platform)
-    kv_cache_dtype = resolve_kv_cache_dtype(
-        config.kv_cache_dtype, dtype, platform, dtype_is_auto=config.dtype == "auto"
-    )
-    layout = ParallelLayout(
-        config.tensor_parallel_size, config.pipeline_parallel_size, config.nnodes, config.node_rank
-    ).validate()
-    local_config = shard_model_config(model_config, layout.tensor) if layout.tensor > 1 else model_config
-    stages = stage_layers(model_config, layout.pipeline)
-    largest = replace(local_config, num_layers=max(len(stage) for stage in stages))
-    spec = KVCacheSpec.for_model(largest, config.block_size, kv_cache_dtype)
-    probe = KVCache(
-        spec,
-        1,
-        torch.device("meta"),
-        cache_line_bytes=platform.cache_line_bytes,
-        cache_num_sets=platform.cache_num_sets,
-        skew=config.kv_block_skew,
-    )
-    if config.master_port is not None:
-        port = config.master_port
-    else:
-        port = free_port() if layout.nnodes == 1 and layout.world > 1 else DEFAULT_MASTER_PORT
-    return RankSpec(
-        model_dir=str(model_dir),
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        max_positions=max_model_len,
-        num_blocks=plan_num_blocks(spec, probe.layout, config.kv_cache_memory_bytes, max_model_len),
-        block_size=config.block_size,
-        cache_line_bytes=platform.cache_line_bytes,
-        cache_num_sets=platform.cache_num_sets,
-        kv_block_skew=config.kv_block_skew,
-        linear_backend=choose_for_config(config, dtype, weight_dtype, platform.device()).backend,
-        quantization=config.quantization,
-        fused_attention=config.fused_attention,
-        native_kernels=config.native_kernels,
-        layout=layout,
-        stages=tuple(stages),
-        backend=platform.distributed_backend,
-        master_addr=config.master_addr,
-        master_port=port,
-        platform=platform,
-        timeout_seconds=config.distributed_timeout_seconds,
-        leader_wait_seconds=config.leader_wait_timeout_seconds,
-        require_native_kernels=config.require_native_kernels,
-        vocab_size=model_config.vocab_size,
-        hidden_size=model_config.hidden_size,
-    )
-
-
-def serve_worker_node(config: EngineConfig) -> int:
-    """Run a node after the first (``node_rank`` ≥ 1): its ranks follow the leader's steps until it
-    stops them (0) or the group fails (1). It serves nothing itself."""
-    config = config.validate()
-    platform = detect(config.device)
-    model_dir = resolve_model_dir(config.model)
-    model_config = load_model_config(model_dir)
-    spec = plan_ranks(config, platform, model_config, model_dir, resolve_max_model_len(config, model_config))
-    return run_worker_node(spec)
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    times: RequestTimes
-    text: str = ""
-    finish_reason: str | None = None
-    grammar: GrammarMatcher | None = None  # the request's place in its structured-output grammar
-    grammar_end: RequestStatus | None = None  # set when the last token completed or broke the grammar
 
 
 @dataclass(slots=True)
@@ -217,9 +88,7 @@ class LLMEngine:
             self.model, self.kv_cache, _ = self.group.start()  # closes the group if it fails
         else:
             self.model, self.kv_cache, _ = build_rank(rank_spec, 0)
-        self.served_model_name = config.served_model_name or (
-            config.model.rstrip("/").split("/")[-1] if config.model else "SmolLM2-135M-Instruct"
-        )
+        self.served_model_name = served_model_name(config)
         self.block_pool = BlockPool(num_blocks)
         self.num_kv_tokens = num_blocks * config.block_size  # KV capacity, in tokens, of the whole pool
         self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching)
@@ -232,12 +101,13 @@ class LLMEngine:
         # torch.argmax, whose generic reduction runs far below memory bandwidth over a large vocabulary.
         argmax = cpu_kernels.argmax_rows if self.model.native_kernels else None
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, argmax=argmax)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.structured = GrammarCompiler(
             (self.model_dir / "tokenizer.json").read_text(), model_config.vocab_size, self.eos_token_ids
         )
         self.overlap_masks = True  # compute masks during the forward (False: in line, for comparison)
         self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None  # started on first use
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, RequestState] = {}
         self.num_generation_tokens_total = 0
         self.num_prompt_tokens_total = 0
         # What the start line, /version and kunlun:runtime_info say (the kernels: plan_ranks' choice).
@@ -324,10 +194,7 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        self._tracked[request_id] = _Tracked(
-            request, prompt_text, detokenizer, RequestTimes(request.arrival_time), grammar=grammar
-        )
+        self._tracked[request_id] = self.outputs.new_state(request, prompt_text, grammar)
         self.scheduler.add(request)
         return request
 
@@ -424,7 +291,7 @@ class LLMEngine:
 
     def _finish_step(
         self, sched: SchedulerOutput, logits: StepLogits, began: float, masks: _PendingMasks | None
-    ) -> list[tuple[_Tracked, int, TokenLogprob | None]]:
+    ) -> list[tuple[RequestState, int, TokenLogprob | None]]:
         """After the forward: let the scheduler account for the step, record prompt logprobs, and
         sample; returns (request, token id, logprob) per new token."""
         self.scheduler.update_from_output(sched, time.monotonic() - began)
@@ -450,13 +317,13 @@ class LLMEngine:
             request.prompt_logprobs.append(make_logprob(logprobs[offset], next_token, num_top))
 
     def _append_token(
-        self, tracked: _Tracked, token_id: int, logprob: TokenLogprob | None, now: float
+        self, tracked: RequestState, token_id: int, logprob: TokenLogprob | None, now: float
     ) -> RequestOutput:
         self._record_token(tracked, token_id, logprob, now)
         return self._emit(tracked, token_id)
 
     def _record_token(
-        self, tracked: _Tracked, token_id: int, logprob: TokenLogprob | None, now: float
+        self, tracked: RequestState, token_id: int, logprob: TokenLogprob | None, now: float
     ) -> None:
         """The new token's id, logprob and times: all the next step's schedule needs."""
         request = tracked.request
@@ -471,39 +338,12 @@ class LLMEngine:
             self.num_prompt_tokens_total += len(request.prompt_token_ids)
         tracked.times.last_token = now
 
-    def _emit(self, tracked: _Tracked, token_id: int) -> RequestOutput:
+    def _emit(self, tracked: RequestState, token_id: int) -> RequestOutput:
         """Detokenize the recorded token, check the stop conditions, and build the output."""
-        tracked.detokenizer.add(token_id)
-        status = self._check_stop(tracked, token_id)
+        status = self.outputs.process_token(tracked, token_id)
         if status is not None:
             return self._finish(tracked, status, new_token_ids=[token_id])
-        return self._output(tracked, new_token_ids=[token_id])
-
-    def _check_stop(self, tracked: _Tracked, token_id: int) -> RequestStatus | None:
-        request, params = tracked.request, tracked.request.params
-        num_out = len(request.output_token_ids)
-        if tracked.grammar_end is not None:
-            return tracked.grammar_end
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-            text = tracked.detokenizer.text
-            for stop in params.stop:
-                index = text.find(stop, max(0, len(tracked.text) - len(stop)))
-                if index != -1:
-                    request.stop_reason = stop
-                    tracked.text = text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-                    return RequestStatus.FINISHED_STOPPED
-        if request.num_tokens >= request.max_total_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        # Hold back what could still become the start of a stop string.
-        hold = max((len(s) - 1 for s in params.stop), default=0)
-        text = tracked.detokenizer.text
-        tracked.text = text[: len(text) - hold] if hold else text
-        return None
+        return self.outputs.make_output(tracked, new_token_ids=[token_id])
 
     def _advance_grammar(self, grammar: GrammarMatcher, token_id: int) -> RequestStatus | None:
         """Advance ``grammar`` by the chosen token: ``stop`` when the constrained text is complete,
@@ -516,40 +356,11 @@ class LLMEngine:
         return RequestStatus.FINISHED_STOPPED if grammar.is_finished else None
 
     def _finish(
-        self, tracked: _Tracked, status: RequestStatus, new_token_ids: Sequence[int] = ()
+        self, tracked: RequestState, status: RequestStatus, new_token_ids: Sequence[int] = ()
     ) -> RequestOutput:
+        """End a request: return its blocks and its sampler state, then build its final output."""
         request = tracked.request
         self.scheduler.finish(request, status)
         self.sampler.forget(request.request_id)
-        if not isinstance(request.stop_reason, str):  # a stop string already cut the text
-            tracked.detokenizer.flush()
-            tracked.text = tracked.detokenizer.text
-        tracked.finish_reason = status.value
-        tracked.times.finished = time.monotonic()
         del self._tracked[request.request_id]
-        return self._output(tracked, new_token_ids=list(new_token_ids))
-
-    def _output(self, tracked: _Tracked, new_token_ids: list[int]) -> RequestOutput:
-        request = tracked.request
-        logprobs = list(request.output_logprobs) if request.params.logprobs is not None else None
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=tracked.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=logprobs,
-            cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=tracked.finish_reason is not None,
-            prompt_logprobs=list(request.prompt_logprobs) if request.wants_prompt_logprobs else None,
-            num_cached_tokens=request.num_cached_prompt_tokens,
-            times=tracked.times,
-            new_token_ids=new_token_ids,
-            max_tokens=request.max_total_tokens - len(request.prompt_token_ids),
-        )
+        return self.outputs.finish(tracked, status, new_token_ids)

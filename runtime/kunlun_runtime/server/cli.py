@@ -170,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     if config.node_rank != 0:  # a node after the first follows the leader and serves nothing
-        from kunlun_runtime.engine.llm_engine import serve_worker_node
+        from kunlun_runtime.parallel.rank_plan import serve_worker_node
 
         logger = logging.getLogger("kunlun_runtime")  # its start, stop and failure, whatever --log-level
         logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))

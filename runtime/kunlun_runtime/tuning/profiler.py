@@ -28,13 +28,15 @@ import psutil  # no types-psutil in the dev extras yet
 import torch
 
 from kunlun_runtime.config import DeviceName, DTypeName, EngineConfig
-from kunlun_runtime.engine.llm_engine import LLMEngine, resolve_dtype, resolve_model_dir
+from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.kv.block_layout import build_block_layout
 from kunlun_runtime.kv.cache import KVCacheSpec
 from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
 from kunlun_runtime.models.model_config import load_model_config
+from kunlun_runtime.models.model_dir import resolve_model_dir
 from kunlun_runtime.platforms import detect
+from kunlun_runtime.platforms.dtypes import resolve_dtype
 from kunlun_runtime.tuning.budget import Budget
 from kunlun_runtime.tuning.facts import count_cards, model_bytes, part_bytes
 from kunlun_runtime.tuning.measurements import (

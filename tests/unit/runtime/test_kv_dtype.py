@@ -9,11 +9,11 @@ import torch
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.commands.cli import build_parser
 from kunlun_runtime.config import EngineConfig
-from kunlun_runtime.engine.llm_engine import plan_ranks
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.kv.kv_dtype import resolve_kv_cache_dtype
 from kunlun_runtime.models.model_config import load_model_config
 from kunlun_runtime.options.flags import engine_config_from_args
+from kunlun_runtime.parallel.rank_plan import plan_ranks
 from kunlun_runtime.platforms import CpuPlatform
 from kunlun_runtime.platforms.cuda import CudaPlatform
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
