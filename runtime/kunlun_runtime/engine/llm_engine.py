@@ -30,7 +30,7 @@ from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.model_runner import ModelRunner, StepLogits
 from kunlun_runtime.engine.output_processor import OutputProcessor, RequestState
-from kunlun_runtime.engine.outputs import RequestOutput
+from kunlun_runtime.engine.outputs import EngineCounters, RequestOutput
 from kunlun_runtime.engine.request import Request, RequestStatus
 from kunlun_runtime.engine.sampler import AllowedTokens, Sampler, make_logprob
 from kunlun_runtime.engine.sampling_params import SamplingParams
@@ -90,6 +90,7 @@ class LLMEngine:
             self.model, self.kv_cache, _ = build_rank(rank_spec, 0)
         self.served_model_name = served_model_name(config)
         self.block_pool = BlockPool(num_blocks)
+        self.num_kv_blocks = num_blocks
         self.num_kv_tokens = num_blocks * config.block_size  # KV capacity, in tokens, of the whole pool
         self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -239,6 +240,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def waiting_request_ids(self) -> list[str]:
+        """The requests waiting to be admitted to a step, in the scheduler's order."""
+        return [request.request_id for request in self.scheduler.waiting]
+
+    def counters(self) -> EngineCounters:
+        """The queue sizes and running totals now, for metrics (see ``EngineCounters``)."""
+        return EngineCounters(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage_ratio=self.block_pool.usage_ratio,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_prefix_queries=self.kv.num_prefix_queries,
+            num_prefix_hits=self.kv.num_prefix_hits,
+            structured_mask_seconds_total=self.structured.mask_seconds_total,
+            structured_requests_total=tuple(self.structured.requests_total.items()),
+        )
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

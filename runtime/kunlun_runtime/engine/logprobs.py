@@ -1,7 +1,8 @@
 """Logprobs in vLLM's offline shape: per position, a dict ``token_id -> Logprob``.
 
-The engine records each position as a ``TokenLogprob`` (the chosen token's logprob and rank, and
-the top-N alternatives); the server turns that into OpenAI's JSON, and ``LLM`` turns it into this
+The engine records each position as a ``TokenLogprob`` (defined here, so that the server and
+``LLM`` read it from the engine's public surface: the chosen token's logprob and rank, and the
+top-N alternatives); the server turns that into OpenAI's JSON, and ``LLM`` turns it into this
 shape, the one code written for vLLM's offline API reads: ``out.logprobs[i][token_id].logprob``,
 ``.rank`` and ``.decoded_token``. The meaning follows vLLM v1:
 
@@ -33,13 +34,23 @@ class Logprob:
     decoded_token: str | None = None  # the token decoded on its own
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Logprob of one chosen token and the top alternatives at that position (the engine's record)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
 PositionLogprobs = dict[int, Logprob]
 SampleLogprobs = list[PositionLogprobs]  # one dict per generated token
 PromptLogprobs = list[PositionLogprobs | None]  # None first, then one dict per prompt token
 
 
 class RankedLogprob(Protocol):
-    """One position as the engine records it (``engine.request.TokenLogprob``)."""
+    """One position as the engine records it (``TokenLogprob``)."""
 
     @property
     def token_id(self) -> int: ...  # the chosen token

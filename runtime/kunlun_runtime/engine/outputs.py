@@ -1,10 +1,11 @@
-"""What the engine hands back: per-request outputs, shaped like vLLM's RequestOutput."""
+"""What the engine hands back: per-request outputs, shaped like vLLM's RequestOutput, and the
+engine's running totals for metrics (``EngineCounters``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kunlun_runtime.engine.request import TokenLogprob
+from kunlun_runtime.engine.logprobs import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -45,3 +46,20 @@ class RequestOutput:
     times: RequestTimes | None = None
     new_token_ids: list[int] = field(default_factory=list)  # generated in the step that produced this
     max_tokens: int | None = None  # the effective output budget: as asked, or what the context left
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """The engine's queue sizes and running totals after its last step (``LLMEngine.counters``):
+    the totals only grow, so a reader takes differences between two snapshots."""
+
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests waiting to be admitted (preempted ones included)
+    kv_cache_usage_ratio: float  # the share of KV blocks in use, 0..1
+    num_prompt_tokens_total: int  # prompt tokens of the requests that produced a first token
+    num_generation_tokens_total: int  # tokens generated
+    num_preemptions_total: int  # requests preempted (their KV blocks taken back)
+    num_prefix_queries: int  # prompt tokens looked up in the prefix cache
+    num_prefix_hits: int  # of those, the tokens found there
+    structured_mask_seconds_total: float  # time spent computing allowed-token masks
+    structured_requests_total: tuple[tuple[str, int], ...]  # (constraint kind, requests) per kind

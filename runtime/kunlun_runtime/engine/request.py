@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.sampling_params import SamplingParams
 
 
@@ -19,16 +20,6 @@ class RequestStatus(enum.Enum):
 FINISHED = frozenset(
     {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """Logprob of one chosen token and the top alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
 
 
 @dataclass(eq=False, slots=True)

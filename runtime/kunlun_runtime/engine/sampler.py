@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kunlun_runtime.engine.request import Request, TokenLogprob
+from kunlun_runtime.engine.logprobs import TokenLogprob
+from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.structured.bitmask import apply_token_bitmask
 

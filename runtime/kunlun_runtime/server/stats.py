@@ -1,13 +1,14 @@
 """Turn engine steps into metric observations: counter increments, TTFT/ITL, finished requests.
 
-Runs on the engine thread right after each step (it reads engine counters, which only that thread
-changes) and feeds ``kunlun_runtime.server.metrics.EngineMetrics``. Counters are the differences of the
+Runs on the engine thread right after each step (it reads the engine's counters,
+``LLMEngine.counters``, which only that thread changes) and feeds
+``kunlun_runtime.server.metrics.EngineMetrics``. Counters are the differences of the
 engine's running totals since the previous call, so a warm-up run before ``reset`` is not counted.
 
 A finished request also reports its parameters, as vLLM observes them: its effective
 ``max_tokens`` (as asked, or what the context leaves: ``RequestOutput.max_tokens``), and, once per
 prompt, its ``n``. The n engine requests of one prompt are named ``<parent>-<index>``
-(``serving.children``) and the engine thread announces each group it adds (``expect``); the last
+(``request_building.children``) and the engine thread announces each group it adds (``expect``); the last
 of a parent's requests to finish reports their number.
 """
 
@@ -15,24 +16,30 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-from kunlun_runtime.engine.llm_engine import LLMEngine
-from kunlun_runtime.engine.outputs import RequestOutput, RequestTimes
+from kunlun_runtime.engine.outputs import EngineCounters, RequestOutput, RequestTimes
 from kunlun_runtime.server.metrics import EngineMetrics, FinishedRequestStats, StepStats
 
 
-def _totals(engine: LLMEngine) -> tuple[int, int, int, int, int]:
+class CountingEngine(Protocol):
+    """What the recorder reads: the engine's counters (``LLMEngine``, ``AsyncEngine``)."""
+
+    def counters(self) -> EngineCounters: ...
+
+
+def _totals(counters: EngineCounters) -> tuple[int, int, int, int, int]:
     return (
-        engine.num_prompt_tokens_total,
-        engine.num_generation_tokens_total,
-        engine.scheduler.num_preemptions_total,
-        engine.kv.num_prefix_queries,
-        engine.kv.num_prefix_hits,
+        counters.num_prompt_tokens_total,
+        counters.num_generation_tokens_total,
+        counters.num_preemptions_total,
+        counters.num_prefix_queries,
+        counters.num_prefix_hits,
     )
 
 
-def _structured_totals(engine: LLMEngine) -> tuple[float, dict[str, int]]:
-    return engine.structured.mask_seconds_total, dict(engine.structured.requests_total)
+def _structured_totals(counters: EngineCounters) -> tuple[float, dict[str, int]]:
+    return counters.structured_mask_seconds_total, dict(counters.structured_requests_total)
 
 
 def parent_id(request_id: str) -> str:
@@ -75,25 +82,28 @@ def finished_stats(
 
 
 class StatsRecorder:
-    def __init__(self, metrics: EngineMetrics, engine: LLMEngine) -> None:
+    def __init__(self, metrics: EngineMetrics, engine: CountingEngine) -> None:
         self.metrics = metrics
-        self._last_totals = _totals(engine)
-        self._last_structured = _structured_totals(engine)
+        counters = engine.counters()
+        self._last_totals = _totals(counters)
+        self._last_structured = _structured_totals(counters)
         self._last_token_time: dict[str, float] = {}
         self._parents: dict[str, _Parent] = {}
 
-    def reset(self, engine: LLMEngine) -> None:
+    def reset(self, engine: CountingEngine) -> None:
         """Forget what happened so far (e.g. the warm-up request)."""
-        self._last_totals = _totals(engine)
-        self._last_structured = _structured_totals(engine)
+        counters = engine.counters()
+        self._last_totals = _totals(counters)
+        self._last_structured = _structured_totals(counters)
         self._last_token_time.clear()
         self._parents.clear()
 
-    def record(self, engine: LLMEngine, outputs: list[RequestOutput], *, ran_step: bool) -> None:
-        totals = _totals(engine)
+    def record(self, engine: CountingEngine, outputs: list[RequestOutput], *, ran_step: bool) -> None:
+        counters = engine.counters()
+        totals = _totals(counters)
         delta = [now - before for now, before in zip(totals, self._last_totals, strict=True)]
         self._last_totals = totals
-        mask_seconds, structured_requests = self._structured_delta(engine)
+        mask_seconds, structured_requests = self._structured_delta(counters)
         ttfts, itls = [], []
         for output in outputs:
             times = output.times
@@ -108,9 +118,9 @@ class StatsRecorder:
                 self._last_token_time.pop(output.request_id, None)
         self.metrics.record_step(
             StepStats(
-                num_running=len(engine.scheduler.running),
-                num_waiting=len(engine.scheduler.waiting),
-                kv_cache_usage_ratio=engine.block_pool.usage_ratio,
+                num_running=counters.num_running,
+                num_waiting=counters.num_waiting,
+                kv_cache_usage_ratio=counters.kv_cache_usage_ratio,
                 num_prompt_tokens=delta[0],
                 num_generation_tokens=delta[1],
                 num_preemptions=delta[2],
@@ -127,9 +137,9 @@ class StatsRecorder:
             if output.finished:
                 self.metrics.record_finished(self._finished(output))
 
-    def _structured_delta(self, engine: LLMEngine) -> tuple[float, dict[str, int]]:
+    def _structured_delta(self, counters: EngineCounters) -> tuple[float, dict[str, int]]:
         """What the engine's structured-output counters gained since the previous record."""
-        seconds, requests = _structured_totals(engine)
+        seconds, requests = _structured_totals(counters)
         last_seconds, last_requests = self._last_structured
         self._last_structured = (seconds, requests)
         gained = {kind: count - last_requests.get(kind, 0) for kind, count in requests.items()}
