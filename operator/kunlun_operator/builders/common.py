@@ -1,4 +1,5 @@
-"""Metadata every owned object shares: name, namespace, common labels, the owner reference.
+"""What every owned object shares: name, namespace, common labels, the owner reference; the
+restricted security context of every container.
 
 Invariant: the owner reference is the controller reference of the KunlunInferenceService, so the
 garbage collector removes what the operator owns when the service is deleted.
@@ -11,6 +12,13 @@ from typing import Any
 
 from kunlun_operator import names
 from kunlun_operator.spec.service import ServiceRef
+
+#: Every container the operator builds runs under the Pod Security "restricted" profile.
+RESTRICTED_CONTAINER = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
+}
 
 
 def owner_reference(ref: ServiceRef) -> dict[str, Any]:

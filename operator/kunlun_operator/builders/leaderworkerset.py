@@ -4,8 +4,9 @@ Owns: the ``leaderworkerset.x-k8s.io/v1`` object that replaces the Deployment wh
 ``spec.runtime.pipelineParallelSize`` P > 1, and the check that the cluster serves it. Each replica
 is a group of P pods, one pipeline stage each: the leader (``LWS_WORKER_INDEX`` 0) serves HTTP and
 hosts the rendezvous; the workers run the same ``serve`` command headless. Both pod templates come
-from ``deployment.build_pod_spec`` (the same version lock, preflight, resources per pod, security
-context, env and volumes), then differ only in the runtime container's ports, probes and stop.
+from ``pod_template.build_pod_template`` (the Deployment's: the same version lock, preflight,
+resources per pod, security context, env and volumes), then differ only in the runtime container's
+ports, probes and stop.
 Invariant: a group starts and restarts as a unit (``RecreateGroupOnPodRestart``): a stage cannot
 rejoin a running pipeline, so one failed pod recreates its whole group.
 """
@@ -13,16 +14,11 @@ rejoin a running pipeline, so one failed pod recreates its whole group.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Unpack
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
-from kunlun_operator.builders.deployment import (
-    DEFAULT_PREFLIGHT_HOST,
-    TERMINATION_GRACE_SECONDS,
-    PreflightHost,
-    build_pod_spec,
-)
+from kunlun_operator.builders.pod_template import TERMINATION_GRACE_SECONDS, TemplateArgs, build_pod_template
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec.service import InferenceSpec, ServiceRef
 
@@ -76,7 +72,7 @@ def _runtime_container(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_leader_pod_spec(pod: dict[str, Any]) -> dict[str, Any]:
-    """``pod`` (from ``build_pod_spec``) as the group's leader: HTTP, probes, and the rendezvous port.
+    """``pod`` (from ``pod_template.build_pod_spec``) as the group's leader: HTTP, probes, and the rendezvous port.
 
     Its startup probe already covers the group (``feasibility.startup_budget_seconds``): the
     leader's /health answers 200 only once every stage has loaded and passed the collective
@@ -88,7 +84,7 @@ def build_leader_pod_spec(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_worker_pod_spec(pod: dict[str, Any]) -> dict[str, Any]:
-    """``pod`` (from ``build_pod_spec``) as a worker: headless, no HTTP port, no HTTP probes (a
+    """``pod`` (from ``pod_template.build_pod_spec``) as a worker: headless, no HTTP port, no HTTP probes (a
     worker that loses its group exits, and LeaderWorkerSet recreates the group)."""
     runtime = _runtime_container(pod)
     del runtime["ports"]
@@ -99,37 +95,14 @@ def build_worker_pod_spec(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_leaderworkerset(
-    ref: ServiceRef,
-    spec: InferenceSpec,
-    *,
-    image: str,
-    config_hash: str,
-    image_volumes: bool,
-    replicas: int,
-    xpu_health_gate: bool = True,
-    preflight_host: PreflightHost = DEFAULT_PREFLIGHT_HOST,
+    ref: ServiceRef, spec: InferenceSpec, *, replicas: int, **template: Unpack[TemplateArgs]
 ) -> dict[str, Any]:
-    """The LeaderWorkerSet with ``replicas`` groups of ``spec.runtime.pipelineParallelSize`` pods."""
-
-    def template(role_pod: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "metadata": {
-                "labels": names.common_labels(ref.name),
-                "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash},
-            },
-            "spec": role_pod,
-        }
-
-    def pod() -> dict[str, Any]:
-        return build_pod_spec(
-            ref,
-            spec,
-            image,
-            image_volumes=image_volumes,
-            xpu_health_gate=xpu_health_gate,
-            preflight_host=preflight_host,
-        )
-
+    """The LeaderWorkerSet with ``replicas`` groups of ``spec.runtime.pipelineParallelSize`` pods, each
+    the pod ``template`` describes (``pod_template.build_pod_template``'s arguments) in its role."""
+    leader = build_pod_template(ref, spec, **template)
+    build_leader_pod_spec(leader["spec"])
+    worker = build_pod_template(ref, spec, **template)
+    build_worker_pod_spec(worker["spec"])
     return {
         **header(names.LEADER_WORKER_SET),
         "metadata": build_metadata(ref, names.LEADER_WORKER_SET),
@@ -148,8 +121,8 @@ def build_leaderworkerset(
             "leaderWorkerTemplate": {
                 "size": spec.runtime.pipeline_parallel_size,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": template(build_leader_pod_spec(pod())),
-                "workerTemplate": template(build_worker_pod_spec(pod())),
+                "leaderTemplate": leader,
+                "workerTemplate": worker,
             },
         },
     }

@@ -14,12 +14,7 @@ from typing import Any, Literal
 
 from kunlun_operator import names
 from kunlun_operator.builders.configmap import build_configmap, config_hash
-from kunlun_operator.builders.deployment import (
-    DEFAULT_PREFLIGHT_HOST,
-    PreflightHost,
-    build_deployment,
-    model_path,
-)
+from kunlun_operator.builders.deployment import build_deployment
 from kunlun_operator.builders.hpa import build_hpa
 from kunlun_operator.builders.leaderworkerset import (
     LEADERWORKERSET_RECHECK_SECONDS,
@@ -28,6 +23,7 @@ from kunlun_operator.builders.leaderworkerset import (
     require_leaderworkerset,
 )
 from kunlun_operator.builders.pdb import build_pdb
+from kunlun_operator.builders.pod_template import model_path
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service, endpoint_url
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
@@ -52,6 +48,7 @@ from kunlun_operator.decide.status import (
 from kunlun_operator.errors import SpecError
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.policy.matrix import Matrix, check_versions, select_image
+from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
 from kunlun_operator.spec.service import InferenceSpec, ServiceRef, parse_spec
 
 EventType = Literal["Normal", "Warning"]

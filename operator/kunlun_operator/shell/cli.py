@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import posixpath
 import random
 import sys
 from pathlib import Path
@@ -16,12 +15,13 @@ from pathlib import Path
 import kopf
 
 from kunlun_operator import names
-from kunlun_operator.builders.deployment import PreflightHost
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, parse_policy
 from kunlun_operator.shell.controller import Controller, ControllerConfig
 from kunlun_operator.shell.handlers import LoopConfig, build_registry, post_event
 from kunlun_operator.shell.kube import KubeClient, load_config
 from kunlun_operator.shell.metrics import OperatorMetrics
+from kunlun_operator.spec import operator_config
+from kunlun_operator.spec.operator_config import PreflightHost
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
@@ -176,36 +176,13 @@ def _admission_policy(path: str | None) -> AdmissionPolicy:
         raise SystemExit(f"kunlun-operator: --admission-policy: {error}") from None
 
 
-def _check_kml_version_file(path: str) -> None:
-    """Its directory is what the preflight mounts: never the node's whole root. So the path must be
-    normal (no ``.``, ``..`` or empty segment: ``/./VERSION``, ``//VERSION`` and ``/etc/../VERSION``
-    all name a file of ``/``) and its directory other than ``/``; the chart's schema says the same."""
-    segments = path.split("/")[1:]
-    if posixpath.normpath(path) != path or any(s in ("", ".", "..") for s in segments):
-        raise SystemExit(
-            "kunlun-operator: --preflight-kml-version-file must be a normal absolute path "
-            f"(no '.', '..' or empty segment), got {path!r}"
-        )
-    if len(segments) < 2:
-        raise SystemExit(
-            f"kunlun-operator: --preflight-kml-version-file must be in a directory other than /, got {path!r}"
-        )
-
-
 def parse_preflight_host(args: argparse.Namespace) -> PreflightHost:
-    """The node files the preflight mounts; host paths must be absolute (a hostPath requires it)."""
-    for flag, value in (
-        ("--preflight-kml-version-file", args.preflight_kml_version_file),
-        ("--preflight-xpu-smi", args.preflight_xpu_smi),
-    ):
-        if value and not value.startswith("/"):
-            raise SystemExit(f"kunlun-operator: {flag} must be an absolute host path, got {value!r}")
-    kml = args.preflight_kml_version_file
-    if kml:
-        _check_kml_version_file(kml)
-    return PreflightHost(
-        kml_version_file=args.preflight_kml_version_file or None, xpu_smi=args.preflight_xpu_smi or None
-    )
+    """The node files the preflight mounts (``operator_config.parse_preflight_host``); a bad path
+    stops the operator, naming the flag."""
+    try:
+        return operator_config.parse_preflight_host(args.preflight_kml_version_file, args.preflight_xpu_smi)
+    except ValueError as error:
+        raise SystemExit(f"kunlun-operator: {error}") from None
 
 
 def run(args: argparse.Namespace) -> int:

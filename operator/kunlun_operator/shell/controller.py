@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kunlun_operator import names
-from kunlun_operator.builders.deployment import DEFAULT_PREFLIGHT_HOST, PreflightHost
 from kunlun_operator.decide.health_gate import gated_pod
 from kunlun_operator.decide.image_pull import image_pull
 from kunlun_operator.decide.nodes import NodeFacts
@@ -50,6 +49,7 @@ from kunlun_operator.shell.apply import (
 from kunlun_operator.shell.kube import POD, PVC, KubeClient
 from kunlun_operator.shell.metrics import OperatorMetrics
 from kunlun_operator.shell.pod_gates import EventSink, GateOpener
+from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
 from kunlun_operator.spec.service import ServiceRef, parse_service_ref, parse_spec
 
 logger = logging.getLogger(__name__)

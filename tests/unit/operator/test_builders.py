@@ -13,19 +13,15 @@ import yaml
 
 from kunlun_operator import names
 from kunlun_operator.builders.configmap import build_configmap, config_hash, runtime_args
-from kunlun_operator.builders.deployment import (
-    PreflightHost,
-    build_affinity,
-    build_deployment,
-    build_pod_spec,
-    model_path,
-)
+from kunlun_operator.builders.deployment import build_deployment
 from kunlun_operator.builders.hpa import build_hpa, quantity
 from kunlun_operator.builders.pdb import build_pdb
+from kunlun_operator.builders.pod_template import build_affinity, build_pod_spec, model_path
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
 from kunlun_operator.decide.reconcile import desired_objects
+from kunlun_operator.spec.operator_config import PreflightHost
 from kunlun_operator.spec.service import parse_spec
 from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
 from tests.unit.operator.factories import example_names, load_example, make_facts, make_raw_spec, make_ref

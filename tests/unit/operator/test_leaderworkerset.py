@@ -11,19 +11,20 @@ import kubernetes_validate
 import pytest
 
 from kunlun_operator import names
-from kunlun_operator.builders.deployment import PreflightHost, build_pod_spec
 from kunlun_operator.builders.hpa import build_hpa
 from kunlun_operator.builders.leaderworkerset import (
     WORKER_STOP_SECONDS,
     build_leaderworkerset,
 )
 from kunlun_operator.builders.pdb import build_pdb
+from kunlun_operator.builders.pod_template import build_pod_spec
 from kunlun_operator.builders.service import build_service
 from kunlun_operator.decide.admission import review
 from kunlun_operator.decide.reconcile import desired_objects, reconcile
 from kunlun_operator.decide.status import DeploymentFacts
 from kunlun_operator.policy.feasibility import GiB, estimate_memory, startup_budget_seconds
 from kunlun_operator.policy.matrix import load_default_matrix
+from kunlun_operator.spec.operator_config import PreflightHost
 from kunlun_operator.spec.service import ServiceRef, parse_spec
 from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
 from tests.unit.operator.factories import NOW, load_example, make_facts, make_raw_spec, make_ref

@@ -8,7 +8,8 @@ import pytest
 
 from kunlun_operator import names
 from kunlun_operator.builders.configmap import build_configmap, runtime_args
-from kunlun_operator.builders.deployment import build_deployment, model_path
+from kunlun_operator.builders.deployment import build_deployment
+from kunlun_operator.builders.pod_template import model_path
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
 from kunlun_operator.decide.admission import review
 from kunlun_operator.decide.reconcile import reconcile

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kunlun_operator.builders.deployment import build_pod_spec
+from kunlun_operator.builders.pod_template import build_pod_spec
 from kunlun_operator.spec.service import parse_spec
 from kunlun_runtime.commands.cli import main
 from tests.unit.operator.factories import make_raw_spec, make_ref

@@ -1,0 +1,267 @@
+"""The runtime pod template, shared by the Deployment and the LeaderWorkerSet.
+
+Owns: the pod (``build_pod_spec``) and its template (``build_pod_template``: the pod with the
+common labels and the config hash annotation, so a changed ConfigMap rolls the pods). Under
+``Strict`` the pods require nodes whose labels carry the locked driver/firmware/KML versions, and
+the preflight init container (``preflight``) re-checks them on the node before the model loads. The
+startup probe's budget grows with the model's size so a loading model is never killed; readiness
+and liveness start after it. A readiness gate on the node agent's ``kunlun.dev/xpu-healthy``
+condition takes a pod on a failed card out of the Service before any request fails. Invariant: the
+workloads differ only in what wraps this template (and, for LeaderWorkerSet roles, the runtime
+container's ports, probes and stop), so a single-node and a multi-node pod are locked alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, NotRequired, TypedDict, Unpack
+
+from kunlun_operator import names
+from kunlun_operator.builders.common import RESTRICTED_CONTAINER
+from kunlun_operator.builders.configmap import runtime_args
+from kunlun_operator.builders.preflight import build_preflight_container, build_preflight_volumes
+from kunlun_operator.policy.feasibility import startup_budget_seconds
+from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
+from kunlun_operator.spec.service import InferenceSpec, SecretKeyRef, ServiceRef
+
+RUN_AS_USER = 1000
+STARTUP_PERIOD_SECONDS = 10
+DRAIN_SECONDS = 15  # preStop: let endpoints drop the pod before the runtime gets SIGTERM
+TERMINATION_GRACE_SECONDS = 90  # drain + finishing in-flight generations
+MODEL_VOLUME = "model"
+MODEL_IMAGE_MOUNT = "/model-image"  # image volumes: the image's root; the model is under models/
+#: The runtime reads its API key and metrics token from these (``--api-key``, ``--metrics-token``
+#: default to them), so the secrets never appear in the ConfigMap, the pod's args or ``ps``.
+API_KEY_ENV = "VLLM_API_KEY"
+METRICS_TOKEN_ENV = "KUNLUN_METRICS_TOKEN"
+
+
+class PodArgs(TypedDict):
+    """What shapes the runtime pod besides the spec: ``build_pod_spec``'s keyword arguments."""
+
+    image: str  # the runtime image
+    image_volumes: bool  # --image-volumes: image model sources as image volumes
+    xpu_health_gate: NotRequired[bool]  # --[no-]xpu-health-gate (default on)
+    preflight_host: NotRequired[PreflightHost]  # --preflight-*: the node files the preflight mounts
+
+
+class TemplateArgs(PodArgs):
+    """``build_pod_template``'s keyword arguments, which the workload builders pass on."""
+
+    config_hash: str  # of the ConfigMap's data: a new value rolls the pods
+
+
+def model_path(spec: InferenceSpec, *, image_volumes: bool) -> str:
+    """Where the runtime finds the model inside its container."""
+    source = spec.model.source
+    if source.kind == "pvc" and source.path:
+        return f"{names.MODEL_MOUNT_PATH}/{source.path.strip('/')}"
+    if source.kind == "image" and image_volumes:
+        return f"{MODEL_IMAGE_MOUNT}/models"
+    return names.MODEL_MOUNT_PATH
+
+
+def version_lock_terms(spec: InferenceSpec) -> list[dict[str, Any]]:
+    """Node-selector requirements on the labeler's version labels (Strict only).
+
+    Raises:
+        SpecError: a version is unset (only possible under policy Off).
+    """
+    driver, firmware, kml = spec.versions.locked_versions()
+    return [
+        {"key": names.LABEL_DRIVER_VERSION, "operator": "In", "values": [driver]},
+        {"key": names.LABEL_FIRMWARE_VERSION, "operator": "In", "values": [firmware]},
+        {"key": names.LABEL_KML_VERSION, "operator": "In", "values": [kml]},
+    ]
+
+
+def build_affinity(spec: InferenceSpec) -> dict[str, Any] | None:
+    """The user's affinity with the version lock ANDed into every required node-selector term."""
+    affinity = copy.deepcopy(dict(spec.scheduling.affinity or {}))
+    if spec.versions.policy != "Strict":
+        return affinity or None
+    lock = version_lock_terms(spec)
+    required = affinity.setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {}
+    )
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchExpressions": [*term.get("matchExpressions", []), *lock]} for term in terms
+    ]
+    return affinity
+
+
+def _resources(spec: InferenceSpec) -> dict[str, Any]:
+    xpus = str(spec.resources.xpus)
+    requests: dict[str, str] = {names.RESOURCE_NAME: xpus}
+    limits: dict[str, str] = {names.RESOURCE_NAME: xpus}
+    if spec.resources.cpu is not None:
+        requests["cpu"] = spec.resources.cpu
+    if spec.resources.memory is not None:
+        requests["memory"] = limits["memory"] = spec.resources.memory
+    return {"requests": requests, "limits": limits}
+
+
+def _probe(period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": names.HEALTH_PATH, "port": names.RUNTIME_PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    """An env var read from one key of a Secret (the pod does not start while it is missing)."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def _secret_env(spec: InferenceSpec) -> list[dict[str, Any]]:
+    env = []
+    if spec.api_key_secret is not None:
+        env.append(secret_env(API_KEY_ENV, spec.api_key_secret))
+    if spec.metrics_token_secret is not None:
+        env.append(secret_env(METRICS_TOKEN_ENV, spec.metrics_token_secret))
+    return env
+
+
+def _runtime_container(spec: InferenceSpec, image: str, path: str) -> dict[str, Any]:
+    mounts = [
+        {
+            "name": MODEL_VOLUME,
+            "mountPath": MODEL_IMAGE_MOUNT if path.startswith(MODEL_IMAGE_MOUNT) else names.MODEL_MOUNT_PATH,
+            "readOnly": True,
+        },
+        {"name": "config", "mountPath": names.CONFIG_MOUNT_PATH, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    env = [{"name": "HOME", "value": "/tmp"}, *_secret_env(spec), *(dict(e) for e in spec.runtime.env)]
+    return {
+        "name": "runtime",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kunlun-runtime"],
+        "args": runtime_args(spec, path),
+        "ports": [{"name": names.RUNTIME_PORT_NAME, "containerPort": names.RUNTIME_PORT, "protocol": "TCP"}],
+        "env": env,
+        "resources": _resources(spec),
+        "startupProbe": _probe(
+            STARTUP_PERIOD_SECONDS, math.ceil(startup_budget_seconds(spec) / STARTUP_PERIOD_SECONDS)
+        ),
+        "readinessProbe": _probe(5, 3),
+        "livenessProbe": _probe(15, 4),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(DRAIN_SECONDS)]}}},
+        "securityContext": dict(RESTRICTED_CONTAINER),
+        "volumeMounts": mounts,
+    }
+
+
+def _init_containers(
+    spec: InferenceSpec, image: str, host: PreflightHost, *, image_volumes: bool
+) -> list[dict[str, Any]]:
+    inits: list[dict[str, Any]] = []
+    source = spec.model.source
+    if source.kind == "image" and not image_volumes:
+        inits.append(
+            {
+                "name": "model-fetch",
+                "image": source.reference,
+                "imagePullPolicy": source.pull_policy,
+                "command": ["sh", "-c", f"cp -a /models/. {names.MODEL_MOUNT_PATH}/"],
+                "securityContext": dict(RESTRICTED_CONTAINER),
+                "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": names.MODEL_MOUNT_PATH}],
+            }
+        )
+    if spec.versions.policy == "Strict":
+        inits.append(build_preflight_container(spec, image, host))
+    return inits
+
+
+def _model_volume(spec: InferenceSpec, *, image_volumes: bool) -> dict[str, Any]:
+    source = spec.model.source
+    if source.kind == "pvc":
+        return {
+            "name": MODEL_VOLUME,
+            "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True},
+        }
+    if source.kind == "hostPath":
+        return {"name": MODEL_VOLUME, "hostPath": {"path": source.path, "type": "Directory"}}
+    if image_volumes:
+        return {
+            "name": MODEL_VOLUME,
+            "image": {"reference": source.reference, "pullPolicy": source.pull_policy},
+        }
+    return {"name": MODEL_VOLUME, "emptyDir": {}}
+
+
+def build_pod_spec(
+    ref: ServiceRef,
+    spec: InferenceSpec,
+    image: str,
+    *,
+    image_volumes: bool,
+    xpu_health_gate: bool = True,
+    preflight_host: PreflightHost = DEFAULT_PREFLIGHT_HOST,
+) -> dict[str, Any]:
+    """The runtime pod; ``xpu_health_gate``: the readiness gate on the node agent's condition (off
+    only where no node agent sets it: a gate nobody sets keeps the pod NotReady forever);
+    ``preflight_host``: the node's files the Strict preflight mounts."""
+    path = model_path(spec, image_volumes=image_volumes)
+    node_selector = {names.LABEL_PRESENT: "true", **spec.scheduling.node_selector}
+    if spec.resources.xpu_product:
+        node_selector[names.LABEL_PRODUCT] = spec.resources.xpu_product
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "nodeSelector": node_selector,
+        "tolerations": [
+            {"key": names.RESOURCE_NAME, "operator": "Exists", "effect": "NoSchedule"},
+            *(dict(t) for t in spec.scheduling.tolerations),
+        ],
+    }
+    if xpu_health_gate:
+        # The node agent sets this condition on every pod holding a card (False while a card is
+        # unhealthy): a pod on a failed card leaves the Service's endpoints at once.
+        pod["readinessGates"] = [{"conditionType": names.XPU_HEALTHY_CONDITION}]
+    affinity = build_affinity(spec)
+    if affinity:
+        pod["affinity"] = affinity
+    if spec.scheduling.priority_class_name:
+        pod["priorityClassName"] = spec.scheduling.priority_class_name
+    inits = _init_containers(spec, image, preflight_host, image_volumes=image_volumes)
+    if inits:
+        pod["initContainers"] = inits
+    pod["containers"] = [_runtime_container(spec, image, path)]
+    pod["volumes"] = [
+        _model_volume(spec, image_volumes=image_volumes),
+        {"name": "config", "configMap": {"name": names.owned_name(ref.name, names.CONFIGMAP)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
+    if spec.versions.policy == "Strict":
+        pod["volumes"] += build_preflight_volumes(preflight_host)
+    return pod
+
+
+def build_pod_template(
+    ref: ServiceRef, spec: InferenceSpec, *, config_hash: str, **pod: Unpack[PodArgs]
+) -> dict[str, Any]:
+    """The runtime pod (``build_pod_spec``) as a workload's template: the common labels, which the
+    workload's selector matches, and the config hash annotation."""
+    return {
+        "metadata": {
+            "labels": names.common_labels(ref.name),
+            "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash},
+        },
+        "spec": build_pod_spec(ref, spec, **pod),
+    }
