@@ -42,8 +42,9 @@ from kunlun_runtime.server.responses import (
     ModelCard,
     ModelList,
     TokenizeResponse,
+    now_seconds,
 )
-from kunlun_runtime.server.serving import ServedModel, now_seconds
+from kunlun_runtime.server.served_model import ServedModel
 from kunlun_runtime.server.tool_calls import DEFAULT_PROMPT_FORMAT, ToolPlan
 from kunlun_runtime.version import __version__
 

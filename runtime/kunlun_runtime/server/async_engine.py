@@ -17,6 +17,10 @@ Liveness: the engine thread stamps when it last made progress and how long recen
 ``stalled_seconds`` tells the lifecycle's watchdog how long it has been busy without finishing a
 turn, and ``fail`` ends every open stream from the event loop when the thread cannot (it is stuck).
 ``cut_off`` ends every open stream with a given error (the drain timeout).
+
+The one door: the server reaches the engine only through this class. What it knows of the engine
+is read once (``facts``); what it asks later (the tokenizer, a constraint's compile, telemetry,
+counters, a failing rank) has a method here; nothing else holds the ``LLMEngine``.
 """
 
 from __future__ import annotations
@@ -28,32 +32,26 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
-from kunlun_runtime.engine.outputs import RequestOutput
+from kunlun_runtime.engine.outputs import EngineCounters, RequestOutput
 from kunlun_runtime.engine.sampling_params import SamplingParams
-from kunlun_runtime.errors import EngineDeadError, InvalidRequestError, KunlunRuntimeError
+from kunlun_runtime.errors import EngineDeadError, KunlunRuntimeError
+from kunlun_runtime.models.tokenizer import Tokenizer
+from kunlun_runtime.platforms.base import Telemetry
+from kunlun_runtime.server.engine_facts import read_facts
 from kunlun_runtime.server.errors import QueueFullError
 from kunlun_runtime.server.fair_share import WaitingShares
+from kunlun_runtime.server.request_stream import EngineRequest, RequestStream, put_all
 from kunlun_runtime.server.stats import StatsRecorder
+from kunlun_runtime.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 NUM_RECENT_STEPS = 64  # how many step durations the watchdog's bound is derived from
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    """One engine request: n > 1 is served as n of these sharing a prompt."""
-
-    request_id: str
-    prompt: str | list[int] | dict
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
-    tenant: str | None = None  # who asked (the API key's tenant): queue shares are per tenant
+WARMUP_MAX_TOKENS = 2
 
 
 @dataclass(slots=True)
@@ -68,15 +66,15 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         *,
-        stats: StatsRecorder | None = None,
         max_queue_len: int | None = None,
         max_waiting_share: float | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self.engine = engine
+        self._engine = engine  # the engine thread's alone once started
+        self.facts = read_facts(engine)
         self.max_queue_len = max_queue_len
         self._shares = WaitingShares(max_waiting_share, max_queue_len)  # guarded by _cond
-        self._stats = stats
+        self._stats: StatsRecorder | None = None  # set by start()
         self._cond = threading.Condition()
         self._inbox: list[_Add | list[str]] = []  # guarded by _cond
         self._num_pending = 0  # requests in the inbox, guarded by _cond
@@ -95,8 +93,48 @@ class AsyncEngine:
         self._recent_step_seconds: deque[float] = deque(maxlen=NUM_RECENT_STEPS)  # engine thread only
         self.slowest_recent_step_seconds = 0.0  # the longest of those steps
 
+    # -- what the server asks of the engine -------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (thread-safe: routes tokenize on their own pool)."""
+        return self._engine.tokenizer
+
+    def compile_structured(self, params: StructuredOutputsParams) -> None:
+        """Compile the constraint ``params`` on the calling thread (the grammar engine is
+        thread-safe and caches it: the engine thread's own compile is then a hit). Raises
+        InvalidRequestError naming the constraint's field when the grammar engine refuses it."""
+        self._engine.structured.compile(params)
+
+    def telemetry(self) -> Telemetry:
+        """What the device reports now: utilisation, memory, temperature, power."""
+        return self._engine.platform.telemetry()
+
+    def counters(self) -> EngineCounters:
+        """The engine's queue sizes and running totals (engine thread, or before ``start``)."""
+        return self._engine.counters()
+
+    def on_group_failure(self, handler: Callable[[BaseException], None]) -> None:
+        """Have ``handler`` called (from another thread) when another rank dies or stops
+        answering while the engine is idle; a single rank has none to watch."""
+        if self._engine.group is not None:
+            self._engine.group.set_failure_handler(handler)
+
+    def warm_up(self) -> None:
+        """Before ``start``, on the calling thread: one short greedy generation through every
+        stage (prefill, decode, sampling)."""
+        assert self._thread is None, "warm up before start()"
+        engine = self._engine
+        prompt_ids = engine.tokenizer.encode("Hello") or [0]
+        engine.add_request(
+            "warmup", prompt_ids, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, temperature=0.0)
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+
     # -- lifecycle (event loop) --------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, stats: StatsRecorder | None = None) -> None:
+        """Start the engine thread; it feeds ``stats`` after each turn."""
+        self._stats = stats
         self._loop = loop
         self._idle = asyncio.Event()
         self._idle.set()
@@ -179,7 +217,8 @@ class AsyncEngine:
         if not reserved:
             self._admit(len(requests), requests[0].tenant if requests else None)
         add = _Add(requests, asyncio.Queue())
-        stream = RequestStream(self, add.queue, {r.request_id for r in requests})
+        stream = RequestStream(add.queue, {r.request_id for r in requests}, self._closed)
+        self._opened(stream)
         self._submit(add)
         try:
             await asyncio.wrap_future(add.done)
@@ -210,20 +249,7 @@ class AsyncEngine:
     def _admit(self, count: int, tenant: str | None = None) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine has failed: {self._dead}")
-        if self.max_queue_len is not None and count > self.max_queue_len:
-            raise InvalidRequestError(
-                f"n: this request needs {count} places in the queue, more than it ever has "
-                f"({self.max_queue_len}, --max-queue-len); lower n or the number of prompts",
-                field="n",
-            )
-        share = self._shares.limit if tenant is not None else None
-        if share is not None and count > share:
-            raise InvalidRequestError(
-                f"n: this request needs {count} places in the queue, more than one API key may ever "
-                f"hold ({share} of {self.max_queue_len}, --max-waiting-share "
-                f"{self._shares.max_waiting_share}); lower n or the number of prompts",
-                field="n",
-            )
+        self._shares.check_fits(tenant, count)
         with self._cond:
             queued = self._num_waiting + self._num_pending
             if self.max_queue_len is not None and queued + count > self.max_queue_len:
@@ -247,7 +273,7 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._stop or self.engine.has_unfinished_requests()):
+                    while not (self._inbox or self._stop or self._engine.has_unfinished_requests()):
                         self._busy_since = None
                         self._cond.wait()
                     if self._stop or self._dead is not None:  # dead: declared stuck by the watchdog
@@ -257,7 +283,7 @@ class AsyncEngine:
                         self._busy_since = time.monotonic()
                 deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]] = []
                 aborted = [out for command in commands for out in self._apply(command)]
-                outputs = self._timed_step() if self.engine.has_unfinished_requests() else []
+                outputs = self._timed_step() if self._engine.has_unfinished_requests() else []
                 for output in outputs:
                     queue = self._queues.get(output.request_id)
                     if output.finished:
@@ -265,14 +291,13 @@ class AsyncEngine:
                         self._shares.forget(output.request_id)
                     if queue is not None:
                         deliveries.append((queue, output))
-                waiting_by_tenant = self._shares.count_waiting(
-                    r.request_id for r in self.engine.scheduler.waiting
-                )
+                waiting_ids = self._engine.waiting_request_ids()
+                waiting_by_tenant = self._shares.count_waiting(waiting_ids)
                 with self._cond:
-                    self._num_waiting = len(self.engine.scheduler.waiting)
+                    self._num_waiting = len(waiting_ids)
                     self._shares.set_waiting(waiting_by_tenant)
                 if self._stats is not None:
-                    self._stats.record(self.engine, outputs + aborted, ran_step=bool(outputs))
+                    self._stats.record(self._engine, outputs + aborted, ran_step=bool(outputs))
                 self._deliver(deliveries)
         except BaseException as error:  # the engine cannot continue: fail every stream, then stop
             logger.exception("engine loop failed")
@@ -291,7 +316,7 @@ class AsyncEngine:
     def _timed_step(self) -> list[RequestOutput]:
         """One engine step; records its duration and stamps progress for the watchdog."""
         began = time.monotonic()
-        outputs = self.engine.step()
+        outputs = self._engine.step()
         now = time.monotonic()
         self._recent_step_seconds.append(now - began)
         self.slowest_recent_step_seconds = max(self._recent_step_seconds)
@@ -301,7 +326,7 @@ class AsyncEngine:
     def _apply(self, command: _Add | list[str]) -> list[RequestOutput]:
         """Apply one inbox command; returns the outputs of requests it aborted."""
         if isinstance(command, list):
-            aborted = [self.engine.abort_request(request_id) for request_id in command]
+            aborted = [self._engine.abort_request(request_id) for request_id in command]
             for request_id in command:
                 self._queues.pop(request_id, None)
                 self._shares.forget(request_id)
@@ -317,7 +342,7 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for request in command.requests:
-                self.engine.add_request(
+                self._engine.add_request(
                     request.request_id,
                     request.prompt,
                     request.params,
@@ -329,7 +354,7 @@ class AsyncEngine:
                 self._shares.track(request.request_id, request.tenant)
         except Exception as error:  # refused (InvalidRequestError): undo the group's earlier members
             for request_id in added:
-                self.engine.abort_request(request_id)
+                self._engine.abort_request(request_id)
                 self._queues.pop(request_id, None)
                 self._shares.forget(request_id)
             command.done.set_exception(error)
@@ -343,39 +368,4 @@ class AsyncEngine:
         if not deliveries or self._loop is None:
             return
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
-            self._loop.call_soon_threadsafe(_put_all, deliveries)
-
-
-class RequestStream:
-    """The outputs of one group of engine requests, in the order the engine produced them."""
-
-    def __init__(self, engine: AsyncEngine, queue: asyncio.Queue, request_ids: set[str]) -> None:
-        self._engine = engine
-        self._queue = queue
-        self.remaining = set(request_ids)
-        self._closed = False
-        engine._opened(self)
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while self.remaining:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.remaining.discard(item.request_id)
-            yield item
-
-    def put_error(self, error: BaseException) -> None:
-        """End the stream: its reader raises ``error`` next (event loop only)."""
-        self._queue.put_nowait(error)
-
-    def close(self) -> None:
-        """Idempotent: abort whatever is unfinished and stop counting this stream as in flight."""
-        if not self._closed:
-            self._closed = True
-            self._engine._closed(self)
-
-
-def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
-    for queue, item in deliveries:
-        queue.put_nowait(item)
+            self._loop.call_soon_threadsafe(put_all, deliveries)

@@ -25,7 +25,7 @@ from kunlun_runtime.server.auth import build_tenants
 from kunlun_runtime.server.door import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kunlun_runtime.server.fair_share import DEFAULT_MAX_WAITING_SHARE
 from kunlun_runtime.server.lifecycle import Lifecycle
-from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS
+from kunlun_runtime.server.served_model import DEFAULT_MAX_PROMPT_CHARS
 from kunlun_runtime.server.tool_calls import validate_tool_flags
 from kunlun_runtime.server.tool_parsers import TOOL_CALL_PARSERS
 from kunlun_runtime.server.watchdog import (

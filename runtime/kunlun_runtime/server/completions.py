@@ -16,31 +16,22 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
+from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.outputs import RequestOutput
-from kunlun_runtime.engine.request import TokenLogprob
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.server.async_engine import EngineRequest, RequestStream
 from kunlun_runtime.server.door import tenant_of
 from kunlun_runtime.server.protocol import CompletionRequest
+from kunlun_runtime.server.request_building import add_prepared, children, new_id, sampling_params
+from kunlun_runtime.server.request_stream import EngineRequest, RequestStream
 from kunlun_runtime.server.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     UsageInfo,
-)
-from kunlun_runtime.server.serving import (
-    EngineStreamingResponse,
-    ServedModel,
-    add_prepared,
-    children,
-    collect,
-    guard_stream,
-    new_id,
     now_seconds,
-    sampling_params,
-    sse,
-    token_text,
 )
+from kunlun_runtime.server.served_model import ServedModel, token_text
+from kunlun_runtime.server.streaming import EngineStreamingResponse, collect, guard_stream, sse
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:

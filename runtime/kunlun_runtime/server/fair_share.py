@@ -2,7 +2,9 @@
 
 A tenant holds the requests it has queued but the engine has not yet taken in (pending) plus those
 in the scheduler's waiting queue after the last step. ``admit`` refuses a group that would take a
-tenant past ``max_waiting_share`` of ``max_queue_len`` places with ``QueueFullError`` (429).
+tenant past ``max_waiting_share`` of ``max_queue_len`` places with ``QueueFullError`` (429);
+``check_fits`` refuses a group that could never be admitted, larger than the queue or than a
+tenant's share of it, with a 400 naming ``n``.
 Running requests do not count: a tenant alone on the server still gets every batch slot.
 
 Not thread-safe by itself: ``AsyncEngine`` calls ``admit``/``taken_in``/``set_waiting`` under its
@@ -16,6 +18,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
+from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.server.errors import QueueFullError
 
 DEFAULT_MAX_WAITING_SHARE = 0.5
@@ -31,6 +34,24 @@ class WaitingShares:
         self._pending: Counter[str] = Counter()  # under the caller's lock
         self._waiting: Counter[str] = Counter()  # under the caller's lock
         self._tenant_of: dict[str, str] = {}  # request id → tenant, engine thread only
+
+    def check_fits(self, tenant: str | None, num_requests: int) -> None:
+        """Raises InvalidRequestError naming ``n`` when a group of ``num_requests`` could never
+        be admitted: more than the queue's places, or than one tenant may ever hold."""
+        if self.max_queue_len is not None and num_requests > self.max_queue_len:
+            raise InvalidRequestError(
+                f"n: this request needs {num_requests} places in the queue, more than it ever has "
+                f"({self.max_queue_len}, --max-queue-len); lower n or the number of prompts",
+                field="n",
+            )
+        share = self.limit if tenant is not None else None
+        if share is not None and num_requests > share:
+            raise InvalidRequestError(
+                f"n: this request needs {num_requests} places in the queue, more than one API key may "
+                f"ever hold ({share} of {self.max_queue_len}, --max-waiting-share "
+                f"{self.max_waiting_share}); lower n or the number of prompts",
+                field="n",
+            )
 
     def admit(self, tenant: str | None, num_requests: int) -> None:
         """Count ``num_requests`` more pending requests of ``tenant``.

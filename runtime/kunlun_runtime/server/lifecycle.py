@@ -26,13 +26,12 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
-from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.layers.kernel_build import current_build
 from kunlun_runtime.layers.runtime_info import RuntimeInfo
 from kunlun_runtime.server.async_engine import AsyncEngine
 from kunlun_runtime.server.errors import unavailable
-from kunlun_runtime.server.metrics import CacheConfigInfo, EngineMetrics, build_metrics
-from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS, ServedModel
+from kunlun_runtime.server.metrics import EngineMetrics, build_metrics
+from kunlun_runtime.server.served_model import DEFAULT_MAX_PROMPT_CHARS, ServedModel
 from kunlun_runtime.server.stats import StatsRecorder
 from kunlun_runtime.server.tool_calls import validate_tool_flags
 from kunlun_runtime.server.watchdog import (
@@ -44,7 +43,6 @@ from kunlun_runtime.server.watchdog import (
 
 logger = logging.getLogger(__name__)
 
-WARMUP_MAX_TOKENS = 2
 CUT_OFF_FLUSH_SECONDS = 2.0  # after the drain timeout, time for the cut-off answers to be sent
 
 
@@ -53,14 +51,6 @@ class ServerState(enum.Enum):
     READY = "ready"
     DRAINING = "draining"
     FAILED = "failed"
-
-
-def warm_up(engine: LLMEngine) -> None:
-    """Run one short greedy generation through every stage (prefill, decode, sampling)."""
-    prompt_ids = engine.tokenizer.encode("Hello") or [0]
-    engine.add_request("warmup", prompt_ids, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, temperature=0.0))
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def _settle_heap() -> None:
@@ -120,52 +110,44 @@ class Lifecycle:
 
         def build() -> None:
             try:
-                engine = self._factory()
-                warm_up(engine)
+                async_engine = AsyncEngine(
+                    self._factory(),
+                    max_queue_len=self.max_queue_len,
+                    max_waiting_share=self.max_waiting_share,
+                    on_dead=self._engine_died,
+                )
+                async_engine.warm_up()
                 if self.freeze_gc_after_load:
                     _settle_heap()
-                done.set_result(engine)
+                done.set_result(async_engine)
             except BaseException as error:  # reported to the event loop below
                 done.set_exception(error)
 
         threading.Thread(target=build, name="model-loader", daemon=True).start()
         try:
-            engine = await asyncio.wrap_future(done)
+            async_engine: AsyncEngine = await asyncio.wrap_future(done)
         except Exception as error:
             logger.error("model failed to load: %s", error)
             self.state, self.error = ServerState.FAILED, error
             if self.on_fatal is not None:
                 self.on_fatal(error)
             return
+        facts = async_engine.facts
         self.metrics = build_metrics(
-            self.registry, engine.served_model_name, max_model_len=engine.max_model_len
+            self.registry, facts.served_model_name, max_model_len=facts.max_model_len
         )
-        self.metrics.set_cache_config(
-            CacheConfigInfo(
-                block_size=engine.config.block_size,
-                num_gpu_blocks=engine.block_pool.num_blocks,
-                enable_prefix_caching=engine.config.enable_prefix_caching,
-                cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
-                kv_cache_memory_bytes=engine.config.kv_cache_memory_bytes,
-            )
-        )
-        self.runtime_info = engine.runtime_info
-        self.metrics.set_runtime_info(**engine.runtime_info.labels())
-        stats = StatsRecorder(self.metrics, engine)
-        stats.record(engine, [], ran_step=False)  # publish the idle gauges before the first request
-        async_engine = AsyncEngine(
-            engine,
-            stats=stats,
-            max_queue_len=self.max_queue_len,
-            max_waiting_share=self.max_waiting_share,
-            on_dead=self._engine_died,
-        )
-        async_engine.start(asyncio.get_running_loop())
-        if engine.group is not None:  # a rank that stops answering while the engine is idle
-            loop = asyncio.get_running_loop()
-            engine.group.set_failure_handler(
-                lambda error: loop.call_soon_threadsafe(self._group_failed, error)
-            )
+        self.metrics.set_cache_config(facts.cache_config)
+        self.runtime_info = facts.runtime_info
+        self.metrics.set_runtime_info(**facts.runtime_info.labels())
+        stats = StatsRecorder(self.metrics, async_engine)
+        stats.record(async_engine, [], ran_step=False)  # publish the idle gauges before the first request
+        loop = asyncio.get_running_loop()
+        async_engine.start(loop, stats)
+
+        def group_failed(error: BaseException) -> None:  # a rank stopped answering while idle
+            loop.call_soon_threadsafe(self._group_failed, error)
+
+        async_engine.on_group_failure(group_failed)
         self.served = ServedModel.of(async_engine, max_prompt_chars=self.max_prompt_chars)
         self.served.tool_call_parser = self.tool_call_parser
         self.served.enable_auto_tool_choice = self.enable_auto_tool_choice
@@ -175,7 +157,7 @@ class Lifecycle:
         )
         if self.state is ServerState.LOADING:
             self.state = ServerState.READY
-        logger.info("ready: serving %s", engine.served_model_name)
+        logger.info("ready: serving %s", facts.served_model_name)
 
     def not_ready_message(self) -> str:
         """Why the server cannot serve now (the 503s of /health and the API): shutting down,
@@ -217,7 +199,7 @@ class Lifecycle:
 
     def update_telemetry(self) -> None:
         if self.metrics is not None and self.served is not None:
-            self.metrics.set_telemetry(self.served.engine.engine.platform.telemetry())
+            self.metrics.set_telemetry(self.served.engine.telemetry())
 
     async def drain(self, timeout_seconds: float) -> None:
         """Refuse new requests and wait (up to the timeout) for in-flight ones to finish."""

@@ -10,9 +10,15 @@ first piece of a call has its ``id``, ``type`` and ``function.name``, later ones
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+
+def now_seconds() -> int:
+    """A response's ``created``: whole seconds since the epoch."""
+    return int(time.time())
 
 
 class PromptTokensDetails(BaseModel):

@@ -25,6 +25,7 @@ def test_the_503s_say_a_kernel_build_is_under_way_and_how_far_it_got(
     build_dir = tmp_path / "kunlun_avx512_abc"
     building_now, release = threading.Event(), threading.Event()
     config = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=16 << 20)
+    built: list[LLMEngine] = []  # the engine the server serves, to compare with what it says
 
     def compiling_factory() -> LLMEngine:
         # The phase as the kernel loader sets it: one of two sources compiled so far.
@@ -33,7 +34,8 @@ def test_the_503s_say_a_kernel_build_is_under_way_and_how_far_it_got(
             (build_dir / "small_batch_linear.o").touch()
             building_now.set()
             release.wait(120)
-        return LLMEngine(config.validate())
+        built.append(LLMEngine(config.validate()))
+        return built[0]
 
     app = create_app(compiling_factory)
     port = free_port()
@@ -62,7 +64,7 @@ def test_the_503s_say_a_kernel_build_is_under_way_and_how_far_it_got(
 
         release.set()
         wait_for(lambda: health_status(base_url) == 200, timeout_seconds=300.0, message="readiness")
-        engine = app.state.lifecycle.served.engine.engine
+        [engine] = built
         version = httpx.get(f"{base_url}/version").json()
         assert version["runtime"] == engine.runtime_info.describe()
         assert version["runtime"]["dtype"] == "float32"

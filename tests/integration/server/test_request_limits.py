@@ -23,7 +23,7 @@ from kunlun_runtime.engine.sampling_params import (
     MAX_STOP_STRING_CHARS,
 )
 from kunlun_runtime.models.tokenizer import Tokenizer
-from kunlun_runtime.server.serving import DEFAULT_MAX_PROMPT_CHARS, INLINE_TOKENIZE_MAX_CHARS
+from kunlun_runtime.server.served_model import DEFAULT_MAX_PROMPT_CHARS, INLINE_TOKENIZE_MAX_CHARS
 from tests.integration.server.live import LiveServer, health_status, serve_in_thread
 from tests.support.waiting import wait_for
 

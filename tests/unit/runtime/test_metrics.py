@@ -207,7 +207,7 @@ def test_finished_requests_report_n_once_and_their_effective_max_tokens(engine) 
     stats = StatsRecorder(build_metrics(registry, "m", max_model_len=engine.max_model_len), engine)
     prompt = [5, 17, 99, 3, 250, 8]
     asked = SamplingParams(max_tokens=4, ignore_eos=True, seed=1)
-    for index in range(3):  # one API request with n=3, as serving.children names its requests
+    for index in range(3):  # one API request with n=3, as request_building.children names its requests
         engine.add_request(f"cmpl-a-{index}", prompt, asked)
     engine.add_request("cmpl-b-0", prompt, SamplingParams(max_tokens=None, ignore_eos=True))  # 32 - 6 left
     engine.add_request("cmpl-c-0", prompt, SamplingParams(max_tokens=1))  # ends in its first step

@@ -15,7 +15,8 @@ from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.server.completions import _prompts
 from kunlun_runtime.server.errors import APIError, param_from_location
 from kunlun_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from kunlun_runtime.server.serving import ServedModel, children, sampling_params
+from kunlun_runtime.server.request_building import children, sampling_params
+from kunlun_runtime.server.served_model import ServedModel
 
 SERVED = ServedModel(engine=None, name="m", max_model_len=64, vocab_size=100, root="/models/m")  # type: ignore[arg-type]
 USER = [{"role": "user", "content": "hi"}]

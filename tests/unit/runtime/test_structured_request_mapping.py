@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from kunlun_runtime.errors import InvalidRequestError
-from kunlun_runtime.server.async_engine import EngineRequest
 from kunlun_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kunlun_runtime.server.serving import ServedModel, add_prepared, children, sampling_params
+from kunlun_runtime.server.request_building import add_prepared, children, sampling_params
+from kunlun_runtime.server.request_stream import EngineRequest
+from kunlun_runtime.server.served_model import ServedModel
 from kunlun_runtime.server.structured_outputs import parse_structured_outputs
 from kunlun_runtime.structured.params import StructuredOutputsParams
 
@@ -208,12 +209,16 @@ class FakeCompiler:
 
 
 class FakeAsyncEngine:
-    """What ``add_prepared`` uses of AsyncEngine: queue places, ``add`` and the LLMEngine."""
+    """What ``add_prepared`` uses of AsyncEngine: queue places, ``add`` and ``compile_structured``
+    (which the real one hands to the LLMEngine's grammar engine)."""
 
     def __init__(self) -> None:
         self.engine = SimpleNamespace(structured=FakeCompiler())
         self.reserved = 0
         self.added: list[EngineRequest] = []
+
+    def compile_structured(self, params: StructuredOutputsParams) -> None:
+        self.engine.structured.compile(params)
 
     def reserve(self, count: int, tenant: str | None) -> None:
         self.reserved += count
