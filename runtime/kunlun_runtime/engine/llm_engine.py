@@ -1,9 +1,11 @@
 """``LLMEngine``: add requests, ``step()`` them forward (schedule → run → sample → update).
 
-The engine owns the request lifecycle: validation at the door (clear errors, nothing admitted
-that cannot finish), incremental detokenization, stop conditions, and returning every KV block
-when a request finishes or is aborted. It is single-threaded; ``AsyncEngine`` drives it for the
-server.
+The engine owns the request lifecycle and wires its parts: the input processor at the door (clear
+errors, nothing admitted that cannot finish), the scheduler, the model runner and the sampler for
+the step, the output processor after it (detokenisation, stop conditions, outputs), and every KV
+block returned when a request finishes or is aborted. What it serves is decided before it starts:
+the model (``models.model_dir``), the dtypes (``platforms.dtypes``) and the ranks' plan
+(``parallel.rank_plan``). It is single-threaded; ``AsyncEngine`` drives it for the server.
 
 A request with a structured-output constraint gets its own grammar state at ``add_request``. Each
 step, the allowed-token masks of the constrained requests about to sample are computed on the
@@ -21,12 +23,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.engine.input_processor import InputProcessor, PromptInput
 from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.model_runner import ModelRunner, StepLogits
 from kunlun_runtime.engine.output_processor import OutputProcessor, RequestState
@@ -102,7 +104,8 @@ class LLMEngine:
         # torch.argmax, whose generic reduction runs far below memory bandwidth over a large vocabulary.
         argmax = cpu_kernels.argmax_rows if self.model.native_kernels else None
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, argmax=argmax)
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.input_processor = InputProcessor(self.tokenizer, model_config.vocab_size, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.structured = GrammarCompiler(
             (self.model_dir / "tokenizer.json").read_text(), model_config.vocab_size, self.eos_token_ids
         )
@@ -157,7 +160,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: PromptInput,
         params: SamplingParams,
         *,
         priority: int = 0,
@@ -167,69 +170,15 @@ class LLMEngine:
         """Validate and queue a request. Raises InvalidRequestError naming the field."""
         if request_id in self._tracked:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running", field="request_id")
-        prompt_text, token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt: must not be empty", field="prompt")
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt: token ids out of range: {bad[:5]}", field="prompt")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt: this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                f"has {len(token_ids)} tokens (at least one token must be left to generate)",
-                field="prompt",
-            )
-        self._check_lengths(len(token_ids), params)
+        prompt_text, request = self.input_processor.make_request(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time
+        )
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.new_matcher(params.structured_outputs)
-        limit = self.max_model_len
-        if params.max_tokens is not None:
-            limit = len(token_ids) + params.max_tokens
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            max_total_tokens=limit,
-            arrival_time=arrival_time or time.monotonic(),
-            priority=priority,
-            cache_salt=cache_salt,
-        )
-        self._tracked[request_id] = self.outputs.new_state(request, prompt_text, grammar)
+        self._tracked[request_id] = self.output_processor.new_state(request, prompt_text, grammar)
         self.scheduler.add(request)
         return request
-
-    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuse what can never be served in full instead of cutting it short: a ``max_tokens``
-        beyond the context (as vLLM answers) and a ``min_tokens`` beyond it. The KV cache holds at
-        least one sequence of ``max_model_len`` tokens (``plan_num_blocks``), so whatever passes
-        here fits in it."""
-        room = self.max_model_len - num_prompt_tokens
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens: {params.max_tokens} is too large: this model's maximum context length is "
-                f"{self.max_model_len} tokens and the request has {num_prompt_tokens} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {num_prompt_tokens})",
-                field="max_tokens",
-            )
-        if params.min_tokens > room:
-            raise InvalidRequestError(
-                f"min_tokens: {params.min_tokens} is too large: this model's maximum context length is "
-                f"{self.max_model_len} tokens and the request has {num_prompt_tokens} input tokens "
-                f"({params.min_tokens} > {self.max_model_len} - {num_prompt_tokens})",
-                field="min_tokens",
-            )
-
-    def _tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt.get("prompt", "")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidRequestError("prompt: must be a string or a list of token ids", field="prompt")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and return its blocks; None if it is unknown or already done."""
@@ -360,10 +309,10 @@ class LLMEngine:
 
     def _emit(self, tracked: RequestState, token_id: int) -> RequestOutput:
         """Detokenize the recorded token, check the stop conditions, and build the output."""
-        status = self.outputs.process_token(tracked, token_id)
+        status = self.output_processor.process_token(tracked, token_id)
         if status is not None:
             return self._finish(tracked, status, new_token_ids=[token_id])
-        return self.outputs.make_output(tracked, new_token_ids=[token_id])
+        return self.output_processor.make_output(tracked, new_token_ids=[token_id])
 
     def _advance_grammar(self, grammar: GrammarMatcher, token_id: int) -> RequestStatus | None:
         """Advance ``grammar`` by the chosen token: ``stop`` when the constrained text is complete,
@@ -383,4 +332,4 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         self.sampler.forget(request.request_id)
         del self._tracked[request.request_id]
-        return self.outputs.finish(tracked, status, new_token_ids)
+        return self.output_processor.finish(tracked, status, new_token_ids)
