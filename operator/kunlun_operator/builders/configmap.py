@@ -16,7 +16,6 @@ import yaml
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
 from kunlun_operator.policy.feasibility import startup_budget_seconds
-from kunlun_operator.policy.matrix import parse_bytes
 from kunlun_operator.spec.service import InferenceSpec, ServiceRef
 
 CONFIG_KEY = "config.yaml"
@@ -40,12 +39,7 @@ def runtime_flags(spec: InferenceSpec, model_path: str) -> list[tuple[str, Any]]
         ("--max-num-seqs", rt.max_num_seqs),
         ("--max-num-batched-tokens", rt.max_num_batched_tokens),
         ("--block-size", rt.block_size),
-        (
-            "--kv-cache-memory",
-            None
-            if rt.kv_cache_memory is None
-            else parse_bytes(rt.kv_cache_memory, "spec.runtime.kvCacheMemory"),
-        ),
+        ("--kv-cache-memory", rt.kv_cache_memory_bytes),  # the runtime takes bytes
     ]
     flags += [(flag, value) for flag, value in optional if value is not None]
     if rt.enable_prefix_caching is not None:  # unset: the runtime's default

@@ -1,4 +1,4 @@
-"""Reconcile as a pure function: (custom resource, cluster facts) → objects, status, events.
+"""Reconcile as a pure function: (parsed custom resource, cluster facts) → objects, status, events.
 
 Owns: which objects exist for a service and what they contain, which must be absent, the status
 and the events a user would look for. Must not talk to the API or read the clock (``now`` comes
@@ -43,13 +43,14 @@ from kunlun_operator.decide.status import (
     bool_status,
     condition_status,
     decide_phase,
+    desired_replicas,
     merge_conditions,
 )
 from kunlun_operator.errors import SpecError
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.policy.matrix import Matrix, check_versions, select_image
 from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
-from kunlun_operator.spec.service import InferenceSpec, ServiceRef, parse_spec
+from kunlun_operator.spec.service import InferenceSpec, ParsedSpec, ServiceRef
 
 EventType = Literal["Normal", "Warning"]
 
@@ -113,18 +114,17 @@ class Plan:
 
 def reconcile(
     ref: ServiceRef,
-    raw_spec: Mapping[str, Any] | None,
+    spec: ParsedSpec,
     previous_status: Mapping[str, Any] | None,
     facts: ClusterFacts,
     *,
     now: str,
 ) -> Plan:
-    """The plan for one KunlunInferenceService. Never raises on bad input: a bad spec is a plan."""
+    """The plan for one KunlunInferenceService whose spec was parsed (``parse_spec_or_error``).
+    Never raises on bad input: a bad spec is a plan."""
     previous = previous_status or {}
-    try:
-        spec = parse_spec(raw_spec)
-    except SpecError as error:
-        return _failed_plan(ref, previous, error, now)
+    if isinstance(spec, SpecError):
+        return _failed_plan(ref, previous, spec, now)
     violation = check_policy(spec, facts.policy)
     if violation is not None:
         # Admitted under an older policy: stop serving it. The runtime pods go (they may mount a
@@ -142,9 +142,9 @@ def reconcile(
     if problems and spec.versions.policy == "Strict":
         return _failed_plan(ref, previous, problems[0], now)
 
-    objects, absent = desired_objects(ref, spec, facts, image)
+    desired = desired_replicas(spec, facts.deployment)
+    objects, absent = desired_objects(ref, spec, facts, image, replicas=desired)
     report = assess_nodes(facts.nodes, spec)
-    desired = _desired_replicas(spec, facts.deployment)
     ready = facts.deployment.ready_replicas if facts.deployment else 0
     workload = names.LEADER_WORKER_SET if spec.multi_node else names.DEPLOYMENT
     phase, reason, message = decide_phase(
@@ -240,13 +240,12 @@ def _replacement_events(outcome: ReplacementOutcome, previous: Mapping[str, Any]
 
 
 def desired_objects(
-    ref: ServiceRef, spec: InferenceSpec, facts: ClusterFacts, image: str
+    ref: ServiceRef, spec: InferenceSpec, facts: ClusterFacts, image: str, *, replicas: int
 ) -> tuple[list[dict[str, Any]], list[names.Kind]]:
-    """The owned objects to apply (in order) and the owned kinds that must be absent."""
+    """The owned objects to apply (in order) and the owned kinds that must be absent; ``replicas``:
+    the workload's (``status.desired_replicas``)."""
     path = model_path(spec, image_volumes=facts.image_volumes)
     configmap = build_configmap(ref, spec, path)
-    # With autoscaling the HPA owns the count: mirror what the Deployment has (never reset it).
-    replicas = _desired_replicas(spec, facts.deployment)
     # A multi-node service's replicas are LeaderWorkerSet groups; switching either way removes the
     # other workload (a leftover LeaderWorkerSet only where the cluster serves the kind).
     build_workload = build_leaderworkerset if spec.multi_node else build_deployment
@@ -285,14 +284,6 @@ def desired_objects(
         else:
             absent.append(kind)
     return objects, absent
-
-
-def _desired_replicas(spec: InferenceSpec, deployment: DeploymentFacts | None) -> int:
-    if not spec.autoscaling.enabled:
-        return spec.replicas
-    if deployment is not None and deployment.spec_replicas is not None:
-        return deployment.spec_replicas
-    return spec.autoscaling.min_replicas
 
 
 def _versions_condition(spec: InferenceSpec, facts: ClusterFacts, problems: list[SpecError]) -> Condition:

@@ -1,15 +1,18 @@
 """The status the user reads in ``kubectl get kis`` / ``kubectl describe kis``: phase and conditions.
 
-Owns: deciding the phase from what the Deployment reports, the five conditions with their reasons,
-and keeping ``lastTransitionTime`` when a condition's status did not change. Pure: the clock comes
-in as ``now``.
+Owns: what the runtime workload reports (read once), the replica count the service wants, the
+phase decided from both, the conditions as status dicts, keeping ``lastTransitionTime`` when a
+condition's status did not change. Pure: the clock comes in as ``now``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
+
+from kunlun_operator.spec.service import InferenceSpec
 
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -39,17 +42,11 @@ class DeploymentFacts:
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> DeploymentFacts:
-        status = obj.get("status") or {}
-        cond: Mapping[str, Any] = next(
-            (c for c in status.get("conditions") or [] if c.get("type") == "Progressing"), {}
-        )
-        return cls(
-            spec_replicas=(obj.get("spec") or {}).get("replicas"),
-            replicas=status.get("replicas") or 0,
-            ready_replicas=status.get("readyReplicas") or 0,
-            updated_replicas=status.get("updatedReplicas") or 0,
-            generation=(obj.get("metadata") or {}).get("generation") or 0,
-            observed_generation=status.get("observedGeneration") or 0,
+        """A Deployment's report: its counts and its own Progressing condition."""
+        conditions = (obj.get("status") or {}).get("conditions") or []
+        cond: Mapping[str, Any] = next((c for c in conditions if c.get("type") == "Progressing"), {})
+        return dataclasses.replace(
+            _read_counts(obj),
             progressing_status=cond.get("status"),
             progressing_reason=cond.get("reason"),
             progressing_message=cond.get("message"),
@@ -59,15 +56,34 @@ class DeploymentFacts:
     def from_leaderworkerset(cls, obj: Mapping[str, Any]) -> DeploymentFacts:
         """A LeaderWorkerSet's report: the same counts, in groups (a group is ready when all its pods
         are). LWS has no progress deadline, so its conditions never make the phase Degraded."""
-        status = obj.get("status") or {}
-        return cls(
-            spec_replicas=(obj.get("spec") or {}).get("replicas"),
-            replicas=status.get("replicas") or 0,
-            ready_replicas=status.get("readyReplicas") or 0,
-            updated_replicas=status.get("updatedReplicas") or 0,
-            generation=(obj.get("metadata") or {}).get("generation") or 0,
-            observed_generation=status.get("observedGeneration") or 0,
-        )
+        return _read_counts(obj)
+
+
+def _read_counts(obj: Mapping[str, Any]) -> DeploymentFacts:
+    """What a Deployment and a LeaderWorkerSet report alike, read in one place: the replicas asked
+    for (``spec.replicas``), those that exist, are ready and are updated, and which generation the
+    workload's controller has seen."""
+    status = obj.get("status") or {}
+    return DeploymentFacts(
+        spec_replicas=(obj.get("spec") or {}).get("replicas"),
+        replicas=status.get("replicas") or 0,
+        ready_replicas=status.get("readyReplicas") or 0,
+        updated_replicas=status.get("updatedReplicas") or 0,
+        generation=(obj.get("metadata") or {}).get("generation") or 0,
+        observed_generation=status.get("observedGeneration") or 0,
+    )
+
+
+def desired_replicas(spec: InferenceSpec, workload: DeploymentFacts | None) -> int:
+    """How many replicas the service wants, decided once per pass: the workload is built with it
+    and the status reports readiness against it. ``spec.replicas``; with autoscaling the HPA owns
+    the count, so what the workload has now (never reset), else ``autoscaling.minReplicas`` for a
+    workload not created yet."""
+    if not spec.autoscaling.enabled:
+        return spec.replicas
+    if workload is not None and workload.spec_replicas is not None:
+        return workload.spec_replicas
+    return spec.autoscaling.min_replicas
 
 
 @dataclass(frozen=True, slots=True)

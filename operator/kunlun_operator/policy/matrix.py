@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from kunlun_operator.errors import SpecError
+from kunlun_operator.spec.quantity import parse_bytes
 from kunlun_operator.spec.service import VersionsSpec
 
 MATRIX_KEY = "matrix.yaml"
@@ -151,7 +152,10 @@ def parse_matrix(text: str, *, source: str) -> Matrix:
     cards = doc.get("cards", {}) or {}
     memory = {}
     for product, card in cards.items():
-        memory[str(product)] = parse_bytes(str(card.get("memory", "")), f"{source}: cards.{product}.memory")
+        try:
+            memory[str(product)] = parse_bytes(str(card.get("memory", "")), f"cards.{product}.memory")
+        except SpecError as error:  # the matrix is the admin's, not the service's: a plain ValueError
+            raise ValueError(f"{source}: {error}") from None
     return Matrix(entries=tuple(entries), card_memory_bytes=memory)
 
 
@@ -216,24 +220,6 @@ def check_versions(matrix: Matrix, image: str, versions: VersionsSpec) -> list[S
                 )
             )
     return problems
-
-
-_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
-def parse_bytes(text: str, what: str) -> int:
-    """A Kubernetes memory quantity (``20Gi``, ``500M``, ``1024``) in bytes.
-
-    Raises:
-        ValueError: ``text`` is not a quantity; the message starts with ``what``.
-    """
-    for unit, factor in _UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a quantity like '96Gi'") from None
 
 
 def as_dict(matrix: Matrix) -> dict[str, Any]:

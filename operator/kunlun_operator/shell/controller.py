@@ -48,9 +48,16 @@ from kunlun_operator.shell.apply import (
 )
 from kunlun_operator.shell.kube import POD, PVC, KubeClient
 from kunlun_operator.shell.metrics import OperatorMetrics
-from kunlun_operator.shell.pod_gates import EventSink, GateOpener
+from kunlun_operator.shell.pod_gates import EventSink, GateOpener, service_reference
 from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
-from kunlun_operator.spec.service import ServiceRef, parse_service_ref, parse_spec
+from kunlun_operator.spec.service import (
+    InferenceSpec,
+    ParsedService,
+    ParsedSpec,
+    ServiceRef,
+    parse_service,
+    parse_service_ref,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +92,6 @@ class ControllerConfig:
     #: --xpu-health-gate-grace-seconds: how long a ready pod waits for the device plugin's report
     #: before the operator sets its readiness gate (``health_gate``); 0: never
     health_gate_grace_seconds: float = 120.0
-
-
-def pipeline_stages(spec: Mapping[str, Any]) -> int:
-    """``spec.runtime.pipelineParallelSize`` of a raw spec, 1 when unset or malformed (the parser
-    reports a malformed one): which workload kind to read before the spec is parsed."""
-    value = (spec.get("runtime") or {}).get("pipelineParallelSize", 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 class Controller:
@@ -153,12 +153,14 @@ class Controller:
             return False
         return names.LEADER_WORKER_SET.plural in self.client.served_plurals(names.LWS_GROUP_VERSION)
 
-    def read_facts(
-        self, ref: ServiceRef, spec: Mapping[str, Any], nodes: Iterable[NodeFacts]
-    ) -> ClusterFacts:
+    def read_facts(self, ref: ServiceRef, spec: ParsedSpec, nodes: Iterable[NodeFacts]) -> ClusterFacts:
+        """What the reconcile of the service ``ref`` needs from the cluster. The parsed ``spec``
+        says which workload kind to read and which claim to look up; an invalid one gets the
+        Deployment's report and no claim lookup (its plan is Failed, whatever they say)."""
         lws_served = self.leaderworkerset_served()
         workload: DeploymentFacts | None = None
-        if pipeline_stages(spec) > 1:
+        parsed = spec if isinstance(spec, InferenceSpec) else None
+        if parsed is not None and parsed.multi_node:
             if lws_served:
                 lws = self.client.get(
                     names.LEADER_WORKER_SET,
@@ -169,10 +171,8 @@ class Controller:
         else:
             deployment = self.client.get(names.DEPLOYMENT, ref.namespace, ref.name)
             workload = DeploymentFacts.from_object(deployment) if deployment else None
-        source = (spec.get("model") or {}).get("source") or {}
-        pvc_exists = None
-        if isinstance(source.get("pvc"), Mapping) and source["pvc"].get("claimName"):
-            pvc_exists = self.client.get(PVC, ref.namespace, source["pvc"]["claimName"]) is not None
+        claim = None if parsed is None else parsed.model.source.claim_name  # set for a pvc source only
+        pvc_exists = None if claim is None else self.client.get(PVC, ref.namespace, claim) is not None
         # The pods: where they run (Warn policy) and whether their cards are healthy.
         selector = names.selector_labels(ref.name)
         items = self.client.list(POD, ref.namespace, label_selector=names.selector_string(ref.name))
@@ -209,14 +209,15 @@ class Controller:
         Raises:
             ApiError: an API call failed; the caller retries the retryable ones with backoff.
         """
-        ref = parse_service_ref(body)
+        service = parse_service(body)
+        ref = service.ref
         started = time.monotonic()
         with self.lock(ref.namespace, ref.name):
             try:
-                plan = self._reconcile_locked(ref, body, nodes)
+                plan = self._reconcile_locked(service, nodes)
             except ApiError as error:
                 self.metrics.reconcile_total.labels(result="retry" if error.retryable else "error").inc()
-                self._record_failure(ref, body, "ApiError", str(error))
+                self._record_failure(ref, "ApiError", str(error))
                 raise
             finally:
                 self.metrics.reconcile_duration.observe(time.monotonic() - started)
@@ -227,15 +228,14 @@ class Controller:
         self.metrics.set_phases(self._phases)
         return plan
 
-    def _reconcile_locked(self, ref: ServiceRef, body: Mapping[str, Any], nodes: Iterable[NodeFacts]) -> Plan:
-        spec = body.get("spec") or {}
-        previous = body.get("status") or {}
+    def _reconcile_locked(self, service: ParsedService, nodes: Iterable[NodeFacts]) -> Plan:
+        ref, spec, previous = service.ref, service.spec, service.status
         now = self.clock()
         facts = self.read_facts(ref, spec, nodes)
         facts = dataclasses.replace(
             facts,
-            replacements=self.replace_replicas(ref, body, facts.pods, now),
-            gates=self.gates.open_gates(ref, body, (p.gate for p in facts.pods if p.gate), now),
+            replacements=self.replace_replicas(ref, spec, facts.pods, now),
+            gates=self.gates.open_gates(ref, (p.gate for p in facts.pods if p.gate), now),
         )
         plan = reconcile(ref, spec, previous, facts, now=now)
         existed_before = (
@@ -248,10 +248,10 @@ class Controller:
                 change = apply_object(
                     self.client, obj, owner_uid=ref.uid, existed_before=existed_before, live_fields=live
                 )
-                changes.append(self._report(body, change))
+                changes.append(self._report(ref, change))
         except OwnershipError as error:
-            self._record_failure(ref, body, "NameConflict", str(error))
-            self.post_event(body, "Warning", "NameConflict", str(error))
+            self._record_failure(ref, "NameConflict", str(error))
+            self.post_event(service_reference(ref), "Warning", "NameConflict", str(error))
             raise ApiError(409, "NameConflict", str(error), call="apply") from None
         for kind in plan.delete:
             name = names.owned_name(ref.name, kind)
@@ -259,7 +259,7 @@ class Controller:
                 self.client, kind, ref.namespace, name, owner_name=ref.name, owner_uid=ref.uid
             )
             if deleted is not None:
-                changes.append(self._report(body, deleted))
+                changes.append(self._report(ref, deleted))
         if plan.status != previous:
             self.client.patch(
                 names.KIS,
@@ -269,7 +269,7 @@ class Controller:
                 subresource="status",
             )
         for event in plan.events:
-            self.post_event(body, event.type, event.reason, event.message)
+            self.post_event(service_reference(ref), event.type, event.reason, event.message)
         logger.info(
             "reconciled %s/%s generation %d: phase %s, %s",
             ref.namespace,
@@ -281,20 +281,19 @@ class Controller:
         return plan
 
     def replace_replicas(
-        self, ref: ServiceRef, body: Mapping[str, Any], pods: Iterable[PodFacts], now: str
+        self, ref: ServiceRef, spec: ParsedSpec, pods: Iterable[PodFacts], now: str
     ) -> ReplacementOutcome:
         """Evict the replicas whose card has been unhealthy for ``spec.faultTolerance.replaceAfter``.
 
         Evictions go through the Eviction API, so the PodDisruptionBudget decides: a 429 (no
         budget left) leaves the pod in place and the pass asks again after
         ``EVICTION_RETRY_SECONDS``. Each accepted eviction gets its ``ReplacingReplica`` event on
-        ``body`` at once (the rest of the pass may still fail). An invalid spec replaces nothing
+        the service at once (the rest of the pass may still fail). An invalid spec replaces nothing
         (its phase is Failed anyway).
         """
-        try:
-            replace_after = parse_spec(body.get("spec") or {}).fault_tolerance.replace_after_seconds
-        except SpecError:
+        if isinstance(spec, SpecError):
             return ReplacementOutcome()
+        replace_after = spec.fault_tolerance.replace_after_seconds
         key = (ref.namespace, ref.name)
         current = parse_time(now) or datetime.datetime.now(datetime.UTC)
         pods = tuple(pods)
@@ -335,7 +334,12 @@ class Controller:
                 continue
             evicted.add(fault.uid)
             done.append(fault)
-            self.post_event(body, "Warning", "ReplacingReplica", replacement_message(fault, replace_after))
+            self.post_event(
+                service_reference(ref),
+                "Warning",
+                "ReplacingReplica",
+                replacement_message(fault, replace_after),
+            )
             self.metrics.replica_replacements.labels(reason=fault.reason).inc()
             logger.warning(
                 "evicted %s of %s/%s: card unhealthy for %gs or more (%s)",
@@ -361,7 +365,7 @@ class Controller:
     def reconcile_key(self, namespace: str, name: str, nodes: Iterable[NodeFacts]) -> Plan | None:
         """Reconcile the service by name (fresh read); None when it is gone or being deleted."""
         body = self.client.get(names.KIS, namespace, name)
-        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        if body is None or parse_service_ref(body).deleting:
             return None
         return self.reconcile(body, nodes)
 
@@ -382,7 +386,7 @@ class Controller:
                     self.client, kind, ref.namespace, name, owner_name=ref.name, owner_uid=ref.uid
                 )
                 if change is not None:
-                    changes.append(self._report(body, change))
+                    changes.append(self._report(ref, change))
         self._phases.pop((ref.namespace, ref.name), None)
         self._first_seen.pop((ref.namespace, ref.name), None)
         self._evicted.pop((ref.namespace, ref.name), None)
@@ -396,15 +400,17 @@ class Controller:
         )
         return changes
 
-    def _report(self, body: Mapping[str, Any], change: Change) -> Change:
-        """Count ``change`` and post its event (unchanged objects are neither)."""
+    def _report(self, ref: ServiceRef, change: Change) -> Change:
+        """Count ``change`` and post its event on the service ``ref`` (unchanged objects are neither)."""
         if change.action in _CHANGE_EVENTS:
             self.metrics.object_changes.labels(kind=change.kind, action=change.action).inc()
             type_, reason, text = _CHANGE_EVENTS[change.action]
-            self.post_event(body, type_, reason, text.format(kind=change.kind, name=change.name))
+            self.post_event(
+                service_reference(ref), type_, reason, text.format(kind=change.kind, name=change.name)
+            )
         return change
 
-    def _record_failure(self, ref: ServiceRef, body: Mapping[str, Any], reason: str, message: str) -> None:
+    def _record_failure(self, ref: ServiceRef, reason: str, message: str) -> None:
         """Best effort: put the failure in ``status.lastFailure`` (the API may be failing too)."""
         try:
             self.client.patch(

@@ -29,6 +29,7 @@ from kunlun_operator.decide.replicas import card_fault
 from kunlun_operator.errors import ApiError
 from kunlun_operator.shell.controller import Controller
 from kunlun_operator.shell.kube import POD
+from kunlun_operator.spec.service import parse_service_ref
 
 KIS = (names.GROUP, names.VERSION, names.PLURAL)
 WATCHED_OWNED_KINDS = (names.CONFIGMAP, names.SERVICE, names.DEPLOYMENT, names.PDB, names.HPA)
@@ -220,8 +221,8 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
         type: str | None, body: kopf.Body, namespace: str | None, name: str, **_: Any
     ) -> None:
         assert namespace is not None, NAMESPACED
-        meta = body.get("metadata", {})
-        generation = (meta.get("generation"), bool(meta.get("deletionTimestamp")))
+        ref = parse_service_ref(body)
+        generation = (ref.generation, ref.deleting)
         if type is not None and generations.get((namespace, name)) != generation:
             generations[(namespace, name)] = generation  # status writes do not wake the loop
             wakers.wake(namespace, name)

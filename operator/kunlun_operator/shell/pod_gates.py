@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from kunlun_operator import names
 from kunlun_operator.decide.health_gate import (
     GATE_RETRY_SECONDS,
     REASON_CANNOT_SET_GATE,
@@ -36,8 +37,17 @@ from kunlun_operator.spec.service import ServiceRef
 
 logger = logging.getLogger(__name__)
 
-#: Posts a Kubernetes Event about ``body``: (body, type, reason, message).
+#: Posts a Kubernetes Event about ``body`` (an object or its reference): (body, type, reason, message).
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+def service_reference(ref: ServiceRef) -> dict[str, Any]:
+    """The body an Event about the service ``ref`` needs (what kopf's object reference reads)."""
+    return {
+        "apiVersion": names.KIS.api_version,
+        "kind": names.KIS.kind,
+        "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
+    }
 
 
 def pod_reference(namespace: str, pod: GatedPod) -> dict[str, Any]:
@@ -70,9 +80,7 @@ class GateOpener:
         # Per service: pod uid -> the error its last failed write met (announced already).
         self._failures: dict[tuple[str, str], dict[str, str]] = {}
 
-    def open_gates(
-        self, ref: ServiceRef, body: Mapping[str, Any], pods: Iterable[GatedPod], now: str
-    ) -> GateOutcome:
+    def open_gates(self, ref: ServiceRef, pods: Iterable[GatedPod], now: str) -> GateOutcome:
         """Set ``kunlun.dev/xpu-healthy=True`` (``NoHealthReporter``) on each pod of the service
         ``ref`` whose report is overdue; the outcome the service's condition reports."""
         key = (ref.namespace, ref.name)
@@ -96,13 +104,13 @@ class GateOpener:
                     retry = True
                 elif error.status != 404:  # 404: the pod is gone
                     failed.append((pod, f"{error.status} {error.reason}"))
-                    self._announce_failure(ref, body, pod, failed[-1][1], error)
+                    self._announce_failure(ref, pod, failed[-1][1], error)
                 continue
             opened.append(pod)
             first_seen.pop(pod.uid, None)
             message = opened_message(pod, self.grace_seconds)
             self.post_event(pod_reference(ref.namespace, pod), "Warning", REASON_NO_HEALTH_REPORTER, message)
-            self.post_event(body, "Warning", REASON_NO_HEALTH_REPORTER, message)
+            self.post_event(service_reference(ref), "Warning", REASON_NO_HEALTH_REPORTER, message)
             self.metrics.health_gates_opened.inc()
             logger.warning("%s/%s: %s", ref.namespace, ref.name, message)
         recheck = plan.recheck_after_seconds
@@ -129,9 +137,7 @@ class GateOpener:
         self._unmonitored.pop((namespace, name), None)
         self.metrics.unmonitored_pods.set(sum(self._unmonitored.values()))
 
-    def _announce_failure(
-        self, ref: ServiceRef, body: Mapping[str, Any], pod: GatedPod, reason: str, error: ApiError
-    ) -> None:
+    def _announce_failure(self, ref: ServiceRef, pod: GatedPod, reason: str, error: ApiError) -> None:
         """One Warning event on the service and one log line per pod and error; retries meeting the
         same error log at debug."""
         failures = self._failures.setdefault((ref.namespace, ref.name), {})
@@ -140,7 +146,7 @@ class GateOpener:
             return
         failures[pod.uid] = reason
         message = write_failed_message(pod, reason)
-        self.post_event(body, "Warning", REASON_CANNOT_SET_GATE, message)
+        self.post_event(service_reference(ref), "Warning", REASON_CANNOT_SET_GATE, message)
         logger.warning(
             "%s/%s: %s (retried every %gs): %s", ref.namespace, ref.name, message, GATE_RETRY_SECONDS, error
         )

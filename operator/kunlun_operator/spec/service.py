@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Literal, NoReturn, TypeAlias, get_args
 
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec.fields import (
@@ -23,6 +23,7 @@ from kunlun_operator.spec.fields import (
     read_str,
     read_string_map,
 )
+from kunlun_operator.spec.quantity import parse_bytes, parse_duration_seconds, parse_parameters
 
 SourceKind = Literal["pvc", "hostPath", "image"]
 Policy = Literal["Strict", "Warn", "Off"]
@@ -48,11 +49,8 @@ DEFAULT_TARGETS: Mapping[Metric, float] = {
 }
 #: The most pipeline stages (nodes per replica) ``spec.runtime.pipelineParallelSize`` allows.
 MAX_PIPELINE_PARALLEL_SIZE = 16
-_PARAMETERS = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([MB])$")
 _VERSION = re.compile(r"^[0-9A-Za-z]([0-9A-Za-z._-]{0,61}[0-9A-Za-z])?$")
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 _INTERVAL = re.compile(r"^[0-9]+(ms|s|m|h)$")
-_DURATION = re.compile(r"^(?=[0-9])(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?$")  # 1h, 2m30s, 45s
 #: Longer than the device plugin's recovery period (60 s by default): a transient fault that clears
 #: within it readmits the pod through the readiness gate instead of costing a model load.
 DEFAULT_REPLACE_AFTER = "2m"
@@ -93,7 +91,7 @@ class RuntimeSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
-    kv_cache_memory: str | None = None
+    kv_cache_memory_bytes: int | None = None  # from "20Gi"
     tensor_parallel_size: int = 1  # cards one pod's engine is split over
     #: Pipeline stages = pods (nodes) per replica; above 1 a replica is a LeaderWorkerSet group.
     pipeline_parallel_size: int = 1
@@ -214,9 +212,34 @@ class ServiceRef:
     namespace: str
     uid: str
     generation: int
+    deleting: bool = False  # ``metadata.deletionTimestamp`` is set
+
+
+#: A spec as parsed: its typed values, or the error naming the field that makes it invalid (an
+#: invalid spec is no exception for the reconcile: it becomes a Failed status).
+ParsedSpec: TypeAlias = InferenceSpec | SpecError
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedService:
+    """One KunlunInferenceService read once, the only reader of its shape: identity, spec, and the
+    status the operator last wrote (kept as written: the reconcile merges into it)."""
+
+    ref: ServiceRef
+    spec: ParsedSpec
+    status: Mapping[str, Any]
 
 
 # --- parsing -----------------------------------------------------------------------------------------
+
+
+def parse_service(body: Mapping[str, Any]) -> ParsedService:
+    """The custom resource ``body`` parsed once; an invalid spec is held, not raised."""
+    return ParsedService(
+        ref=parse_service_ref(body),
+        spec=parse_spec_or_error(body.get("spec") or {}),
+        status=body.get("status") or {},
+    )
 
 
 def parse_service_ref(body: Mapping[str, Any]) -> ServiceRef:
@@ -227,7 +250,16 @@ def parse_service_ref(body: Mapping[str, Any]) -> ServiceRef:
         namespace=meta.get("namespace") or "default",
         uid=meta.get("uid", ""),
         generation=int(meta.get("generation") or 0),
+        deleting=bool(meta.get("deletionTimestamp")),
     )
+
+
+def parse_spec_or_error(spec: Mapping[str, Any] | None) -> ParsedSpec:
+    """``parse_spec(spec)``, or the ``SpecError`` it raises."""
+    try:
+        return parse_spec(spec)
+    except SpecError as error:
+        return error
 
 
 def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
@@ -284,14 +316,6 @@ def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
     )
 
 
-def parse_parameters(text: str, field: str) -> int:
-    """``"7B"`` → 7_000_000_000; ``"135M"`` → 135_000_000."""
-    match = _PARAMETERS.match(text)
-    if not match:
-        raise SpecError(field, f"{text!r} must look like '7B' or '135M'")
-    return int(float(match.group(1)) * (1e9 if match.group(2) == "B" else 1e6))
-
-
 def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
     p = "spec.model"
     source = read_obj(model, "source", p, required=True)
@@ -336,19 +360,6 @@ def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
     )
 
 
-def parse_duration_seconds(text: str, field: str) -> int:
-    """``"2m30s"`` → 150; hours, minutes and seconds in that order, each at most once.
-
-    Raises:
-        SpecError: ``text`` is not such a duration; ``field`` names it.
-    """
-    match = _DURATION.match(text)
-    if not match:
-        raise SpecError(field, f"{text!r} must be a duration like '30s', '2m' or '1m30s'")
-    hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    return hours * 3600 + minutes * 60 + seconds
-
-
 def _parse_fault_tolerance(ft: Mapping[str, Any]) -> FaultToleranceSpec:
     p = "spec.faultTolerance"
     text = read_str(ft, "replaceAfter", p, default=DEFAULT_REPLACE_AFTER)
@@ -386,8 +397,7 @@ def _parse_runtime(rt: Mapping[str, Any]) -> RuntimeSpec:
             f"{p}.blockSize", f"must be one of {', '.join(map(str, BLOCK_SIZES))}; got {block_size}"
         )
     kv = rt.get("kvCacheMemory")
-    if kv is not None and not (isinstance(kv, str) and _QUANTITY.match(kv)):
-        raise SpecError(f"{p}.kvCacheMemory", f"must be a quantity like '20Gi', got {kv!r}")
+    kv_bytes = None if kv is None else parse_bytes(kv, f"{p}.kvCacheMemory")
     return RuntimeSpec(
         image=read_str(rt, "image", p),
         dtype=read_choice(rt, "dtype", p, DTYPES, default="auto"),
@@ -396,7 +406,7 @@ def _parse_runtime(rt: Mapping[str, Any]) -> RuntimeSpec:
         max_num_seqs=read_int(rt, "maxNumSeqs", p, minimum=1),
         max_num_batched_tokens=read_int(rt, "maxNumBatchedTokens", p, minimum=1),
         block_size=block_size,
-        kv_cache_memory=kv,
+        kv_cache_memory_bytes=kv_bytes,
         tensor_parallel_size=read_int(rt, "tensorParallelSize", p, minimum=1, maximum=16, default=1),
         pipeline_parallel_size=read_int(
             rt, "pipelineParallelSize", p, minimum=1, maximum=MAX_PIPELINE_PARALLEL_SIZE, default=1

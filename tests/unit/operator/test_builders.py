@@ -21,6 +21,7 @@ from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
 from kunlun_operator.decide.reconcile import desired_objects
+from kunlun_operator.decide.status import desired_replicas
 from kunlun_operator.spec.operator_config import PreflightHost
 from kunlun_operator.spec.service import parse_spec
 from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
@@ -361,7 +362,7 @@ def test_runtime_args_map_every_engine_knob_to_its_vllm_flag() -> None:
 
 def test_the_card_health_readiness_gate_can_be_turned_off_where_no_node_agent_sets_it() -> None:
     spec = parse_spec(make_raw_spec())
-    objects, _ = desired_objects(make_ref(), spec, make_facts(xpu_health_gate=False), IMAGE)
+    objects, _ = desired_objects(make_ref(), spec, make_facts(xpu_health_gate=False), IMAGE, replicas=1)
     [deployment] = [o for o in objects if o["kind"] == "Deployment"]
     assert "readinessGates" not in deployment["spec"]["template"]["spec"]
 
@@ -523,7 +524,7 @@ def test_every_built_object_is_valid_for_kubernetes(example: str, k8s_version: s
         preflight_host=PreflightHost(xpu_smi="/usr/local/bin/xpu-smi" if k8s_version >= "1.31" else None),
     )
     spec = parse_spec(raw)
-    objects, _ = desired_objects(make_ref(), spec, facts, IMAGE)
+    objects, _ = desired_objects(make_ref(), spec, facts, IMAGE, replicas=desired_replicas(spec, None))
     kinds = set()
     for obj in objects:
         if obj["kind"] == "LeaderWorkerSet":  # a multi-node example: its own CRD, pods as PodTemplates
@@ -553,7 +554,7 @@ def test_the_runtime_cli_accepts_every_command_the_operator_builds() -> None:
         make_raw_spec(runtime={"enablePrefixCaching": False, "kvCacheMemory": "2Gi", "blockSize": 32})
     )
     for raw in raws:
-        deployment = desired_objects(make_ref(), parse_spec(raw), make_facts(), IMAGE)[0][2]
+        deployment = desired_objects(make_ref(), parse_spec(raw), make_facts(), IMAGE, replicas=1)[0][2]
         pod = deployment["spec"]["template"]["spec"]
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
             if container["command"] == ["kunlun-runtime"]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from kunlun_operator.decide.reconcile import reconcile
 from kunlun_operator.decide.status import DeploymentFacts
-from kunlun_operator.spec.service import ServiceRef
+from kunlun_operator.spec.service import ServiceRef, parse_spec_or_error
 from tests.unit.operator.crd_schema import load_crd
 from tests.unit.operator.factories import NOW, load_example, make_facts
 
@@ -35,7 +35,9 @@ def test_the_documented_kubectl_get_row_matches_the_printer_columns() -> None:
         observed_generation=1,
         progressing_reason="NewReplicaSetAvailable",
     )
-    status = reconcile(ref, example["spec"], None, make_facts(deployment=ready), now=NOW).status
+    status = reconcile(
+        ref, parse_spec_or_error(example["spec"]), None, make_facts(deployment=ready), now=NOW
+    ).status
     columns = [
         c for c in load_crd()["spec"]["versions"][0]["additionalPrinterColumns"] if not c.get("priority")
     ]

@@ -23,6 +23,7 @@ from kunlun_operator.decide.health_gate import (
 from kunlun_operator.decide.reconcile import PodFacts, reconcile
 from kunlun_operator.decide.status import Condition
 from kunlun_operator.shell.handlers import _pod_fingerprint
+from kunlun_operator.spec.service import parse_spec_or_error
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
@@ -218,16 +219,18 @@ def test_the_service_condition_names_the_pods_and_what_to_check() -> None:
 
 def test_reconcile_reports_the_gates_and_wakes_when_the_first_is_due() -> None:
     facts = make_facts(gates=GateOutcome(waiting=(gated(),), recheck_after_seconds=42.0))
-    plan = reconcile(make_ref(), make_raw_spec(), None, facts, now=NOW)
+    plan = reconcile(make_ref(), parse_spec_or_error(make_raw_spec()), None, facts, now=NOW)
     [cond] = [c for c in plan.status["conditions"] if c["type"] == "CardHealthReported"]
     assert (cond["status"], cond["reason"], plan.requeue_after_seconds) == (
         "False",
         "AwaitingHealthReport",
         42.0,
     )
-    off = reconcile(make_ref(), make_raw_spec(), None, make_facts(xpu_health_gate=False), now=NOW)
+    off = reconcile(
+        make_ref(), parse_spec_or_error(make_raw_spec()), None, make_facts(xpu_health_gate=False), now=NOW
+    )
     assert [c["reason"] for c in off.status["conditions"] if c["type"] == "CardHealthReported"] == ["GateOff"]
-    failed = reconcile(make_ref(), make_raw_spec(versions={}), None, facts, now=NOW)
+    failed = reconcile(make_ref(), parse_spec_or_error(make_raw_spec(versions={})), None, facts, now=NOW)
     assert [c["status"] for c in failed.status["conditions"] if c["type"] == "CardHealthReported"] == [
         "Unknown"
     ]

@@ -7,6 +7,7 @@ from typing import Any
 from kunlun_operator.decide.image_pull import ImagePull, image_pull, runtime_image_condition
 from kunlun_operator.decide.reconcile import PodFacts, reconcile
 from kunlun_operator.shell.handlers import _pod_fingerprint
+from kunlun_operator.spec.service import parse_spec_or_error
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 MATRIX_IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0-kunlun"  # the packaged matrix's entry
@@ -115,7 +116,9 @@ def test_reconcile_posts_one_warning_naming_the_image_and_clears_when_pods_pull(
     backoff = PodFacts(
         "qwen-1", "xpu-1", pull=image_pull(make_pod(init=[waiting("preflight", "ImagePullBackOff")]))
     )
-    first = reconcile(make_ref(), make_raw_spec(), None, make_facts(pods=(backoff,)), now=NOW)
+    first = reconcile(
+        make_ref(), parse_spec_or_error(make_raw_spec()), None, make_facts(pods=(backoff,)), now=NOW
+    )
     [cond] = [c for c in first.status["conditions"] if c["type"] == "RuntimeImageAvailable"]
     assert (cond["status"], cond["reason"]) == ("False", "RuntimeImageUnavailable")
     [event] = [e for e in first.events if e.reason == "RuntimeImageUnavailable"]
@@ -124,10 +127,14 @@ def test_reconcile_posts_one_warning_naming_the_image_and_clears_when_pods_pull(
         and MATRIX_IMAGE in event.message
         and "make images KUNLUN_STACK=" in event.message
     )
-    again = reconcile(make_ref(), make_raw_spec(), first.status, make_facts(pods=(backoff,)), now=LATER)
+    again = reconcile(
+        make_ref(), parse_spec_or_error(make_raw_spec()), first.status, make_facts(pods=(backoff,)), now=LATER
+    )
     assert [e for e in again.events if e.reason == "RuntimeImageUnavailable"] == []
     pulled = PodFacts("qwen-1", "xpu-1", pull=image_pull(make_pod(init=[running("preflight")])))
-    cleared = reconcile(make_ref(), make_raw_spec(), again.status, make_facts(pods=(pulled,)), now=LATER)
+    cleared = reconcile(
+        make_ref(), parse_spec_or_error(make_raw_spec()), again.status, make_facts(pods=(pulled,)), now=LATER
+    )
     assert [
         (c["status"], c["reason"])
         for c in cleared.status["conditions"]

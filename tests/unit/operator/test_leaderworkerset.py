@@ -25,7 +25,7 @@ from kunlun_operator.decide.status import DeploymentFacts
 from kunlun_operator.policy.feasibility import GiB, estimate_memory, startup_budget_seconds
 from kunlun_operator.policy.matrix import load_default_matrix
 from kunlun_operator.spec.operator_config import PreflightHost
-from kunlun_operator.spec.service import ServiceRef, parse_spec
+from kunlun_operator.spec.service import ServiceRef, parse_spec, parse_spec_or_error
 from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
 from tests.unit.operator.factories import NOW, load_example, make_facts, make_raw_spec, make_ref
 
@@ -270,7 +270,9 @@ def test_service_selects_leaders_and_the_hpa_scales_the_leaderworkerset() -> Non
 
 def test_multi_node_plan_builds_a_leaderworkerset_and_removes_a_deployment() -> None:
     spec = parse_spec(make_multinode_spec(autoscaling={"enabled": True, "maxReplicas": 4}))
-    objects, absent = desired_objects(make_ref(), spec, make_facts(leaderworkerset_served=True), IMAGE)
+    objects, absent = desired_objects(
+        make_ref(), spec, make_facts(leaderworkerset_served=True), IMAGE, replicas=1
+    )
     assert [o["kind"] for o in objects] == [
         "ConfigMap",
         "Service",
@@ -284,8 +286,10 @@ def test_multi_node_plan_builds_a_leaderworkerset_and_removes_a_deployment() -> 
 
 def test_single_node_plan_is_unchanged_by_lws_except_removing_a_leftover() -> None:
     spec = parse_spec(make_raw_spec())
-    without, absent_without = desired_objects(make_ref(), spec, make_facts(), IMAGE)
-    served, absent_served = desired_objects(make_ref(), spec, make_facts(leaderworkerset_served=True), IMAGE)
+    without, absent_without = desired_objects(make_ref(), spec, make_facts(), IMAGE, replicas=1)
+    served, absent_served = desired_objects(
+        make_ref(), spec, make_facts(leaderworkerset_served=True), IMAGE, replicas=1
+    )
     assert served == without
     assert "pipeline" not in without[0]["data"]["config.yaml"]
     assert absent_without == [names.HPA]
@@ -293,7 +297,7 @@ def test_single_node_plan_is_unchanged_by_lws_except_removing_a_leftover() -> No
 
 
 def test_without_lws_a_multi_node_service_builds_nothing_and_says_to_install_it() -> None:
-    plan = reconcile(make_ref(), make_multinode_spec(), None, make_facts(), now=NOW)
+    plan = reconcile(make_ref(), parse_spec_or_error(make_multinode_spec()), None, make_facts(), now=NOW)
     assert (plan.apply, plan.delete, plan.requeue_after_seconds) == ((), (), 60.0)
     ready = next(c for c in plan.status["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "LeaderWorkerSetNotInstalled")
@@ -314,10 +318,14 @@ def test_with_lws_the_status_counts_groups_from_the_leaderworkerset() -> None:
         "status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 2},
     }
     facts = make_facts(leaderworkerset_served=True, deployment=DeploymentFacts.from_leaderworkerset(lws))
-    plan = reconcile(make_ref(), make_multinode_spec(replicas=2), None, facts, now=NOW)
+    plan = reconcile(make_ref(), parse_spec_or_error(make_multinode_spec(replicas=2)), None, facts, now=NOW)
     assert (plan.status["phase"], plan.status["ready"]) == ("Ready", "2/2")
     pending = reconcile(
-        make_ref(), make_multinode_spec(), None, make_facts(leaderworkerset_served=True), now=NOW
+        make_ref(),
+        parse_spec_or_error(make_multinode_spec()),
+        None,
+        make_facts(leaderworkerset_served=True),
+        now=NOW,
     )
     ready = next(c for c in pending.status["conditions"] if c["type"] == "Ready")
     assert (ready["reason"], ready["message"]) == (
@@ -325,7 +333,9 @@ def test_with_lws_the_status_counts_groups_from_the_leaderworkerset() -> None:
         "the runtime LeaderWorkerSet does not exist yet",
     )
     autoscaled = make_multinode_spec(autoscaling={"enabled": True, "maxReplicas": 4})
-    plan = reconcile(make_ref(), autoscaled, None, make_facts(leaderworkerset_served=True), now=NOW)
+    plan = reconcile(
+        make_ref(), parse_spec_or_error(autoscaled), None, make_facts(leaderworkerset_served=True), now=NOW
+    )
     assert plan.live_fields == {"LeaderWorkerSet": (("spec", "replicas"),)}
 
 
@@ -427,20 +437,60 @@ def _subparsers(parser: Any) -> list[Any]:
     ]
 
 
-def test_the_controller_reads_the_stage_count_of_a_raw_spec_to_pick_the_workload() -> None:
-    from kunlun_operator.shell.controller import pipeline_stages
+class ReadingClient:
+    """Records which objects the controller reads; serves LeaderWorkerSet, holds nothing."""
 
-    assert pipeline_stages({"runtime": {"pipelineParallelSize": 2}}) == 2
-    assert pipeline_stages({}) == pipeline_stages({"runtime": None}) == 1
-    assert pipeline_stages({"runtime": {"pipelineParallelSize": "2"}}) == 1  # the parser reports it
-    assert pipeline_stages({"runtime": {"pipelineParallelSize": True}}) == 1
+    def __init__(self) -> None:
+        self.reads: list[tuple[str, str]] = []
+
+    def get(self, kind: names.Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        self.reads.append((kind.kind, name))
+        return None
+
+    def list(self, kind: names.Kind, namespace: str | None, *, label_selector: str) -> list[dict[str, Any]]:
+        return []
+
+    def served_plurals(self, group_version: str) -> frozenset[str]:
+        return frozenset({names.LEADER_WORKER_SET.plural})
+
+
+@pytest.mark.parametrize(
+    ("raw", "reads"),
+    [
+        (make_multinode_spec(), [("LeaderWorkerSet", "qwen-lws"), ("PersistentVolumeClaim", "models")]),
+        (make_raw_spec(), [("Deployment", "qwen"), ("PersistentVolumeClaim", "models")]),
+        # Invalid (here: TP 3 does not divide 8 cards): its plan is Failed whatever the workload says.
+        (
+            make_multinode_spec(runtime={"pipelineParallelSize": 2, "tensorParallelSize": 3}),
+            [("Deployment", "qwen")],
+        ),
+    ],
+    ids=["multi-node", "single-node", "invalid"],
+)
+def test_the_controller_reads_the_workload_and_claim_the_parsed_spec_names(
+    raw: dict[str, Any], reads: list[tuple[str, str]]
+) -> None:
+    from kunlun_operator.shell.controller import Controller, ControllerConfig
+    from kunlun_operator.shell.metrics import OperatorMetrics
+
+    client = ReadingClient()
+    controller = Controller(client, ControllerConfig(), OperatorMetrics(), lambda *_: None)  # type: ignore[arg-type]
+    facts = controller.read_facts(make_ref(), parse_spec_or_error(raw), ())
+    assert client.reads == reads
+    assert (facts.deployment, facts.pvc_exists) == (None, None if len(reads) == 1 else False)
 
 
 def test_a_multi_node_service_needs_a_name_lws_accepts() -> None:
     """LWS names its headless Service after itself, so its name must be a DNS-1035 label."""
     matrix = load_default_matrix()
     dotted = ServiceRef(name="qwen2.5-7b", namespace="ml", uid="uid-1", generation=1)
-    plan = reconcile(dotted, make_multinode_spec(), None, make_facts(leaderworkerset_served=True), now=NOW)
+    plan = reconcile(
+        dotted,
+        parse_spec_or_error(make_multinode_spec()),
+        None,
+        make_facts(leaderworkerset_served=True),
+        now=NOW,
+    )
     assert (plan.apply, plan.status["lastFailure"]["message"]) == (
         (),
         "metadata.name: a multi-node service's LeaderWorkerSet 'qwen2.5-7b-lws' must be a DNS-1035 label "
@@ -451,4 +501,4 @@ def test_a_multi_node_service_needs_a_name_lws_accepts() -> None:
     assert denied.denial is not None and denied.denial.field == "metadata.name"
     assert review(make_multinode_spec(), matrix, IMAGE, leaderworkerset_served=True, name="qwen").allowed
     # a single-node service keeps any name the API server takes
-    assert reconcile(dotted, make_raw_spec(), None, make_facts(), now=NOW).apply
+    assert reconcile(dotted, parse_spec_or_error(make_raw_spec()), None, make_facts(), now=NOW).apply

@@ -46,7 +46,9 @@ def test_every_release_entry_names_the_kunlun_variant_of_its_runtime() -> None:
     repository = versions["images"]["runtime"]["repository"]
     for entry in versions["compatibility"]:
         assert entry["image"] == f"{repository}:{entry['runtime']}-kunlun"
-    packaged = yaml.safe_load(resources.files("kunlun_operator.policy").joinpath("default_matrix.yaml").read_text())
+    packaged = yaml.safe_load(
+        resources.files("kunlun_operator.policy").joinpath("default_matrix.yaml").read_text()
+    )
     assert packaged["registry"] == versions["images"]["registry"]
     assert packaged["entries"] == versions["compatibility"]
 

@@ -10,17 +10,13 @@ import pytest
 from kunlun_operator.errors import ApiError
 from kunlun_operator.shell.kube import POD
 from kunlun_operator.shell.metrics import OperatorMetrics
-from kunlun_operator.shell.pod_gates import GateOpener
+from kunlun_operator.shell.pod_gates import GateOpener, service_reference
+from kunlun_operator.spec.service import parse_service_ref
 from tests.unit.operator.factories import make_ref
 from tests.unit.operator.test_health_gate import PLUGIN_TRUE, gated
 
 BEFORE = "2026-01-01T00:01:59Z"  # 119 s after the containers became ready (T0)
 DUE = "2026-01-01T00:02:00Z"
-SERVICE = {
-    "apiVersion": "serving.kunlun.dev/v1alpha1",
-    "kind": "KunlunInferenceService",
-    "metadata": {"name": "qwen"},
-}
 
 
 class StatusClient:
@@ -60,14 +56,14 @@ def sample(gates: GateOpener, name: str) -> float | None:
 def test_an_overdue_gate_is_set_with_the_read_conditions_and_resource_version_and_announced() -> None:
     client, events = StatusClient(), []
     gates = opener(client, events)
-    waiting = gates.open_gates(make_ref(), SERVICE, [gated()], BEFORE)
+    waiting = gates.open_gates(make_ref(), [gated()], BEFORE)
     assert (client.patches, [p.name for p in waiting.waiting], waiting.recheck_after_seconds) == (
         [],
         ["qwen-1"],
         1.0,
     )
 
-    done = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
+    done = gates.open_gates(make_ref(), [gated()], DUE)
     [(kind, namespace, name, patch, subresource)] = client.patches
     assert (kind, namespace, name, subresource) == (POD.kind, "ml", "qwen-1", "status")
     assert patch["metadata"] == {"resourceVersion": "7"}
@@ -91,9 +87,9 @@ def test_an_overdue_gate_is_set_with_the_read_conditions_and_resource_version_an
 def test_the_plugins_late_verdict_stops_the_countdown_and_a_race_is_lost_quietly() -> None:
     client, events = StatusClient({"qwen-1": [409]}), []
     gates = opener(client, events)
-    raced = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)  # the plugin wrote since the listing
+    raced = gates.open_gates(make_ref(), [gated()], DUE)  # the plugin wrote since the listing
     assert (raced.opened, raced.failed, events, raced.recheck_after_seconds) == ((), (), [], 10.0)
-    reported = gates.open_gates(make_ref(), SERVICE, [gated(health=PLUGIN_TRUE)], DUE)
+    reported = gates.open_gates(make_ref(), [gated(health=PLUGIN_TRUE)], DUE)
     assert (reported.opened, reported.waiting, len(client.patches)) == ((), (), 1)
     assert sample(gates, "kunlun_operator_health_gates_opened_total") == 0.0
 
@@ -101,13 +97,13 @@ def test_the_plugins_late_verdict_stops_the_countdown_and_a_race_is_lost_quietly
 def test_a_denied_write_is_reported_and_retried_never_turned_false() -> None:
     client, events = StatusClient({"qwen-1": [403, None]}), []
     gates = opener(client, events)
-    denied = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
+    denied = gates.open_gates(make_ref(), [gated()], DUE)
     assert ([(p.name, e) for p, e in denied.failed], denied.recheck_after_seconds, events) == (
         [("qwen-1", "403 Forbidden")],
         10.0,
         [("KunlunInferenceService", "qwen", "Warning", "CannotSetHealthGate")],
     )
-    again = gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
+    again = gates.open_gates(make_ref(), [gated()], DUE)
     assert [p.name for p in again.opened] == ["qwen-1"]
     assert {
         c["status"] for _, _, _, patch, _ in client.patches for c in patch["status"]["conditions"][-1:]
@@ -123,32 +119,53 @@ def test_a_denied_write_is_announced_once_per_pod_and_error_until_it_changes_or_
     announced = ("KunlunInferenceService", "qwen", "Warning", "CannotSetHealthGate")
     with caplog.at_level("WARNING", logger="kunlun_operator.shell.pod_gates"):
         for _ in range(3):  # the retries every 10 s meet the same 403
-            gates.open_gates(make_ref(), SERVICE, [gated()], DUE)
+            gates.open_gates(make_ref(), [gated()], DUE)
         assert events == [announced]
         assert [r.getMessage() for r in caplog.records] == [
             "ml/qwen: pod qwen-1 on node xpu-1 has no card health report and the operator could not set "
             "its gate (403 Forbidden; it needs patch on pods/status) (retried every 10s): "
             "PATCH qwen-1: 403 Forbidden: no"
         ]
-        gates.open_gates(make_ref(), SERVICE, [gated()], DUE)  # a new error is news
+        gates.open_gates(make_ref(), [gated()], DUE)  # a new error is news
         assert (events[1:], len(caplog.records)) == ([announced], 2)
-        gates.open_gates(make_ref(), SERVICE, [gated()], DUE)  # granted: the gate opens
+        gates.open_gates(make_ref(), [gated()], DUE)  # granted: the gate opens
         assert [e[3] for e in events[2:]] == ["NoHealthReporter", "NoHealthReporter"]
-        gates.open_gates(make_ref(), SERVICE, [gated(name="qwen-2")], DUE)  # another pod: news too
-        gates.open_gates(make_ref(), SERVICE, [gated()], DUE)  # after a success, a failure is news
+        gates.open_gates(make_ref(), [gated(name="qwen-2")], DUE)  # another pod: news too
+        gates.open_gates(make_ref(), [gated()], DUE)  # after a success, a failure is news
     assert (events[4:], len(caplog.records)) == ([announced, announced], 5)
 
 
 def test_a_gate_opened_earlier_counts_until_the_plugin_writes_and_a_deleted_service_is_forgotten() -> None:
     gates = opener(StatusClient(), [])
-    gates.open_gates(
-        make_ref(), SERVICE, [gated(health={"status": "True", "reason": "NoHealthReporter"})], DUE
-    )
+    gates.open_gates(make_ref(), [gated(health={"status": "True", "reason": "NoHealthReporter"})], DUE)
     assert sample(gates, "kunlun_operator_unmonitored_pods") == 1.0
-    gates.open_gates(make_ref(), SERVICE, [gated(health=PLUGIN_TRUE)], DUE)
+    gates.open_gates(make_ref(), [gated(health=PLUGIN_TRUE)], DUE)
     assert sample(gates, "kunlun_operator_unmonitored_pods") == 0.0
-    gates.open_gates(
-        make_ref(), SERVICE, [gated(health={"status": "True", "reason": "NoHealthReporter"})], DUE
-    )
+    gates.open_gates(make_ref(), [gated(health={"status": "True", "reason": "NoHealthReporter"})], DUE)
     gates.forget("ml", "qwen")
     assert sample(gates, "kunlun_operator_unmonitored_pods") == 0.0
+
+
+def test_events_about_the_service_reference_it_as_kopf_references_the_whole_object() -> None:
+    from kopf._cogs.structs.bodies import Body, build_object_reference
+
+    body = {
+        "apiVersion": "serving.kunlun.dev/v1alpha1",
+        "kind": "KunlunInferenceService",
+        "metadata": {
+            "name": "qwen",
+            "namespace": "ml",
+            "uid": "uid-1",
+            "generation": 2,
+            "resourceVersion": "9",
+        },
+        "spec": {"replicas": 2},
+        "status": {"phase": "Ready"},
+    }
+    reference = service_reference(parse_service_ref(body))
+    assert reference == {
+        "apiVersion": "serving.kunlun.dev/v1alpha1",
+        "kind": "KunlunInferenceService",
+        "metadata": {"name": "qwen", "namespace": "ml", "uid": "uid-1"},
+    }
+    assert build_object_reference(Body(reference)) == build_object_reference(Body(body))

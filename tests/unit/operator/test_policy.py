@@ -23,7 +23,7 @@ from kunlun_operator.policy.admission_policy import (
     reserved_flag,
 )
 from kunlun_operator.policy.matrix import load_default_matrix
-from kunlun_operator.spec.service import SecretKeyRef, parse_spec
+from kunlun_operator.spec.service import SecretKeyRef, parse_spec, parse_spec_or_error
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
@@ -95,7 +95,7 @@ def test_webhook_denies_what_the_policy_forbids_naming_the_field() -> None:
 
 
 def test_reconcile_builds_nothing_for_a_service_outside_the_policy_and_says_why() -> None:
-    plan = reconcile(make_ref(), HOST_SPEC, None, make_facts(policy=POLICY), now=NOW)
+    plan = reconcile(make_ref(), parse_spec_or_error(HOST_SPEC), None, make_facts(policy=POLICY), now=NOW)
     assert plan.apply == ()
     assert plan.delete == (names.DEPLOYMENT, names.HPA)  # admitted earlier: its pods go
     assert plan.status["phase"] == "Failed"
@@ -106,7 +106,10 @@ def test_reconcile_builds_nothing_for_a_service_outside_the_policy_and_says_why(
     assert [e.reason for e in plan.events] == ["PolicyViolation"]
     allowed = make_raw_spec(model={"name": "m", "source": {"hostPath": {"path": "/data/models/q"}}})
     kinds = [
-        o["kind"] for o in reconcile(make_ref(), allowed, None, make_facts(policy=POLICY), now=NOW).apply
+        o["kind"]
+        for o in reconcile(
+            make_ref(), parse_spec_or_error(allowed), None, make_facts(policy=POLICY), now=NOW
+        ).apply
     ]
     assert "Deployment" in kinds
 

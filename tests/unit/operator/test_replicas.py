@@ -18,7 +18,7 @@ from kunlun_operator.decide.replicas import (
     replicas_condition,
 )
 from kunlun_operator.shell.handlers import _pod_fingerprint
-from kunlun_operator.spec.service import parse_spec
+from kunlun_operator.spec.service import parse_spec, parse_spec_or_error
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
@@ -212,7 +212,9 @@ def test_the_429_path_says_the_budget_is_exhausted_naming_node_and_card() -> Non
 
 
 def _reconcile(outcome: ReplacementOutcome, previous: dict[str, Any] | None = None) -> Any:
-    return reconcile(make_ref(), make_raw_spec(), previous, make_facts(replacements=outcome), now=NOW)
+    return reconcile(
+        make_ref(), parse_spec_or_error(make_raw_spec()), previous, make_facts(replacements=outcome), now=NOW
+    )
 
 
 def test_reconcile_counts_replacements_and_posts_the_waiting_events_once() -> None:
@@ -252,7 +254,9 @@ def test_reconcile_counts_replacements_and_posts_the_waiting_events_once() -> No
 
 
 def test_a_failed_spec_keeps_the_count() -> None:
-    plan = reconcile(make_ref(), {"model": {}}, {"replicaReplacements": 2}, make_facts(), now=NOW)
+    plan = reconcile(
+        make_ref(), parse_spec_or_error({"model": {}}), {"replicaReplacements": 2}, make_facts(), now=NOW
+    )
     assert plan.status["replicaReplacements"] == 2
 
 
