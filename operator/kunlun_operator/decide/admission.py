@@ -1,4 +1,4 @@
-"""Admission review of a KunlunInferenceService: parse, admission policy, compatibility matrix, memory.
+"""Admission review of a parsed KunlunInferenceService: admission policy, compatibility matrix, memory.
 
 Owns: what the validating webhook denies and what it only warns about. Pure: the matrix and the
 cluster admin's policy come in. A service outside the policy is always denied, whatever its
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from kunlun_operator.builders.leaderworkerset import leaderworkerset_name_error, require_leaderworkerset
 from kunlun_operator.errors import SpecError
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.policy.feasibility import estimate_memory
 from kunlun_operator.policy.matrix import Matrix, check_versions, select_image
-from kunlun_operator.spec.service import InferenceSpec, parse_spec
+from kunlun_operator.spec.service import InferenceSpec, ParsedSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +31,7 @@ class Review:
 
 
 def review(
-    raw_spec: Mapping[str, Any] | None,
+    spec: ParsedSpec,
     matrix: Matrix,
     default_image: str,
     policy: AdmissionPolicy = STRICTEST,
@@ -40,13 +39,11 @@ def review(
     leaderworkerset_served: bool = False,
     name: str | None = None,
 ) -> Review:
-    """The webhook's verdict on ``raw_spec``: a denial naming the field, or warnings.
-    ``leaderworkerset_served``: the cluster serves LeaderWorkerSet (a multi-node service needs it);
-    ``name``: the service's name, when known (not with ``generateName``)."""
-    try:
-        spec = parse_spec(raw_spec)
-    except SpecError as error:
-        return Review(denial=error)
+    """The webhook's verdict on the parsed ``spec`` (``parse_spec_or_error``): a denial naming the
+    field, or warnings. ``leaderworkerset_served``: the cluster serves LeaderWorkerSet (a multi-node
+    service needs it); ``name``: the service's name, when known (not with ``generateName``)."""
+    if isinstance(spec, SpecError):
+        return Review(denial=spec)
     violation = check_policy(spec, policy)
     if violation is not None:
         return Review(denial=violation)

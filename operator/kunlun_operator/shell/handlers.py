@@ -29,7 +29,7 @@ from kunlun_operator.decide.replicas import card_fault
 from kunlun_operator.errors import ApiError
 from kunlun_operator.shell.controller import Controller
 from kunlun_operator.shell.kube import POD
-from kunlun_operator.spec.service import parse_service_ref
+from kunlun_operator.spec.service import parse_service_ref, parse_spec_or_error
 
 KIS = (names.GROUP, names.VERSION, names.PLURAL)
 WATCHED_OWNED_KINDS = (names.CONFIGMAP, names.SERVICE, names.DEPLOYMENT, names.PDB, names.HPA)
@@ -299,7 +299,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
                 lws_served = True
                 warnings.append(f"LeaderWorkerSet discovery failed ({error}); multi-node not checked")
             verdict = admission.review(
-                dict(spec),
+                parse_spec_or_error(dict(spec)),
                 matrix,
                 controller.config.default_image,
                 controller.config.policy,

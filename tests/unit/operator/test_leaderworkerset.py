@@ -341,15 +341,19 @@ def test_with_lws_the_status_counts_groups_from_the_leaderworkerset() -> None:
 
 def test_admission_rejects_multi_node_without_lws_naming_the_field() -> None:
     matrix = load_default_matrix()
-    denied = review(make_multinode_spec(), matrix, IMAGE)
+    denied = review(parse_spec_or_error(make_multinode_spec()), matrix, IMAGE)
     assert denied.denial is not None
     assert (denied.denial.field, denied.denial.reason) == (
         "spec.runtime.pipelineParallelSize",
         "LeaderWorkerSetNotInstalled",
     )
     assert "install LeaderWorkerSet" in str(denied.denial)
-    assert review(make_multinode_spec(), matrix, IMAGE, leaderworkerset_served=True).allowed
-    assert review(make_raw_spec(), matrix, IMAGE).allowed  # single node: LWS is irrelevant
+    assert review(
+        parse_spec_or_error(make_multinode_spec()), matrix, IMAGE, leaderworkerset_served=True
+    ).allowed
+    assert review(
+        parse_spec_or_error(make_raw_spec()), matrix, IMAGE
+    ).allowed  # single node: LWS is irrelevant
 
 
 def test_memory_feasibility_counts_the_cards_of_every_node() -> None:
@@ -359,9 +363,9 @@ def test_memory_feasibility_counts_the_cards_of_every_node() -> None:
         model=model, resources={"xpus": 4, "xpuProduct": "R300"}, runtime={"pipelineParallelSize": 2}
     )
     matrix = load_default_matrix()
-    denied = review(one_node, matrix, IMAGE)
+    denied = review(parse_spec_or_error(one_node), matrix, IMAGE)
     assert denied.denial is not None and denied.denial.reason == "InsufficientMemory"
-    assert review(two_nodes, matrix, IMAGE, leaderworkerset_served=True).allowed
+    assert review(parse_spec_or_error(two_nodes), matrix, IMAGE, leaderworkerset_served=True).allowed
     estimate = estimate_memory(parse_spec(two_nodes), 32 * GiB)
     assert estimate is not None
     # weights / (T·P) per card: 130.4 GiB over 2 × 4 cards of 28.8 usable GiB each
@@ -377,7 +381,7 @@ def test_memory_feasibility_counts_the_cards_of_every_node() -> None:
     tight = make_raw_spec(
         model=model, resources={"xpus": 2, "xpuProduct": "R300"}, runtime={"pipelineParallelSize": 2}
     )
-    message = str(review(tight, matrix, IMAGE, leaderworkerset_served=True).denial)
+    message = str(review(parse_spec_or_error(tight), matrix, IMAGE, leaderworkerset_served=True).denial)
     assert "does not fit 2 nodes × 2 × R300" in message
 
 
@@ -497,8 +501,12 @@ def test_a_multi_node_service_needs_a_name_lws_accepts() -> None:
         "(at most 63 lower-case letters, digits and '-', starting with a letter): rename the service",
     )
     long_name = "a" * 60
-    denied = review(make_multinode_spec(), matrix, IMAGE, leaderworkerset_served=True, name=long_name)
+    denied = review(
+        parse_spec_or_error(make_multinode_spec()), matrix, IMAGE, leaderworkerset_served=True, name=long_name
+    )
     assert denied.denial is not None and denied.denial.field == "metadata.name"
-    assert review(make_multinode_spec(), matrix, IMAGE, leaderworkerset_served=True, name="qwen").allowed
+    assert review(
+        parse_spec_or_error(make_multinode_spec()), matrix, IMAGE, leaderworkerset_served=True, name="qwen"
+    ).allowed
     # a single-node service keeps any name the API server takes
     assert reconcile(dotted, parse_spec_or_error(make_raw_spec()), None, make_facts(), now=NOW).apply

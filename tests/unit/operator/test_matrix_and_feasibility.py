@@ -19,7 +19,7 @@ from kunlun_operator.policy.matrix import (
     runtime_version,
     select_image,
 )
-from kunlun_operator.spec.service import VersionsSpec, parse_spec
+from kunlun_operator.spec.service import VersionsSpec, parse_spec, parse_spec_or_error
 from tests.unit.operator.factories import make_raw_spec
 
 VERSIONS_YAML = Path(__file__).resolve().parents[3] / "versions.yaml"
@@ -200,18 +200,22 @@ def test_admission_finds_a_card_by_label_value_or_family_and_reports_the_numbers
         model={"name": "m", "source": {"pvc": {"claimName": "models"}}, "parameters": "70B"},
         resources={"xpuProduct": "P800-OAM"},
     )
-    verdict = review(big, matrix, "rt:0.1.0")
+    verdict = review(parse_spec_or_error(big), matrix, "rt:0.1.0")
     assert (verdict.denial.field, verdict.denial.reason) == ("spec.resources.xpus", "InsufficientMemory")
-    assert review({**big, "resources": {"xpus": 2, "xpuProduct": "P800-OAM"}}, matrix, "rt:0.1.0").allowed
-    unknown = review({**big, "resources": {"xpuProduct": "X9"}}, matrix, "rt:0.1.0")
+    assert review(
+        parse_spec_or_error({**big, "resources": {"xpus": 2, "xpuProduct": "P800-OAM"}}), matrix, "rt:0.1.0"
+    ).allowed
+    unknown = review(parse_spec_or_error({**big, "resources": {"xpuProduct": "X9"}}), matrix, "rt:0.1.0")
     assert unknown.allowed and unknown.warnings[0].startswith("spec.resources.xpuProduct: card X9")
 
 
 def test_the_webhook_checks_the_image_the_matrix_gives_a_service_without_one() -> None:
     matrix = load_default_matrix()
     # the fallback names a runtime outside the matrix: it would be denied, were it used
-    assert review(make_raw_spec(), matrix, "rt:9.9.9").allowed
+    assert review(parse_spec_or_error(make_raw_spec()), matrix, "rt:9.9.9").allowed
     denied = review(
-        make_raw_spec(versions={"driver": "9.9", "firmware": "f", "kml": "k"}), matrix, "rt:9.9.9"
+        parse_spec_or_error(make_raw_spec(versions={"driver": "9.9", "firmware": "f", "kml": "k"})),
+        matrix,
+        "rt:9.9.9",
     )
     assert denied.denial is not None and denied.denial.field == "spec.runtime.image"

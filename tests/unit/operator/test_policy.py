@@ -40,7 +40,7 @@ SECRETS = {
 
 
 def _field(raw: dict[str, Any], policy: AdmissionPolicy = POLICY) -> str | None:
-    denial = review(raw, load_default_matrix(), IMAGE, policy).denial
+    denial = review(parse_spec_or_error(raw), load_default_matrix(), IMAGE, policy).denial
     return None if denial is None else denial.field
 
 
@@ -86,7 +86,7 @@ def test_webhook_denies_what_the_policy_forbids_naming_the_field() -> None:
     )
     overrides = AdmissionPolicy(allow_flag_overrides=True)
     assert _field(make_raw_spec(runtime={"extraArgs": ["--port=1"]}), overrides) is None
-    denial = review(HOST_SPEC, load_default_matrix(), IMAGE, POLICY).denial
+    denial = review(parse_spec_or_error(HOST_SPEC), load_default_matrix(), IMAGE, POLICY).denial
     assert denial is not None and (str(denial), denial.reason) == (
         "spec.model.source.hostPath.path: '/etc' is not allowed by the admission policy "
         "(hostPaths: /data/models)",
