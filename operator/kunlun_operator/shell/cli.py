@@ -1,7 +1,8 @@
-"""Console entry point ``kunlun-operator``: ``kunlun-operator run [flags]`` (flags in docs/operator.md).
+"""Console entry point ``kunlun-operator``: ``run [flags]`` and ``render -f FILE`` (docs/operator.md).
 
 Owns: flag parsing, logging setup, wiring the API client, controller, metrics server, webhook
-server and kopf registry together, and handing control to kopf.
+server and kopf registry together, and handing control to kopf; for ``render``, reading the
+``run`` flags of its ``--config`` with the same parser, so the dry run is configured as the operator.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import kopf
 
 from kunlun_operator import names
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, parse_policy
+from kunlun_operator.shell import render as render_module
 from kunlun_operator.shell.controller import Controller, ControllerConfig
 from kunlun_operator.shell.handlers import LoopConfig, build_registry, post_event
 from kunlun_operator.shell.kube import KubeClient, load_config
@@ -29,7 +31,20 @@ LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kunlun-operator", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="reconcile KunlunInferenceServices until stopped")
+    add_run_flags(sub.add_parser("run", help="reconcile KunlunInferenceServices until stopped"))
+    render_module.add_render_flags(
+        sub.add_parser(
+            "render",
+            help="print the objects the operator would create for a KunlunInferenceService (no API server)",
+            description=render_module.DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    return parser
+
+
+def add_run_flags(run: argparse.ArgumentParser) -> None:
+    """The flags of ``run``: also what ``render --config`` reads."""
     scope = run.add_mutually_exclusive_group()
     scope.add_argument("--namespace", action="append", default=[], help="a namespace to serve (repeatable)")
     scope.add_argument("--all-namespaces", action="store_true", help="serve every namespace (the default)")
@@ -126,7 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--watch-timeout", type=float, default=300.0, help="server-side timeout of watch requests"
     )
-    return parser
 
 
 def _non_negative_seconds(text: str) -> float:
@@ -185,6 +199,20 @@ def parse_preflight_host(args: argparse.Namespace) -> PreflightHost:
         raise SystemExit(f"kunlun-operator: {error}") from None
 
 
+def controller_config(args: argparse.Namespace) -> ControllerConfig:
+    """What the ``run`` flags ``args`` configure of the reconcile; a bad flag value stops here."""
+    return ControllerConfig(
+        default_image=args.default_runtime_image,
+        matrix_configmap=_matrix_configmap(args.compatibility_configmap),
+        image_volumes=args.image_volumes,
+        xpu_health_gate=args.xpu_health_gate,
+        policy=_admission_policy(args.admission_policy),
+        preflight_host=parse_preflight_host(args),
+        leaderworkerset=args.leaderworkerset,
+        health_gate_grace_seconds=args.xpu_health_gate_grace_seconds,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format=LOG_FORMAT, stream=sys.stdout)
     # kopf logs every successful event handler at INFO; our decisions are logged by our modules.
@@ -195,16 +223,7 @@ def run(args: argparse.Namespace) -> int:
         metrics.serve(args.metrics_port)
     controller = Controller(
         KubeClient(load_config()),
-        ControllerConfig(
-            default_image=args.default_runtime_image,
-            matrix_configmap=_matrix_configmap(args.compatibility_configmap),
-            image_volumes=args.image_volumes,
-            xpu_health_gate=args.xpu_health_gate,
-            policy=_admission_policy(args.admission_policy),
-            preflight_host=parse_preflight_host(args),
-            leaderworkerset=args.leaderworkerset,
-            health_gate_grace_seconds=args.xpu_health_gate_grace_seconds,
-        ),
+        controller_config(args),
         metrics,
         post_event,
     )
@@ -233,9 +252,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def render(args: argparse.Namespace) -> int:
+    """``kunlun-operator render``: the operator's flags from ``--config`` (parsed as ``run`` parses
+    them), then the dry run."""
+    try:
+        flags = render_module.read_flags_file(args.config) if args.config else []
+    except render_module.RenderError as error:
+        print(f"{render_module.PROG}: {error}", file=sys.stderr)
+        return 1
+    parser = argparse.ArgumentParser(
+        prog=f"{render_module.PROG} --config {args.config}",
+        usage="%(prog)s: [the flags of kunlun-operator run]",
+        add_help=False,
+    )
+    add_run_flags(parser)
+    operator = parser.parse_args(flags)
+    return render_module.render_command(
+        args, controller_config(operator), admission_webhook=operator.webhook_port != 0
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run(args)
+    return render(args) if args.command == "render" else run(args)
 
 
 if __name__ == "__main__":
