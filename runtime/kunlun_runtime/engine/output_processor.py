@@ -86,7 +86,7 @@ class OutputProcessor:
         # Hold back what could still become the start of a stop string.
         hold = max((len(s) - 1 for s in params.stop), default=0)
         text = state.detokenizer.text
-        state.text = text[: len(text) - hold] if hold else text
+        state.text = text[: max(0, len(text) - hold)]
         return None
 
     def finish(

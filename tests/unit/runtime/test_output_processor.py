@@ -7,6 +7,8 @@ pieces and the expected text of every step can be written out.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kunlun_runtime.engine.logprobs import TokenLogprob
@@ -167,3 +169,19 @@ def test_logprobs_are_reported_only_when_asked_with_their_sum(processor, tokeniz
         out = feed(processor, state, [a, b])[-1].outputs[0]
         assert (None if out.logprobs is None else [lp.logprob for lp in out.logprobs]) == expected
         assert out.cumulative_logprob == (-0.75 if asked else None)
+
+
+@pytest.mark.parametrize("stop", [["STOP"], ["STOP", "x"], ["a long stop string"]])
+def test_released_text_only_grows_while_a_stop_string_is_held_back(processor, tokenizer, stop) -> None:
+    # A stream sends each step's text past what it sent before (server/chat.py, completions.py):
+    # that is only the output if every step's text is a prefix of the next one. While the text is
+    # shorter than the hold, nothing is released (not the text less a negative count from its end).
+    state = make_state(processor, tokenizer, SamplingParams(stop=stop))
+    outs = texts(feed(processor, state, tokenizer.encode("abcdefgh", add_special_tokens=False)))
+    outs.append(processor.finish(state, RequestStatus.FINISHED_LENGTH).outputs[0].text)
+    for before, after in itertools.pairwise(outs):
+        assert after.startswith(before), outs
+    streamed, sent = "", 0
+    for text in outs:
+        streamed, sent = streamed + text[sent:], len(text)
+    assert streamed == outs[-1] == "abcdefgh"
