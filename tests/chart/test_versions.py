@@ -92,7 +92,9 @@ def test_dockerfile_build_arg_defaults_are_the_versions_file_values() -> None:
     }
     stack = {f"KUNLUN_{k.upper()}_VERSION": VERSIONS["kunlunStack"][k] for k in ("xre", "kml", "driver")}
     common = dict(re.findall(r"^ARG (\w+)=(\S+)$", (REPO / "images" / "common.Dockerfile").read_text(), re.M))
-    assert {k: common.get(k) for k in expected if k != "VERSION"} == {k: v for k, v in expected.items() if k != "VERSION"}
+    assert {k: common.get(k) for k in expected if k != "VERSION"} == {
+        k: v for k, v in expected.items() if k != "VERSION"
+    }
     for component in ("runtime", "operator", "device-plugin"):
         text = (REPO / component / "Dockerfile").read_text()
         args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
