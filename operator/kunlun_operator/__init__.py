@@ -1,7 +1,8 @@
 """kunlun_operator: the kopf operator that turns KunlunInferenceService objects into serving pods.
 
-Layers (top depends on bottom only): ``handlers`` (the kopf shell: reads facts, applies, writes
-status) > ``reconcile`` (pure) > ``builders`` (one pure ``build_*`` per owned kind) > ``spec``
-(parses the custom resource into frozen dataclasses) > ``names``. Only the handler layer talks to
-the Kubernetes API.
+One folder a layer (top depends on bottom only): ``shell`` (kopf handlers, the controller, the API
+client, the CLI and ``render``: the only layer that talks to the Kubernetes API) > ``decide`` (pure
+decisions: reconcile, admission, health gates, replacements, status) > ``builders`` (one pure
+``build_*`` per owned kind) > ``policy`` (version matrix, admission policy, feasibility) > ``spec``
+(the custom resource parsed once into typed values) > ``errors`` | ``names``.
 """

@@ -16,7 +16,8 @@ import yaml
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
 from kunlun_operator.policy.feasibility import startup_budget_seconds
-from kunlun_operator.spec.service import InferenceSpec, ServiceRef
+from kunlun_operator.spec.service import ServiceRef
+from kunlun_operator.spec.values import InferenceSpec
 
 CONFIG_KEY = "config.yaml"
 

@@ -15,7 +15,8 @@ from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
 from kunlun_operator.builders.pod_template import TemplateArgs, build_pod_template
 from kunlun_operator.policy.feasibility import startup_budget_seconds
-from kunlun_operator.spec.service import InferenceSpec, ServiceRef
+from kunlun_operator.spec.service import ServiceRef
+from kunlun_operator.spec.values import InferenceSpec
 
 #: Old ReplicaSets kept for ``kubectl rollout undo``.
 REVISION_HISTORY_LIMIT = 3

@@ -14,7 +14,8 @@ from typing import Any
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
-from kunlun_operator.spec.service import InferenceSpec, Metric, ServiceRef
+from kunlun_operator.spec.service import ServiceRef
+from kunlun_operator.spec.values import InferenceSpec, Metric
 
 #: spec.autoscaling.metric -> the runtime's Prometheus metric name.
 METRIC_NAMES: Mapping[Metric, str] = {

@@ -20,7 +20,8 @@ from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
 from kunlun_operator.builders.pod_template import TERMINATION_GRACE_SECONDS, TemplateArgs, build_pod_template
 from kunlun_operator.errors import SpecError
-from kunlun_operator.spec.service import InferenceSpec, ServiceRef
+from kunlun_operator.spec.service import ServiceRef
+from kunlun_operator.spec.values import InferenceSpec
 
 #: The rendezvous port on the leader (``--master-port``); workers connect to it.
 RENDEZVOUS_PORT = {

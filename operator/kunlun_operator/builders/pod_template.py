@@ -23,7 +23,8 @@ from kunlun_operator.builders.configmap import runtime_args
 from kunlun_operator.builders.preflight import build_preflight_container, build_preflight_volumes
 from kunlun_operator.policy.feasibility import startup_budget_seconds
 from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
-from kunlun_operator.spec.service import InferenceSpec, SecretKeyRef, ServiceRef
+from kunlun_operator.spec.service import ServiceRef
+from kunlun_operator.spec.values import InferenceSpec, SecretKeyRef
 
 RUN_AS_USER = 1000
 STARTUP_PERIOD_SECONDS = 10

@@ -18,7 +18,7 @@ from typing import Any
 from kunlun_operator import names
 from kunlun_operator.builders.common import RESTRICTED_CONTAINER
 from kunlun_operator.spec.operator_config import PreflightHost
-from kunlun_operator.spec.service import InferenceSpec
+from kunlun_operator.spec.values import InferenceSpec
 
 #: Where the preflight container sees the node's files (hostPath mounts, read-only): the KML version
 #: file's directory at its host path under this root (so preflight's error shows the host path),

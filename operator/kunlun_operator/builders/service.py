@@ -10,7 +10,8 @@ from typing import Any
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
-from kunlun_operator.spec.service import InferenceSpec, ServiceRef
+from kunlun_operator.spec.service import ServiceRef
+from kunlun_operator.spec.values import InferenceSpec
 
 
 def build_service(ref: ServiceRef, spec: InferenceSpec) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from kunlun_operator.errors import SpecError
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.policy.feasibility import estimate_memory
 from kunlun_operator.policy.matrix import Matrix, check_versions, select_image
-from kunlun_operator.spec.service import InferenceSpec, ParsedSpec
+from kunlun_operator.spec.service import ParsedSpec
+from kunlun_operator.spec.values import InferenceSpec
 
 
 @dataclass(frozen=True, slots=True)

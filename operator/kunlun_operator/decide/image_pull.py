@@ -27,7 +27,7 @@ REASON_UNAVAILABLE = "RuntimeImageUnavailable"
 INVALID_NAME = "InvalidImageName"
 NEVER_PULL = "ErrImageNeverPull"
 PULL_FAILURES = frozenset({"ImagePullBackOff", "ErrImagePull", NEVER_PULL, INVALID_NAME})
-#: The containers the operator gives the runtime image (builders/deployment.py).
+#: The containers the operator gives the runtime image (builders/pod_template.py, builders/preflight.py).
 RUNTIME_CONTAINERS = frozenset({"runtime", "preflight"})
 BUILD_DOC = "docs/chart.md#container-images"
 MAX_KUBELET_MESSAGE = 300

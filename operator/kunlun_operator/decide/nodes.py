@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kunlun_operator import names
-from kunlun_operator.spec.service import InferenceSpec, VersionsSpec
+from kunlun_operator.spec.values import InferenceSpec, VersionsSpec
 
 _VERSION_LABELS = (
     ("driver", names.LABEL_DRIVER_VERSION),

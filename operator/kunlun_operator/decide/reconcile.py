@@ -50,7 +50,8 @@ from kunlun_operator.errors import SpecError
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.policy.matrix import Matrix, check_versions, select_image
 from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
-from kunlun_operator.spec.service import InferenceSpec, ParsedSpec, ServiceRef
+from kunlun_operator.spec.service import ParsedSpec, ServiceRef
+from kunlun_operator.spec.values import InferenceSpec
 
 EventType = Literal["Normal", "Warning"]
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
-from kunlun_operator.spec.service import InferenceSpec
+from kunlun_operator.spec.values import InferenceSpec
 
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 ConditionStatus = Literal["True", "False", "Unknown"]

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from kunlun_operator.errors import SpecError
-from kunlun_operator.spec.service import InferenceSpec
+from kunlun_operator.spec.values import InferenceSpec
 
 POLICY_REASON = "PolicyViolation"
 #: Flags the operator sets itself (its ConfigMap's keys) plus the ones that carry secrets or bind

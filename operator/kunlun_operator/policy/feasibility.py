@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kunlun_operator.spec.service import InferenceSpec
+from kunlun_operator.spec.values import InferenceSpec
 
 GiB = 2**30
 USABLE_FRACTION = 0.9

@@ -20,7 +20,7 @@ import yaml
 
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec.quantity import parse_bytes
-from kunlun_operator.spec.service import VersionsSpec
+from kunlun_operator.spec.values import VersionsSpec
 
 MATRIX_KEY = "matrix.yaml"
 _COMPONENTS = ("driver", "firmware", "kml")

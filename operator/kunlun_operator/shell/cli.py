@@ -267,9 +267,13 @@ def render(args: argparse.Namespace) -> int:
     )
     add_run_flags(parser)
     operator = parser.parse_args(flags)
-    return render_module.render_command(
-        args, controller_config(operator), admission_webhook=operator.webhook_port != 0
-    )
+    try:
+        config = controller_config(operator)
+    except SystemExit as error:  # run's own message for a bad value; say it came from the flags file
+        reason = str(error.code).removeprefix("kunlun-operator: ")
+        print(f"{render_module.PROG} --config {args.config}: {reason}", file=sys.stderr)
+        return 1
+    return render_module.render_command(args, config, admission_webhook=operator.webhook_port != 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,13 +51,13 @@ from kunlun_operator.shell.metrics import OperatorMetrics
 from kunlun_operator.shell.pod_gates import EventSink, GateOpener, service_reference
 from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
 from kunlun_operator.spec.service import (
-    InferenceSpec,
     ParsedService,
     ParsedSpec,
     ServiceRef,
     parse_service,
     parse_service_ref,
 )
+from kunlun_operator.spec.values import InferenceSpec
 
 logger = logging.getLogger(__name__)
 
@@ -238,9 +238,7 @@ class Controller:
             gates=self.gates.open_gates(ref, (p.gate for p in facts.pods if p.gate), now),
         )
         plan = reconcile(ref, spec, previous, facts, now=now)
-        existed_before = (
-            previous.get("observedGeneration") == ref.generation and previous.get("phase") != "Failed"
-        )
+        existed_before = service.reconciled_this_generation
         changes: list[Change] = []  # reported one by one: a pass failing half-way still tells what it did
         try:
             for obj in plan.apply:

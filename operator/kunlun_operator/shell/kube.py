@@ -1,8 +1,8 @@
 """The operator's Kubernetes API client: plain dicts in and out over the official ``kubernetes`` client.
 
 Owns: URL paths of the kinds the operator touches, merge-patch calls, mapping HTTP failures to
-``ApiError`` (404 on get/delete becomes None/False). Part of the handler layer: the only module
-below ``handlers`` that performs I/O. Every call is logged at debug level with verb and path.
+``ApiError`` (404 on get/delete becomes None/False). The bottom of the shell: every call the
+operator makes to the API goes through it. Every call is logged at debug level with verb and path.
 """
 
 from __future__ import annotations

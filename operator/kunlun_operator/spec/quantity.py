@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from decimal import Decimal
 
 from kunlun_operator.errors import SpecError
 
@@ -31,21 +32,25 @@ _DURATION = re.compile(r"^(?=[0-9])(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?$")
 
 
 def parse_bytes(text: object, field: str) -> int:
-    """A memory quantity in bytes: ``"20Gi"`` → 21474836480, ``"500M"`` → 500000000, ``"1024"``
-    → 1024; a fraction of a byte is dropped (``"1.5"`` → 1).
+    """A memory quantity in bytes: ``"20Gi"`` → 21474836480, ``"1.5Gi"`` → 1610612736,
+    ``"500M"`` → 500000000, ``"1024"`` → 1024.
 
     Args:
         text: the quantity as written (a string; anything else is an error).
         field: the path of the field it was read from (``spec.runtime.kvCacheMemory``).
 
     Raises:
-        SpecError: ``text`` is not such a quantity; ``field`` names it.
+        SpecError: ``text`` is not such a quantity, or not a positive whole number of bytes
+            (``"1.5"``, ``"0"``); ``field`` names it.
     """
     match = QUANTITY.match(text) if isinstance(text, str) else None
     if match is None:
         raise SpecError(field, f"must be a quantity like '20Gi', got {text!r}")
     number, unit = match.groups()
-    return int(float(number) * (BYTES_PER_UNIT[unit] if unit else 1))
+    size = Decimal(number) * (BYTES_PER_UNIT[unit] if unit else 1)  # exact: no float rounding
+    if size != size.to_integral_value() or size <= 0:
+        raise SpecError(field, f"must be a positive whole number of bytes, got {text!r}")
+    return int(size)
 
 
 def parse_parameters(text: str, field: str) -> int:

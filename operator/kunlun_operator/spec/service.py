@@ -1,4 +1,4 @@
-"""Parse a KunlunInferenceService into frozen dataclasses.
+"""Parse a KunlunInferenceService, once, into the typed values of ``spec/values.py``.
 
 Owns: the spec's Python shape and its defaults (the same defaults the CRD declares, so an object
 that skipped API-server defaulting parses identically), and the cross-field checks the CRD's CEL
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, TypeAlias, get_args
+from typing import Any, NoReturn, TypeAlias
 
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec.fields import (
@@ -24,184 +24,36 @@ from kunlun_operator.spec.fields import (
     read_string_map,
 )
 from kunlun_operator.spec.quantity import parse_bytes, parse_duration_seconds, parse_parameters
+from kunlun_operator.spec.values import (
+    BLOCK_SIZES,
+    DEFAULT_REPLACE_AFTER,
+    DTYPES,
+    MAX_PIPELINE_PARALLEL_SIZE,
+    METRICS,
+    POLICIES,
+    PULL_POLICIES,
+    QUANTIZATIONS,
+    SERVICE_TYPES,
+    SOURCE_KINDS,
+    Architecture,
+    AutoscalingSpec,
+    FaultToleranceSpec,
+    InferenceSpec,
+    ModelSource,
+    ModelSpec,
+    MonitoringSpec,
+    ResourcesSpec,
+    RuntimeSpec,
+    SchedulingSpec,
+    SecretKeyRef,
+    ServiceSpec,
+    VersionsSpec,
+)
 
-SourceKind = Literal["pvc", "hostPath", "image"]
-Policy = Literal["Strict", "Warn", "Off"]
-Dtype = Literal["auto", "bfloat16", "float16", "float32"]
-Quantization = Literal["int8"]  # what `kunlun-runtime serve --quantization` accepts
-Metric = Literal["requestsWaiting", "requestsRunning", "kvCacheUsage"]
-ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
-PullPolicy = Literal["Always", "IfNotPresent", "Never"]
-
-SOURCE_KINDS: tuple[SourceKind, ...] = get_args(SourceKind)
-POLICIES: tuple[Policy, ...] = get_args(Policy)
-DTYPES: tuple[Dtype, ...] = get_args(Dtype)
-QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
-BLOCK_SIZES = (8, 16, 32, 64, 128)
-METRICS: tuple[Metric, ...] = get_args(Metric)
-SERVICE_TYPES: tuple[ServiceType, ...] = get_args(ServiceType)
-PULL_POLICIES: tuple[PullPolicy, ...] = get_args(PullPolicy)
-#: The autoscaling target used when ``spec.autoscaling.target`` is not set, per metric.
-DEFAULT_TARGETS: Mapping[Metric, float] = {
-    "requestsWaiting": 4.0,
-    "requestsRunning": 16.0,
-    "kvCacheUsage": 0.8,
-}
-#: The most pipeline stages (nodes per replica) ``spec.runtime.pipelineParallelSize`` allows.
-MAX_PIPELINE_PARALLEL_SIZE = 16
 _VERSION = re.compile(r"^[0-9A-Za-z]([0-9A-Za-z._-]{0,61}[0-9A-Za-z])?$")
 _INTERVAL = re.compile(r"^[0-9]+(ms|s|m|h)$")
-#: Longer than the device plugin's recovery period (60 s by default): a transient fault that clears
-#: within it readmits the pod through the readiness gate instead of costing a model load.
-DEFAULT_REPLACE_AFTER = "2m"
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS-1123 subdomain
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSource:
-    kind: SourceKind
-    claim_name: str | None = None  # pvc
-    path: str = ""  # pvc: sub-path inside the claim; hostPath: the host directory
-    reference: str | None = None  # image
-    pull_policy: PullPolicy = "IfNotPresent"  # image
-
-
-@dataclass(frozen=True, slots=True)
-class Architecture:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    name: str  # the served model name
-    source: ModelSource
-    num_parameters: int | None = None  # from "7B" / "135M"
-    architecture: Architecture | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeSpec:
-    image: str | None = None  # None: the compatibility-matrix entry's image (matrix.select_image)
-    dtype: Dtype = "auto"
-    quantization: Quantization | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int | None = None
-    kv_cache_memory_bytes: int | None = None  # from "20Gi"
-    tensor_parallel_size: int = 1  # cards one pod's engine is split over
-    #: Pipeline stages = pods (nodes) per replica; above 1 a replica is a LeaderWorkerSet group.
-    pipeline_parallel_size: int = 1
-    enable_prefix_caching: bool | None = None
-    extra_args: tuple[str, ...] = ()
-    env: tuple[Mapping[str, Any], ...] = ()
-    startup_timeout_seconds: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class VersionsSpec:
-    driver: str | None  # None only under policy Off
-    firmware: str | None
-    kml: str | None
-    policy: Policy = "Strict"
-
-    def locked_versions(self) -> tuple[str, str, str]:
-        """``(driver, firmware, kml)`` that the pods are locked to (Strict) or checked against (Warn).
-
-        Raises:
-            SpecError: one of them is unset, which ``parse_spec`` allows only under policy Off.
-        """
-        if self.driver is None or self.firmware is None or self.kml is None:
-            raise SpecError("spec.versions", "driver, firmware and kml are required unless policy is Off")
-        return self.driver, self.firmware, self.kml
-
-
-@dataclass(frozen=True, slots=True)
-class ResourcesSpec:
-    xpus: int = 1
-    cpu: str | None = None
-    memory: str | None = None
-    xpu_product: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AutoscalingSpec:
-    enabled: bool = False
-    min_replicas: int = 1
-    max_replicas: int | None = None
-    metric: Metric = "requestsWaiting"
-    target: float | None = None
-
-    @property
-    def effective_target(self) -> float:
-        return self.target if self.target is not None else DEFAULT_TARGETS[self.metric]
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulingSpec:
-    node_selector: Mapping[str, str]
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] | None = None
-    priority_class_name: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceSpec:
-    type: ServiceType = "ClusterIP"
-    port: int = 8000
-    annotations: Mapping[str, str] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MonitoringSpec:
-    service_monitor: bool = True
-    prometheus_rule: bool = True
-    interval: str = "30s"
-    labels: Mapping[str, str] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class FaultToleranceSpec:
-    """What happens to a replica whose card fails (docs/operator.md, "Replicas on a failed card")."""
-
-    replace_after_seconds: float = 120.0  # unhealthy this long → evicted (PDB respected)
-
-
-@dataclass(frozen=True, slots=True)
-class SecretKeyRef:
-    """One key of a Secret in the service's namespace (``{name, key}``)."""
-
-    name: str
-    key: str
-
-
-@dataclass(frozen=True, slots=True)
-class InferenceSpec:
-    """The whole ``spec`` of a KunlunInferenceService, defaults applied."""
-
-    model: ModelSpec
-    runtime: RuntimeSpec
-    versions: VersionsSpec
-    resources: ResourcesSpec
-    replicas: int
-    autoscaling: AutoscalingSpec
-    scheduling: SchedulingSpec
-    service: ServiceSpec
-    monitoring: MonitoringSpec
-    max_surge: int | str = 1
-    max_unavailable: int | str = 0
-    disruption_max_unavailable: int | str = 1
-    api_key_secret: SecretKeyRef | None = None  # → env VLLM_API_KEY of the runtime
-    metrics_token_secret: SecretKeyRef | None = None  # → env KUNLUN_METRICS_TOKEN; ServiceMonitor auth
-    fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
-
-    @property
-    def multi_node(self) -> bool:
-        """A replica spans several pods (nodes): served by a LeaderWorkerSet, not a Deployment."""
-        return self.runtime.pipeline_parallel_size > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +80,15 @@ class ParsedService:
     ref: ServiceRef
     spec: ParsedSpec
     status: Mapping[str, Any]
+
+    @property
+    def reconciled_this_generation(self) -> bool:
+        """The operator's last pass saw this generation and did not fail it, so the objects it
+        applies now existed before (what ``apply`` needs to tell drift from a first create)."""
+        return (
+            self.status.get("observedGeneration") == self.ref.generation
+            and self.status.get("phase") != "Failed"
+        )
 
 
 # --- parsing -----------------------------------------------------------------------------------------

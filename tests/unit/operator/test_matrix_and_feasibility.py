@@ -19,7 +19,8 @@ from kunlun_operator.policy.matrix import (
     runtime_version,
     select_image,
 )
-from kunlun_operator.spec.service import VersionsSpec, parse_spec, parse_spec_or_error
+from kunlun_operator.spec.service import parse_spec, parse_spec_or_error
+from kunlun_operator.spec.values import VersionsSpec
 from tests.unit.operator.factories import make_raw_spec
 
 VERSIONS_YAML = Path(__file__).resolve().parents[3] / "versions.yaml"

@@ -6,7 +6,6 @@ from typing import Any
 
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec.service import (
-    InferenceSpec,
     ParsedService,
     ServiceRef,
     parse_service,
@@ -14,6 +13,7 @@ from kunlun_operator.spec.service import (
     parse_spec,
     parse_spec_or_error,
 )
+from kunlun_operator.spec.values import InferenceSpec
 from tests.unit.operator.factories import make_raw_spec
 
 META: dict[str, Any] = {"name": "qwen", "namespace": "ml", "uid": "uid-1", "generation": 3}

@@ -23,7 +23,8 @@ from kunlun_operator.policy.admission_policy import (
     reserved_flag,
 )
 from kunlun_operator.policy.matrix import load_default_matrix
-from kunlun_operator.spec.service import SecretKeyRef, parse_spec, parse_spec_or_error
+from kunlun_operator.spec.service import parse_spec, parse_spec_or_error
+from kunlun_operator.spec.values import SecretKeyRef
 from tests.unit.operator.factories import NOW, make_facts, make_raw_spec, make_ref
 
 IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"

@@ -27,7 +27,8 @@ FIELD = "spec.runtime.kvCacheMemory"
         ("2K", 2000),
         ("7G", 7_000_000_000),
         ("1T", 10**12),
-        ("1.5", 1),  # a fraction of a byte is dropped, as for every unit
+        ("1.5K", 1500),
+        ("9007199254740993", 2**53 + 1),  # exact beyond a float's 53 bits
     ],
 )
 def test_a_memory_quantity_is_parsed_into_bytes(text: str, num_bytes: int) -> None:
@@ -51,10 +52,12 @@ def test_the_parsed_spec_carries_kv_cache_memory_in_bytes_and_the_builders_pass_
     assert parse_spec(make_raw_spec()).runtime.kv_cache_memory_bytes is None
 
 
-def test_a_decimal_number_of_bytes_is_parsed_not_left_to_crash_the_builder() -> None:
-    # The CRD admits "1.5" (no unit): the spec holds its bytes, so building the ConfigMap cannot fail.
-    spec = parse_spec(make_raw_spec(runtime={"kvCacheMemory": "1.5"}))
-    assert "kv-cache-memory: 1\n" in build_config_data(spec, "/models/m")["config.yaml"]
+@pytest.mark.parametrize("value", ["1.5", "0", "0Gi", "0.0001Ki"])
+def test_what_is_not_a_positive_whole_number_of_bytes_fails_the_spec_naming_the_field(value: str) -> None:
+    # The CRD's pattern admits these; the spec refuses them, so no builder or runtime meets them.
+    with pytest.raises(SpecError) as caught:
+        parse_spec(make_raw_spec(runtime={"kvCacheMemory": value}))
+    assert str(caught.value) == f"{FIELD}: must be a positive whole number of bytes, got {value!r}"
 
 
 @pytest.mark.parametrize("value", ["20 GiB", 20])

@@ -196,3 +196,8 @@ def test_files_that_are_not_what_render_reads_are_refused_by_name(
     assert f"kunlun-operator render --config {flags}: error: unrecognized arguments: --no-such-flag" in (
         capsys.readouterr().err
     )
+    missing = tmp_path / "no-policy.yaml"
+    flags.write_text(yaml.safe_dump([f"--admission-policy={missing}"]))
+    code, out, err = run(capsys, "-f", str(EXAMPLES / "kis-minimal.yaml"), "--config", str(flags))
+    assert (code, out) == (1, "")  # a bad value in the flags file is said as coming from it
+    assert err.startswith(f"kunlun-operator render --config {flags}: --admission-policy: [Errno 2]")

@@ -8,7 +8,7 @@ import pytest
 
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec.fields import read_bool, read_choice, read_int, read_str
-from kunlun_operator.spec.service import POLICIES, VersionsSpec
+from kunlun_operator.spec.values import POLICIES, VersionsSpec
 
 
 @pytest.mark.parametrize(
