@@ -2,7 +2,8 @@
 admits, and the CRD's defaults.
 
 Owns: the spec's Python shape after parsing (``spec/service.py`` parses into it); quantities are
-numbers here (bytes, seconds), never strings. Must not parse or talk to the API (the one check here, ``VersionsSpec.required``, names its field).
+numbers here (bytes, seconds), never strings. Must not parse or talk to the API; the one check
+here, ``VersionsSpec.required``, names its field.
 """
 
 from __future__ import annotations
