@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 from transformers import AutoModelForCausalLM
 
 from kunlun_runtime import LLM, SamplingParams
-from kunlun_runtime.engine import resolve_model_dir
+from kunlun_runtime.models.model_dir import resolve_model_dir
 from kunlun_runtime.golden.runner import capture_engine, capture_reference, compare, layer_names
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.platforms import detect

@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
         --kunlun-stack) stack=$(absolute "$2"); shift 2 ;;
         --only) only=$2; shift 2 ;;
         --kunlun-tag) kunlun_tag=$2; shift 2 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "build-images: unknown argument $1" >&2; exit 2 ;;
     esac
 done

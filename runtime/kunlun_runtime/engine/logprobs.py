@@ -13,16 +13,14 @@ shape, the one code written for vLLM's offline API reads: ``out.logprobs[i][toke
 - ``decoded_token`` is the token decoded on its own, special tokens kept;
 - prompt logprobs start with ``None``: the first prompt token has nothing before it.
 
-This module imports nothing of ours: it reads the engine's records through the ``RankedLogprob``
-protocol, so any layer may use ``Logprob``. It never decodes by itself: the caller passes
-``decode``.
+This module imports nothing of ours, so any layer may use ``Logprob`` and ``TokenLogprob``. It
+never decodes by itself: the caller passes ``decode``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,23 +47,7 @@ SampleLogprobs = list[PositionLogprobs]  # one dict per generated token
 PromptLogprobs = list[PositionLogprobs | None]  # None first, then one dict per prompt token
 
 
-class RankedLogprob(Protocol):
-    """One position as the engine records it (``TokenLogprob``)."""
-
-    @property
-    def token_id(self) -> int: ...  # the chosen token
-
-    @property
-    def logprob(self) -> float: ...
-
-    @property
-    def rank(self) -> int: ...  # the chosen token's rank in the whole vocabulary
-
-    @property
-    def top(self) -> Sequence[tuple[int, float]]: ...  # (token id, logprob), most likely first
-
-
-def build_position_logprobs(item: RankedLogprob, decode: Callable[[int], str]) -> PositionLogprobs:
+def build_position_logprobs(item: TokenLogprob, decode: Callable[[int], str]) -> PositionLogprobs:
     """The dict of one position: the chosen token first, then the top-N by rank.
 
     Args:
@@ -82,13 +64,13 @@ def build_position_logprobs(item: RankedLogprob, decode: Callable[[int], str]) -
     return position
 
 
-def build_sample_logprobs(items: Sequence[RankedLogprob], decode: Callable[[int], str]) -> SampleLogprobs:
+def build_sample_logprobs(items: Sequence[TokenLogprob], decode: Callable[[int], str]) -> SampleLogprobs:
     """One dict per generated token, in order (see ``build_position_logprobs``)."""
     return [build_position_logprobs(item, decode) for item in items]
 
 
 def build_prompt_logprobs(
-    items: Sequence[RankedLogprob | None], decode: Callable[[int], str]
+    items: Sequence[TokenLogprob | None], decode: Callable[[int], str]
 ) -> PromptLogprobs:
     """One entry per prompt token: ``None`` where the engine has none (the first token), else its
     dict (see ``build_position_logprobs``)."""

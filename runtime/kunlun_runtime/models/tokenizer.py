@@ -3,7 +3,7 @@
 Loads ``tokenizer.json`` with the ``tokenizers`` library and the chat template from
 ``tokenizer_config.json`` (or ``chat_template.jinja``), rendered with a sandboxed jinja2
 environment the way HF's ``apply_chat_template`` renders it, then tokenized without extra
-special tokens. Incremental detokenization lives in ``detokenizer``. A long text is encoded through
+special tokens. Incremental detokenization lives in ``engine.detokenizer``. A long text is encoded through
 the library's batch call, which releases the GIL, so encoding it on a worker thread does not stall
 the server's event loop (the single-text call holds the GIL throughout). ``renders_tools`` says
 whether the template uses the ``tools`` variable at all: the server writes tools into the prompt

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -213,12 +212,12 @@ class FakeAsyncEngine:
     (which the real one hands to the LLMEngine's grammar engine)."""
 
     def __init__(self) -> None:
-        self.engine = SimpleNamespace(structured=FakeCompiler())
+        self.compiler = FakeCompiler()
         self.reserved = 0
         self.added: list[EngineRequest] = []
 
     def compile_structured(self, params: StructuredOutputsParams) -> None:
-        self.engine.structured.compile(params)
+        self.compiler.compile(params)
 
     def reserve(self, count: int, tenant: str | None) -> None:
         self.reserved += count
@@ -257,7 +256,7 @@ async def test_add_prepared_compiles_a_groups_constraint_once_on_the_tokenizer_p
         return group
 
     assert await add_prepared(served, 3, None, prepare) == "stream"
-    compiler = served.engine.engine.structured
+    compiler = served.engine.compiler
     assert compiler.compiled == [("tokenizer_0", StructuredOutputsParams(regex="a+").key())]
     assert served.engine.added == group and served.engine.reserved == 3
 
@@ -267,7 +266,7 @@ async def test_add_prepared_compiles_nothing_for_a_free_request(served) -> None:
         return make_group(make_chat())
 
     await add_prepared(served, 1, None, prepare)
-    assert served.engine.engine.structured.compiled == []
+    assert served.engine.compiler.compiled == []
 
 
 async def test_a_constraint_that_fails_to_compile_gives_back_the_places_and_queues_nothing(served) -> None:
