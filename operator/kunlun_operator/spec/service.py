@@ -24,6 +24,7 @@ from kunlun_operator.spec.fields import (
     read_string_map,
 )
 from kunlun_operator.spec.quantity import parse_bytes, parse_duration_seconds, parse_parameters
+from kunlun_operator.spec.routing import check_routing, parse_routing
 from kunlun_operator.spec.values import (
     BLOCK_SIZES,
     DEFAULT_REPLACE_AFTER,
@@ -156,6 +157,9 @@ def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
             f"{stages} stages exceed spec.model.architecture.numLayers ({model.architecture.num_layers}): "
             "every stage needs at least one layer",
         )
+    metrics_token_secret = _parse_secret_ref(spec, "metricsTokenSecretRef")
+    routing = parse_routing(read_obj(spec, "routing", p))
+    check_routing(routing, runtime, metrics_token_secret)
     return InferenceSpec(
         model=model,
         runtime=runtime,
@@ -172,8 +176,9 @@ def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
             read_obj(spec, "disruption", p), "maxUnavailable", "spec.disruption", 1
         ),
         api_key_secret=_parse_secret_ref(spec, "apiKeySecretRef"),
-        metrics_token_secret=_parse_secret_ref(spec, "metricsTokenSecretRef"),
+        metrics_token_secret=metrics_token_secret,
         fault_tolerance=_parse_fault_tolerance(read_obj(spec, "faultTolerance", p)),
+        routing=routing,
     )
 
 

@@ -21,6 +21,8 @@ Quantization = Literal["int8"]  # what `kunlun-runtime serve --quantization` acc
 Metric = Literal["requestsWaiting", "requestsRunning", "kvCacheUsage"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+RoutingType = Literal["Service", "InferencePool"]
+FailureMode = Literal["FailOpen", "FailClose"]  # the InferencePool's endpointPickerRef.failureMode
 
 SOURCE_KINDS: tuple[SourceKind, ...] = get_args(SourceKind)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
@@ -30,6 +32,10 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 METRICS: tuple[Metric, ...] = get_args(Metric)
 SERVICE_TYPES: tuple[ServiceType, ...] = get_args(ServiceType)
 PULL_POLICIES: tuple[PullPolicy, ...] = get_args(PullPolicy)
+ROUTING_TYPES: tuple[RoutingType, ...] = get_args(RoutingType)
+FAILURE_MODES: tuple[FailureMode, ...] = get_args(FailureMode)
+#: The most Endpoint Picker replicas ``spec.routing.picker.replicas`` allows.
+MAX_PICKER_REPLICAS = 10
 #: The autoscaling target used when ``spec.autoscaling.target`` is not set, per metric.
 DEFAULT_TARGETS: Mapping[Metric, float] = {
     "requestsWaiting": 4.0,
@@ -164,6 +170,44 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True, slots=True)
+class GatewayRef:
+    """The Gateway listener an HTTPRoute attaches the service's InferencePool to."""
+
+    name: str
+    namespace: str | None = None  # None: the service's namespace
+    section_name: str | None = None  # None: every listener that allows the route
+
+
+@dataclass(frozen=True, slots=True)
+class PickerSpec:
+    """The Endpoint Picker (EPP) the InferencePool names."""
+
+    replicas: int = 1
+    image: str | None = None  # None: the operator's default picker image (precise or not)
+    failure_mode: FailureMode = "FailOpen"
+    resources: Mapping[str, Any] | None = None  # a core/v1 ResourceRequirements; None: the default
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSpec:
+    """How requests reach the replicas (``spec.routing``): the Service alone, or an InferencePool
+    with its Endpoint Picker (prefix-, queue- and KV-cache-aware, docs/operator.md "Routing")."""
+
+    type: RoutingType = "Service"
+    #: Index the pods' prefix caches from their KV events instead of estimating them.
+    precise: bool = False
+    gateway: GatewayRef | None = None  # an HTTPRoute from this Gateway to the pool; None: no route
+    picker: PickerSpec = PickerSpec()
+    #: PYTHONHASHSEED of the pods and the indexer's hashSeed (precise); None: derived from the name.
+    hash_seed: str | None = None
+
+    @property
+    def inference_pool(self) -> bool:
+        """Routed through an InferencePool and its Endpoint Picker."""
+        return self.type == "InferencePool"
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceSpec:
     """The whole ``spec`` of a KunlunInferenceService, defaults applied."""
 
@@ -182,6 +226,7 @@ class InferenceSpec:
     api_key_secret: SecretKeyRef | None = None  # → env VLLM_API_KEY of the runtime
     metrics_token_secret: SecretKeyRef | None = None  # → env KUNLUN_METRICS_TOKEN; ServiceMonitor auth
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
+    routing: RoutingSpec = RoutingSpec()
 
     @property
     def multi_node(self) -> bool:

@@ -29,6 +29,16 @@ def make_raw_spec(**overrides: Any) -> dict[str, Any]:
     return spec
 
 
+def make_cr(spec: dict[str, Any], name: str = "qwen") -> dict[str, Any]:
+    """A KunlunInferenceService custom resource with ``spec`` (for the CRD's own validation)."""
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
 def make_ref(name: str = "qwen", namespace: str = "ml", generation: int = 1) -> ServiceRef:
     return ServiceRef(name=name, namespace=namespace, uid="uid-1", generation=generation)
 
