@@ -7,9 +7,11 @@ vLLM where they overlap. Nothing here touches torch or the model files: the mode
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
-from typing import Literal, get_args
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
 from kunlun_runtime.errors import ConfigError
 
@@ -20,6 +22,12 @@ DeviceName = Literal["auto", "cpu", "cuda", "kunlun"]
 LinearBackendName = Literal["auto", "plain", "prepacked", "native"]
 QuantizationName = Literal["int8"]
 SchedulingPolicyOption = Literal["fixed", "feedback"]  # engine.scheduling_policy.SchedulingPolicyName
+# keyed_blake2b: ours, keyed per process (no outsider can recompute it); sha256, sha256_cbor: vLLM's
+# (an indexer can recompute them from tokens and PYTHONHASHSEED). kv/prefix_hash.py has the details.
+PrefixCachingHashAlgoName = Literal["keyed_blake2b", "sha256", "sha256_cbor"]
+KVEventsPublisherName = Literal["null", "zmq"]
+# How KV events are encoded (kv/kv_events.py): array as vLLM up to 0.23, map as vLLM since.
+KVEventsEncoding = Literal["array", "map"]
 
 DTYPES: frozenset[str] = frozenset(get_args(DTypeName))
 KV_CACHE_DTYPES: frozenset[str] = frozenset(get_args(KVCacheDTypeName))
@@ -27,10 +35,18 @@ DEVICES: frozenset[str] = frozenset(get_args(DeviceName))
 LINEAR_BACKENDS: frozenset[str] = frozenset(get_args(LinearBackendName))
 QUANTIZATIONS: frozenset[str] = frozenset(get_args(QuantizationName))
 SCHEDULING_POLICIES: frozenset[str] = frozenset(get_args(SchedulingPolicyOption))
+PREFIX_CACHING_HASH_ALGOS: frozenset[str] = frozenset(get_args(PrefixCachingHashAlgoName))
+KV_EVENTS_PUBLISHERS: frozenset[str] = frozenset(get_args(KVEventsPublisherName))
+KV_EVENTS_ENCODINGS: frozenset[str] = frozenset(get_args(KVEventsEncoding))
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 DEFAULT_MASTER_PORT = 29500  # where the leader listens for the other nodes (torch.distributed's usual port)
 
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+# A ZeroMQ endpoint: tcp://HOST:PORT (HOST a name, an address, [IPv6] or * for every interface),
+# ipc://PATH or inproc://NAME.
+_ENDPOINT_RE = re.compile(
+    r"^(?:tcp://(?:\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})|(?:ipc|inproc)://\S+)$"
+)
 
 
 def parse_memory(text: str | int, *, field_name: str = "kv_cache_memory") -> int:
@@ -57,6 +73,106 @@ def parse_memory(text: str | int, *, field_name: str = "kv_cache_memory") -> int
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig`` (``--kv-events-config JSON``): the same keys, defaults and meaning.
+
+    With events on, the engine publishes the prefix cache's block events (kv/kv_events.py) on a
+    ZeroMQ PUB socket at ``endpoint`` (bound when it names ``*``, ``::``, ``ipc://`` or
+    ``inproc://``, else connected, as vLLM does) and answers replay requests on ``replay_endpoint``.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: KVEventsPublisherName | None = None  # None: "zmq" when events are on, else "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # a ROUTER socket resending batches from a sequence number
+    buffer_steps: int = 10_000  # batches (one per engine step with events) kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark: ZeroMQ drops beyond it per subscriber
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; beyond, the oldest drop
+    topic: str = ""  # the first frame of every message; subscribers filter on its prefix
+
+    @property
+    def publishes(self) -> bool:
+        """Whether the engine publishes: events on and the publisher ``zmq`` (given or implied)."""
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    def validate(self) -> KVEventsConfig:
+        """Check every key; return self. Raises ConfigError naming ``kv_events_config.<key>``."""
+        for name in ("buffer_steps", "max_queue_size"):
+            value = getattr(self, name)
+            _check_key(_is_int(value) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        _check_key(_is_int(self.hwm) and self.hwm >= 0, "hwm", f"must be an integer >= 0, got {self.hwm!r}")
+        _check_key(
+            self.publisher is None or self.publisher in KV_EVENTS_PUBLISHERS,
+            "publisher",
+            f"must be one of {sorted(KV_EVENTS_PUBLISHERS)}, got {self.publisher!r}",
+        )
+        _check_key(isinstance(self.topic, str), "topic", f"must be a string, got {self.topic!r}")
+        _check_key(
+            isinstance(self.enable_kv_cache_events, bool),
+            "enable_kv_cache_events",
+            f"must be true or false, got {self.enable_kv_cache_events!r}",
+        )
+        _check_endpoint("endpoint", self.endpoint)
+        if self.replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", self.replay_endpoint)
+            _check_key(
+                self.replay_endpoint != self.endpoint,
+                "replay_endpoint",
+                f"must differ from endpoint, both are {self.endpoint!r}",
+            )
+        return self
+
+
+KV_EVENTS_KEYS: tuple[str, ...] = tuple(f.name for f in fields(KVEventsConfig))
+
+
+def parse_kv_events_config(value: KVEventsConfig | Mapping[str, Any] | str | None) -> KVEventsConfig | None:
+    """vLLM's KV events configuration from its JSON text, a mapping of its keys or itself (None
+    stays None). Raises ConfigError naming ``kv_events_config`` or ``kv_events_config.<key>``:
+    text that is not a JSON object, a key vLLM does not have, a value of the wrong type or range."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return None if value is None else value.validate()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"kv_events_config: not valid JSON ({error}); e.g. "
+                '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+                field="kv_events_config",
+            ) from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"kv_events_config: must be a JSON object of vLLM's KVEventsConfig keys, got {value!r}",
+            field="kv_events_config",
+        )
+    for key in value:
+        _check_key(key in KV_EVENTS_KEYS, str(key), f"unknown key; the keys are {', '.join(KV_EVENTS_KEYS)}")
+    for key in ("endpoint", "topic"):
+        if key in value:
+            _check_key(isinstance(value[key], str), key, f"must be a string, got {value[key]!r}")
+    return KVEventsConfig(**value).validate()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_endpoint(key: str, endpoint: object) -> None:
+    match = _ENDPOINT_RE.match(endpoint) if isinstance(endpoint, str) else None
+    _check_key(
+        match is not None and (match["port"] is None or 1 <= int(match["port"]) <= 65535),
+        key,
+        f"must be a ZeroMQ endpoint such as tcp://*:5557, tcp://HOST:PORT, ipc://PATH or inproc://NAME, "
+        f"got {endpoint!r}",
+    )
+
+
+def _check_key(ok: bool, key: str, message: str) -> None:
+    _check(ok, f"kv_events_config.{key}", message)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All engine options. Construct with keywords, then call ``validate()`` (``LLM`` does)."""
 
@@ -72,6 +188,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     enable_prefix_caching: bool = True
+    # How full blocks are hashed for the prefix cache (and named in KV events): kv/prefix_hash.py.
+    prefix_caching_hash_algo: PrefixCachingHashAlgoName = "keyed_blake2b"
+    # vLLM's KV cache events (None: off): block stored/removed/cleared on ZeroMQ (docs/server.md).
+    kv_events_config: KVEventsConfig | None = None
+    kv_events_encoding: KVEventsEncoding = "array"  # each event an array (vLLM <= 0.23) or a map
     max_preemptions: int = 3  # preempted this often, a request is protected (bounds recompute; no starvation)
     priority_aging_steps: int = 256  # a waiting request gains one priority level per this many steps
     scheduling_policy: SchedulingPolicyOption = "fixed"  # feedback: time-capped prefill (docs/scheduling.md)
@@ -182,7 +303,34 @@ class EngineConfig:
         )
         if self.max_model_len is not None:
             _check(self.max_model_len >= 1, "max_model_len", f"must be >= 1, got {self.max_model_len}")
+        _check(
+            self.prefix_caching_hash_algo in PREFIX_CACHING_HASH_ALGOS,
+            "prefix_caching_hash_algo",
+            f"must be one of {sorted(PREFIX_CACHING_HASH_ALGOS)}, got {self.prefix_caching_hash_algo!r}",
+        )
+        _check(
+            self.kv_events_encoding in KV_EVENTS_ENCODINGS,
+            "kv_events_encoding",
+            f"must be one of {sorted(KV_EVENTS_ENCODINGS)}, got {self.kv_events_encoding!r}",
+        )
+        self._validate_kv_events()
         return self
+
+    def _validate_kv_events(self) -> None:
+        if self.kv_events_config is None:
+            return
+        _check(
+            isinstance(self.kv_events_config, KVEventsConfig),
+            "kv_events_config",
+            f"must be a KVEventsConfig (parse_kv_events_config reads JSON), got {self.kv_events_config!r}",
+        )
+        self.kv_events_config.validate()
+        _check(
+            not self.kv_events_config.enable_kv_cache_events or self.enable_prefix_caching,
+            "kv_events_config",
+            "enable_kv_cache_events needs prefix caching: the events describe the prefix cache's "
+            "blocks (drop --no-enable-prefix-caching)",
+        )
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

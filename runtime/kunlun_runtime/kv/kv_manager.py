@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kunlun_runtime.kv.block_pool import Block, BlockPool
-from kunlun_runtime.kv.prefix_hash import hash_full_blocks
+from kunlun_runtime.kv.prefix_hash import DEFAULT_HASHER, PrefixHasher
 
 
 class KVRequest(Protocol):
@@ -51,10 +51,17 @@ NO_CACHED_PREFIX = CachedPrefix()
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool,
+        hasher: PrefixHasher = DEFAULT_HASHER,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = hasher
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[int]] = {}
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
@@ -66,7 +73,7 @@ class KVManager:
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return []
         tokens = request.all_token_ids
-        return hash_full_blocks(tokens[: len(tokens) - 1], self.block_size, request.cache_salt)
+        return self.hasher.hash_full_blocks(tokens[: len(tokens) - 1], self.block_size, request.cache_salt)
 
     def num_cached_blocks(self, block_hashes: Sequence[int]) -> int:
         """How many of ``block_hashes``, from the first, are in the prefix cache now."""
@@ -128,9 +135,14 @@ class KVManager:
         if num_full <= len(known):
             return
         tokens = request.all_token_ids[: num_full * self.block_size]
-        hashes = hash_full_blocks(tokens, self.block_size, request.cache_salt, known)
-        for block, block_hash in zip(blocks[len(known) : num_full], hashes[len(known) :], strict=True):
-            self.pool.cache(block, block_hash)
+        hashes = self.hasher.hash_full_blocks(tokens, self.block_size, request.cache_salt, known)
+        self.pool.cache_blocks(
+            blocks[len(known) : num_full],
+            hashes[len(known) :],
+            known[-1] if known else None,
+            tokens[len(known) * self.block_size :],
+            self.block_size,
+        )
         self._hashes[request.request_id] = hashes
 
     def free(self, request: KVRequest) -> None:

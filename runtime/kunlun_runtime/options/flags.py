@@ -19,9 +19,12 @@ from kunlun_runtime.config import (
     DTypeName,
     EngineConfig,
     KVCacheDTypeName,
+    KVEventsEncoding,
     LinearBackendName,
+    PrefixCachingHashAlgoName,
     QuantizationName,
     SchedulingPolicyOption,
+    parse_kv_events_config,
     parse_memory,
 )
 from kunlun_runtime.errors import ConfigError
@@ -62,6 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, bytes or e.g. 2GiB")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add_kv_events_args(group)
     group.add_argument("--max-preemptions", type=int, default=3)
     group.add_argument("--scheduling-policy", default="fixed", choices=get_args(SchedulingPolicyOption))
     group.add_argument(
@@ -77,6 +81,30 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
         type=Path,
         default=None,
         help="engine options YAML (e.g. the output of `kunlun-runtime tune`); flags given explicitly win",
+    )
+
+
+def add_kv_events_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The prefix cache's block hashes and vLLM's KV cache events (docs/server.md)."""
+    parser.add_argument(
+        "--prefix-caching-hash-algo",
+        default="keyed_blake2b",
+        choices=get_args(PrefixCachingHashAlgoName),
+        help="keyed_blake2b: keyed per process, no outsider can recompute it; sha256, sha256_cbor: "
+        "vLLM's, recomputable from tokens with $PYTHONHASHSEED",
+    )
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's KVEventsConfig as JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
+    )
+    parser.add_argument(
+        "--kv-events-encoding",
+        default="array",
+        choices=get_args(KVEventsEncoding),
+        help="each KV event an array (as vLLM up to 0.23; every indexer reads it) or a map (vLLM since)",
     )
 
 
@@ -234,6 +262,9 @@ def _config_from_flags(args: argparse.Namespace, *, validate: bool = True) -> En
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        kv_events_config=parse_kv_events_config(args.kv_events_config),
+        kv_events_encoding=args.kv_events_encoding,
         max_preemptions=args.max_preemptions,
         scheduling_policy=args.scheduling_policy,
         target_step_seconds=args.target_step_seconds,
