@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,10 @@ from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
+from kunlun_runtime.kv.event_publisher import KVEventPublisher
+from kunlun_runtime.kv.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared
 from kunlun_runtime.kv.kv_manager import KVManager
+from kunlun_runtime.kv.prefix_hash import PrefixHasher
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.kernel_choice import choose_for_config
 from kunlun_runtime.layers.runtime_info import RuntimeInfo, announce_start
@@ -91,10 +95,12 @@ class LLMEngine:
         else:
             self.model, self.kv_cache, _ = build_rank(rank_spec, 0)
         self.served_model_name = served_model_name(config)
-        self.block_pool = BlockPool(num_blocks)
+        events = config.kv_events_config
+        self.block_pool = BlockPool(num_blocks, record_events=events is not None and events.publishes)
         self.num_kv_blocks = num_blocks
         self.num_kv_tokens = num_blocks * config.block_size  # KV capacity, in tokens, of the whole pool
-        self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching)
+        hasher = PrefixHasher.create(config.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
+        self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching, hasher)
         self.scheduler = Scheduler(
             SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader()
         )
@@ -130,6 +136,24 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             kv_cache_bytes=self.kv_cache.nbytes,
         )
+        self.kv_events = self._start_kv_events()
+
+    def _start_kv_events(self) -> KVEventPublisher | None:
+        """The KV event publisher, one per engine (the leader's; no other rank has a KV manager),
+        announcing an empty cache first: an indexer drops what a previous run of this pod left."""
+        events = self.config.kv_events_config
+        if events is None or not events.publishes:
+            return None
+        # vLLM's names for where the blocks live: host memory on the CPU, the accelerator's otherwise.
+        medium = MEDIUM_CPU if self.platform.device_type == "cpu" else MEDIUM_GPU
+        try:
+            publisher = KVEventPublisher(events, medium=medium, encoding=self.config.kv_events_encoding)
+        except BaseException:
+            self.close()  # the other ranks, when the endpoint is wrong or busy
+            raise
+        publisher.publish([AllBlocksCleared()])
+        publisher.start()
+        return publisher
 
     def _utilization_reader(self) -> Callable[[], float | None] | None:
         """Device utilisation for the feedback policy, read at most once a second (xpu-smi is a
@@ -147,7 +171,12 @@ class LLMEngine:
         return read
 
     def close(self) -> None:
-        """Stop the other ranks (no-op on one rank)."""
+        """Send the last KV events and stop the other ranks (no-op on one rank)."""
+        publisher = getattr(self, "kv_events", None)
+        if publisher is not None:
+            self._publish_kv_events()
+            publisher.close()
+            self.kv_events = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -207,20 +236,37 @@ class LLMEngine:
             num_prefix_hits=self.kv.num_prefix_hits,
             structured_mask_seconds_total=self.structured.mask_seconds_total,
             structured_requests_total=tuple(self.structured.requests_total.items()),
+            num_kv_event_batches_dropped=0 if self.kv_events is None else self.kv_events.num_dropped,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after the weights changed), as vLLM's; blocks in use
+        stay with their requests but are no longer shared. Always succeeds: returns True."""
+        self.block_pool.reset_prefix_cache()
+        self._publish_kv_events()
+        return True
+
+    def _publish_kv_events(self) -> None:
+        """Hand what the block pool recorded to the publisher: one batch per step, if any."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_pool.drain_events())
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns an output for every request that progressed or finished."""
+        """One scheduler step; returns an output for every request that progressed or finished.
+        The KV events the step caused (blocks cached, evicted) leave as one batch after it."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self._publish_kv_events()
             return []
         began = self._start_step(sched)
         masks = self._start_masks(sched)
         logits = self.runner.execute(sched, self._block_tables(sched))
         sampled = self._finish_step(sched, logits, began, masks)
         now = time.monotonic()
-        return [self._append_token(tracked, token_id, logprob, now) for tracked, token_id, logprob in sampled]
+        outputs = [self._append_token(t, token_id, logprob, now) for t, token_id, logprob in sampled]
+        self._publish_kv_events()
+        return outputs
 
     def _start_step(self, sched: SchedulerOutput) -> float:
         """Stamp the scheduled requests; returns the step's start (for the step-time model)."""

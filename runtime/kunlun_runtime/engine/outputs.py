@@ -63,3 +63,6 @@ class EngineCounters:
     num_prefix_hits: int  # of those, the tokens found there
     structured_mask_seconds_total: float  # time spent computing allowed-token masks
     structured_requests_total: tuple[tuple[str, int], ...]  # (constraint kind, requests) per kind
+    # KV event batches dropped because the publisher's queue was full (--kv-events-config's
+    # max_queue_size): each a gap in the sequence numbers subscribers see; 0 with events off
+    num_kv_event_batches_dropped: int = 0

@@ -67,6 +67,7 @@ METRIC_NAMES = (
     "kunlun:runtime_info",
     "kunlun:structured_output_mask_seconds",
     "kunlun:structured_output_requests",
+    "kunlun:kv_event_batches_dropped",
     "kunlun:device_utilization_ratio",
     "kunlun:device_memory_used_bytes",
     "kunlun:device_memory_total_bytes",
@@ -104,6 +105,7 @@ class StepStats:
     inter_token_latencies_seconds: tuple[float, ...] = ()
     structured_mask_seconds: float = 0.0  # computing structured-output allowed-token masks
     num_structured_requests: Mapping[str, int] = field(default_factory=dict)  # by constraint kind
+    num_kv_event_batches_dropped: int = 0  # KV event batches dropped from the publisher's full queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +266,11 @@ class EngineMetrics:
         )
         for kind in STRUCTURED_OUTPUT_KINDS:
             self._structured_requests.labels(*values, kind)
+        self.kv_event_batches_dropped = counter(
+            "kunlun:kv_event_batches_dropped",
+            "KV cache event batches dropped because the publisher's queue was full (max_queue_size); "
+            "each is a sequence number subscribers never receive.",
+        )
         # Labelled only once the platform reports a value: an absent reading is no sample, not 0.
         device = {
             "utilization_ratio": (
@@ -318,6 +325,7 @@ class EngineMetrics:
         self.structured_mask_seconds.inc(stats.structured_mask_seconds)
         for kind, count in stats.num_structured_requests.items():
             self._structured_requests.labels(*self._label_values, kind).inc(count)
+        self.kv_event_batches_dropped.inc(stats.num_kv_event_batches_dropped)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         self.success[stats.finished_reason].inc()

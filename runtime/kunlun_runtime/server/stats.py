@@ -28,13 +28,14 @@ class CountingEngine(Protocol):
     def counters(self) -> EngineCounters: ...
 
 
-def _totals(counters: EngineCounters) -> tuple[int, int, int, int, int]:
+def _totals(counters: EngineCounters) -> tuple[int, int, int, int, int, int]:
     return (
         counters.num_prompt_tokens_total,
         counters.num_generation_tokens_total,
         counters.num_preemptions_total,
         counters.num_prefix_queries,
         counters.num_prefix_hits,
+        counters.num_kv_event_batches_dropped,
     )
 
 
@@ -126,6 +127,7 @@ class StatsRecorder:
                 num_preemptions=delta[2],
                 num_prefix_queries=delta[3],
                 num_prefix_hits=delta[4],
+                num_kv_event_batches_dropped=delta[5],
                 ran_step=ran_step,
                 time_to_first_tokens_seconds=tuple(ttfts),
                 inter_token_latencies_seconds=tuple(itls),
