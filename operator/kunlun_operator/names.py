@@ -52,6 +52,30 @@ LWS_ENV_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 RENDEZVOUS_PORT = 29500
 RENDEZVOUS_PORT_NAME = "dist"
 
+#: The Gateway API Inference Extension's InferencePool and Gateway API's HTTPRoute: prefix-aware
+#: routing (``spec.routing``), discovered at run time. The Endpoint Picker also reads the extension's
+#: InferenceObjectives and InferenceModelRewrites (its Role grants them).
+INFERENCE_GROUP_VERSION = "inference.networking.k8s.io/v1"
+GATEWAY_GROUP_VERSION = "gateway.networking.k8s.io/v1"
+INFERENCE_X_GROUP = "inference.networking.x-k8s.io"
+
+#: ``--endpoint-picker-image``: the Gateway API Inference Extension's Endpoint Picker, its last
+#: release that ships one (v1.5.0; the picker has since moved to llm-d).
+DEFAULT_ENDPOINT_PICKER_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
+#: ``--precise-endpoint-picker-image``: llm-d's picker (built on the extension's v1.5.0), whose
+#: precise-prefix-cache-scorer indexes the pods' KV events.
+DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE = "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0"
+#: The picker's ports: Envoy's ext-proc (gRPC), the gRPC health service, Prometheus metrics.
+PICKER_EXT_PROC_PORT = 9002
+PICKER_HEALTH_PORT = 9003
+PICKER_METRICS_PORT = 9090
+#: The runtime's KV events (vLLM's ZeroMQ PUB socket) on routed precise services; the picker's
+#: indexer subscribes to every pod of the pool on this port.
+KV_EVENTS_PORT = 5557
+KV_EVENTS_PORT_NAME = "kv-events"
+#: The runtime's ``--block-size`` when the spec sets none (the picker's indexer must use the same).
+RUNTIME_DEFAULT_BLOCK_SIZE = 16
+
 #: ``--default-runtime-image``: the image of a service without ``spec.runtime.image`` only when no
 #: compatibility-matrix entry certifying its versions names one (``matrix.select_image``).
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
@@ -78,6 +102,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 APP_NAME = "kunlun-runtime"
+PICKER_APP_NAME = "kunlun-endpoint-picker"  # the Endpoint Picker's pods: never selected as runtime pods
 MANAGER = "kunlun-operator"
 
 # Annotations the operator writes on what it owns.
@@ -94,6 +119,11 @@ def selector_labels(instance: str) -> dict[str, str]:
 def leader_selector_labels(instance: str) -> dict[str, str]:
     """The labels that select the leader pods of a multi-node service (the pods that serve HTTP)."""
     return {**selector_labels(instance), LWS_LABEL_WORKER_INDEX: LWS_LEADER_INDEX}
+
+
+def picker_selector_labels(instance: str) -> dict[str, str]:
+    """The labels that select the Endpoint Picker pods of one routed KunlunInferenceService."""
+    return {LABEL_NAME: PICKER_APP_NAME, LABEL_INSTANCE: instance}
 
 
 def common_labels(instance: str) -> dict[str, str]:
@@ -118,6 +148,9 @@ class Kind:
     api_version: str  # "apps/v1", "v1"
     kind: str  # "Deployment"
     plural: str  # "deployments"
+    #: Appended to the service's name in the object's name: told apart from the service's other
+    #: object of the same kind (the Endpoint Picker's ``-epp`` Deployment, Service, ConfigMap).
+    suffix: str = ""
 
 
 CONFIGMAP = Kind("v1", "ConfigMap", "configmaps")
@@ -129,6 +162,28 @@ HPA = Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscaler
 SERVICE_MONITOR = Kind(MONITORING_GROUP_VERSION, "ServiceMonitor", "servicemonitors")
 PROMETHEUS_RULE = Kind(MONITORING_GROUP_VERSION, "PrometheusRule", "prometheusrules")
 KIS = Kind(API_VERSION, KIND, PLURAL)
+# Routing (spec.routing.type InferencePool): the pool, its route and the Endpoint Picker's objects.
+PICKER_SUFFIX = "-epp"
+PICKER_SERVICE_ACCOUNT = Kind("v1", "ServiceAccount", "serviceaccounts", PICKER_SUFFIX)
+PICKER_ROLE = Kind("rbac.authorization.k8s.io/v1", "Role", "roles", PICKER_SUFFIX)
+PICKER_ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings", PICKER_SUFFIX)
+PICKER_CONFIGMAP = Kind("v1", "ConfigMap", "configmaps", PICKER_SUFFIX)
+PICKER_DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", PICKER_SUFFIX)
+PICKER_SERVICE = Kind("v1", "Service", "services", PICKER_SUFFIX)
+INFERENCE_POOL = Kind(INFERENCE_GROUP_VERSION, "InferencePool", "inferencepools")
+HTTP_ROUTE = Kind(GATEWAY_GROUP_VERSION, "HTTPRoute", "httproutes")
+#: The Endpoint Picker's own objects (core and RBAC kinds), in apply order.
+PICKER_KINDS = (
+    PICKER_SERVICE_ACCOUNT,
+    PICKER_ROLE,
+    PICKER_ROLE_BINDING,
+    PICKER_CONFIGMAP,
+    PICKER_DEPLOYMENT,
+    PICKER_SERVICE,
+)
+#: Every kind of a routed service, in apply order: the picker before the pool naming it, the
+#: pool before the route naming it.
+ROUTING_KINDS = (*PICKER_KINDS, INFERENCE_POOL, HTTP_ROUTE)
 
 #: Every kind the operator may own, in the order it applies them (config before its consumers).
 OWNED_KINDS: tuple[Kind, ...] = (
@@ -140,6 +195,7 @@ OWNED_KINDS: tuple[Kind, ...] = (
     HPA,
     SERVICE_MONITOR,
     PROMETHEUS_RULE,
+    *ROUTING_KINDS,
 )
 MONITORING_KINDS = frozenset({SERVICE_MONITOR, PROMETHEUS_RULE})
 
@@ -151,6 +207,8 @@ def owned_name(instance: str, kind: Kind) -> str:
     pods' DNS names (``LWS_LEADER_ADDRESS``) and skips that when a Service of the name exists, so
     it must not share its name with the service's own (ClusterIP) Service.
     """
+    if kind.suffix:
+        return f"{instance}{kind.suffix}"
     if kind == CONFIGMAP:
         return f"{instance}-config"
     if kind == LEADER_WORKER_SET:

@@ -21,6 +21,11 @@ RESTRICTED_CONTAINER = {
 }
 
 
+#: What tells the Endpoint Picker's objects and pods from the runtime's (over the common labels):
+#: its pods must never match the runtime's selectors (Service, PDB, InferencePool, pod watch).
+PICKER_LABELS = {names.LABEL_NAME: names.PICKER_APP_NAME, names.LABEL_COMPONENT: "endpoint-picker"}
+
+
 def owner_reference(ref: ServiceRef) -> dict[str, Any]:
     return {
         "apiVersion": names.API_VERSION,

@@ -15,6 +15,7 @@ import yaml
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
+from kunlun_operator.builders.kv_events import kv_events_args, kv_events_flags
 from kunlun_operator.policy.feasibility import startup_budget_seconds
 from kunlun_operator.spec.service import ServiceRef
 from kunlun_operator.spec.values import InferenceSpec
@@ -43,6 +44,7 @@ def runtime_flags(spec: InferenceSpec, model_path: str) -> list[tuple[str, Any]]
         ("--kv-cache-memory", rt.kv_cache_memory_bytes),  # the runtime takes bytes
     ]
     flags += [(flag, value) for flag, value in optional if value is not None]
+    flags += kv_events_flags(spec)  # precise routing only: the hash and block size its indexer uses
     if rt.enable_prefix_caching is not None:  # unset: the runtime's default
         flags.append(
             ("--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching", None)
@@ -77,12 +79,12 @@ def rendezvous_args(spec: InferenceSpec) -> list[str]:
 
 
 def runtime_args(spec: InferenceSpec, model_path: str) -> list[str]:
-    """The container arguments: ``serve``, the flags, the rendezvous (multi-node), then
-    ``spec.runtime.extraArgs``."""
+    """The container arguments: ``serve``, the flags, the rendezvous (multi-node), the KV events
+    (precise routing), then ``spec.runtime.extraArgs``."""
     args = ["serve"]
     for flag, value in runtime_flags(spec, model_path):
         args += [flag] if value is None else [flag, str(value)]
-    return args + rendezvous_args(spec) + list(spec.runtime.extra_args)
+    return args + rendezvous_args(spec) + kv_events_args(spec) + list(spec.runtime.extra_args)
 
 
 def build_config_data(spec: InferenceSpec, model_path: str) -> dict[str, str]:

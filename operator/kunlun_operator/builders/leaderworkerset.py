@@ -18,6 +18,7 @@ from typing import Any, Unpack
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import build_metadata, header
+from kunlun_operator.builders.kv_events import without_kv_events
 from kunlun_operator.builders.pod_template import TERMINATION_GRACE_SECONDS, TemplateArgs, build_pod_template
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec.service import ServiceRef
@@ -86,9 +87,10 @@ def build_leader_pod_spec(pod: dict[str, Any]) -> dict[str, Any]:
 
 def build_worker_pod_spec(pod: dict[str, Any]) -> dict[str, Any]:
     """``pod`` (from ``pod_template.build_pod_spec``) as a worker: headless, no HTTP port, no HTTP probes (a
-    worker that loses its group exits, and LeaderWorkerSet recreates the group)."""
+    worker that loses its group exits, and LeaderWorkerSet recreates the group), no KV events port."""
     runtime = _runtime_container(pod)
     del runtime["ports"]
+    runtime["args"] = without_kv_events(runtime["args"])  # the leader's engine publishes them
     for probe in _PROBES:
         del runtime[probe]
     runtime["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(WORKER_STOP_SECONDS)]}}}

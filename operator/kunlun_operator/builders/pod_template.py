@@ -20,6 +20,7 @@ from typing import Any, NotRequired, TypedDict, Unpack
 from kunlun_operator import names
 from kunlun_operator.builders.common import RESTRICTED_CONTAINER
 from kunlun_operator.builders.configmap import runtime_args
+from kunlun_operator.builders.kv_events import KV_EVENTS_CONTAINER_PORT, kv_events_env
 from kunlun_operator.builders.preflight import build_preflight_container, build_preflight_volumes
 from kunlun_operator.policy.feasibility import startup_budget_seconds
 from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
@@ -127,7 +128,7 @@ def _secret_env(spec: InferenceSpec) -> list[dict[str, Any]]:
     return env
 
 
-def _runtime_container(spec: InferenceSpec, image: str, path: str) -> dict[str, Any]:
+def _runtime_container(ref: ServiceRef, spec: InferenceSpec, image: str, path: str) -> dict[str, Any]:
     mounts = [
         {
             "name": MODEL_VOLUME,
@@ -138,14 +139,22 @@ def _runtime_container(spec: InferenceSpec, image: str, path: str) -> dict[str, 
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
-    env = [{"name": "HOME", "value": "/tmp"}, *_secret_env(spec), *(dict(e) for e in spec.runtime.env)]
+    env = [
+        {"name": "HOME", "value": "/tmp"},
+        *_secret_env(spec),
+        *kv_events_env(ref, spec),
+        *(dict(e) for e in spec.runtime.env),
+    ]
+    ports = [{"name": names.RUNTIME_PORT_NAME, "containerPort": names.RUNTIME_PORT, "protocol": "TCP"}]
+    if spec.routing.precise:
+        ports.append(dict(KV_EVENTS_CONTAINER_PORT))
     return {
         "name": "runtime",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["kunlun-runtime"],
         "args": runtime_args(spec, path),
-        "ports": [{"name": names.RUNTIME_PORT_NAME, "containerPort": names.RUNTIME_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "env": env,
         "resources": _resources(spec),
         "startupProbe": _probe(
@@ -180,7 +189,9 @@ def _init_containers(
     return inits
 
 
-def _model_volume(spec: InferenceSpec, *, image_volumes: bool) -> dict[str, Any]:
+def model_volume(spec: InferenceSpec, *, image_volumes: bool) -> dict[str, Any]:
+    """The volume ``model`` holding the model source (an ``emptyDir`` filled by ``model-fetch`` for
+    an image source without image volumes)."""
     source = spec.model.source
     if source.kind == "pvc":
         return {
@@ -242,9 +253,9 @@ def build_pod_spec(
     inits = _init_containers(spec, image, preflight_host, image_volumes=image_volumes)
     if inits:
         pod["initContainers"] = inits
-    pod["containers"] = [_runtime_container(spec, image, path)]
+    pod["containers"] = [_runtime_container(ref, spec, image, path)]
     pod["volumes"] = [
-        _model_volume(spec, image_volumes=image_volumes),
+        model_volume(spec, image_volumes=image_volumes),
         {"name": "config", "configMap": {"name": names.owned_name(ref.name, names.CONFIGMAP)}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory"}},

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kunlun_operator.builders.leaderworkerset import leaderworkerset_name_error, require_leaderworkerset
+from kunlun_operator.decide.routing import require_routing_apis
 from kunlun_operator.errors import SpecError
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.policy.feasibility import estimate_memory
@@ -38,11 +39,15 @@ def review(
     policy: AdmissionPolicy = STRICTEST,
     *,
     leaderworkerset_served: bool = False,
+    inference_pool_served: bool = False,
+    httproute_served: bool = False,
     name: str | None = None,
 ) -> Review:
     """The webhook's verdict on the parsed ``spec`` (``parse_spec_or_error``): a denial naming the
     field, or warnings. ``leaderworkerset_served``: the cluster serves LeaderWorkerSet (a multi-node
-    service needs it); ``name``: the service's name, when known (not with ``generateName``)."""
+    service needs it); ``inference_pool_served``, ``httproute_served``: the cluster serves
+    InferencePool and HTTPRoute and the operator may use them (a routed service needs them);
+    ``name``: the service's name, when known (not with ``generateName``)."""
     if isinstance(spec, SpecError):
         return Review(denial=spec)
     violation = check_policy(spec, policy)
@@ -53,6 +58,11 @@ def review(
         return Review(denial=missing)
     if spec.multi_node and name and (bad_name := leaderworkerset_name_error(name)) is not None:
         return Review(denial=bad_name)
+    missing = require_routing_apis(
+        spec, inference_pool_served=inference_pool_served, httproute_served=httproute_served
+    )
+    if missing is not None:
+        return Review(denial=missing)
     strict = spec.versions.policy == "Strict"
     warnings: list[str] = []
     if spec.versions.policy != "Off":

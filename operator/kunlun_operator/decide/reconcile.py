@@ -34,6 +34,14 @@ from kunlun_operator.decide.image_pull import ImagePull, runtime_image_condition
 from kunlun_operator.decide.nodes import NodeFacts, assess_nodes, version_mismatches
 from kunlun_operator.decide.replicas import CONDITION_TYPE as REPLICAS_HEALTHY
 from kunlun_operator.decide.replicas import CardFault, ReplacementOutcome, replicas_condition
+from kunlun_operator.decide.routing import CONDITION_TYPE as ROUTED
+from kunlun_operator.decide.routing import (
+    ROUTING_RECHECK_SECONDS,
+    absent_routing_kinds,
+    require_routing_apis,
+    routed_condition,
+    routing_objects,
+)
 from kunlun_operator.decide.status import (
     FAILED,
     PROGRESSING,
@@ -49,7 +57,12 @@ from kunlun_operator.decide.status import (
 from kunlun_operator.errors import SpecError
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.policy.matrix import Matrix, check_versions, select_image
-from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
+from kunlun_operator.spec.operator_config import (
+    DEFAULT_PICKER_IMAGES,
+    DEFAULT_PREFLIGHT_HOST,
+    PickerImages,
+    PreflightHost,
+)
 from kunlun_operator.spec.service import ParsedSpec, ServiceRef
 from kunlun_operator.spec.values import InferenceSpec
 
@@ -91,6 +104,15 @@ class ClusterFacts:
     replacements: ReplacementOutcome = field(default_factory=ReplacementOutcome)
     #: Readiness gates nobody reported on: who waits, whose gate the operator set.
     gates: GateOutcome = field(default_factory=GateOutcome)
+    #: The cluster serves inference.networking.k8s.io/v1 InferencePools (discovery) and the
+    #: operator may use them (``--inference-pool``); gateway.networking.k8s.io/v1 HTTPRoutes too.
+    inference_pool_served: bool = False
+    httproute_served: bool = False
+    #: --endpoint-picker-image, --precise-endpoint-picker-image
+    picker_images: PickerImages = DEFAULT_PICKER_IMAGES
+    #: A routed service's Endpoint Picker Deployment (its report) and InferencePool (None: absent).
+    picker: DeploymentFacts | None = None
+    pool: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +160,13 @@ def reconcile(
         # Builds nothing; checked again soon, so installing LeaderWorkerSet needs no spec change.
         plan = _failed_plan(ref, previous, missing, now)
         return dataclasses.replace(plan, requeue_after_seconds=LEADERWORKERSET_RECHECK_SECONDS)
+    missing = require_routing_apis(
+        spec, inference_pool_served=facts.inference_pool_served, httproute_served=facts.httproute_served
+    )
+    if missing is not None:
+        # Builds nothing; checked again soon, so installing the CRDs needs no spec change.
+        plan = _failed_plan(ref, previous, missing, now)
+        return dataclasses.replace(plan, requeue_after_seconds=ROUTING_RECHECK_SECONDS)
     image = spec.runtime.image or select_image(facts.matrix, spec.versions, facts.default_image)
     problems = [] if spec.versions.policy == "Off" else check_versions(facts.matrix, image, spec.versions)
     if problems and spec.versions.policy == "Strict":
@@ -169,6 +198,9 @@ def reconcile(
             (p.pull for p in facts.pods if p.pull is not None), image, from_matrix=spec.runtime.image is None
         ),
     ]
+    routed = routed_condition(ref, spec, facts.picker, facts.pool)
+    if routed is not None:  # routed through an InferencePool only
+        conditions.append(routed)
     status: dict[str, Any] = {
         "phase": phase,
         "replicas": facts.deployment.replicas if facts.deployment else 0,
@@ -284,6 +316,11 @@ def desired_objects(
             objects.append(build(ref, spec))
         else:
             absent.append(kind)
+    if facts.inference_pool_served:  # else a routed spec fails before (require_routing_apis)
+        objects += routing_objects(ref, spec, images=facts.picker_images, image_volumes=facts.image_volumes)
+    absent += absent_routing_kinds(
+        spec, inference_pool_served=facts.inference_pool_served, httproute_served=facts.httproute_served
+    )
     return objects, absent
 
 
@@ -391,6 +428,7 @@ _TRANSITIONS: Mapping[tuple[str, str], tuple[EventType, str | None]] = {
     ("VersionsCompatible", "False"): ("Warning", None),
     ("ModelAvailable", "False"): ("Warning", None),
     (RUNTIME_IMAGE_AVAILABLE, "False"): ("Warning", None),
+    (ROUTED, "True"): ("Normal", None),
 }
 
 

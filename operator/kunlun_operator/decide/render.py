@@ -50,6 +50,8 @@ def render_service(body: Mapping[str, Any], facts: ClusterFacts, *, admission_we
             facts.default_image,
             facts.policy,
             leaderworkerset_served=facts.leaderworkerset_served,
+            inference_pool_served=facts.inference_pool_served,
+            httproute_served=facts.httproute_served,
             name=service.ref.name,
         )
         if verdict.denial is not None:

@@ -58,6 +58,10 @@ RESERVED_ENV = frozenset(
         "PYTHONSTARTUP",
     }
 )
+#: What the operator sets on the pods of a precisely routed service (``spec.routing.precise``): the
+#: KV events and the block hashes the picker's indexer recomputes, from the seed it shares.
+PRECISE_RESERVED_FLAGS = frozenset({"--kv-events-config", "--prefix-caching-hash-algo"})
+PRECISE_RESERVED_ENV = frozenset({"PYTHONHASHSEED", "POD_IP"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,7 @@ class AdmissionPolicy:
     runtime_images: tuple[str, ...] = ()  # prefixes of `spec.runtime.image` (unset is always allowed)
     model_images: tuple[str, ...] = ()  # prefixes of `spec.model.source.image.reference`
     host_paths: tuple[str, ...] = ()  # directories `spec.model.source.hostPath.path` may be under
+    picker_images: tuple[str, ...] = ()  # prefixes of `spec.routing.picker.image` (unset: the operator's)
     allow_flag_overrides: bool = False  # may extraArgs/env set RESERVED_FLAGS / RESERVED_ENV
 
 
@@ -77,7 +82,7 @@ STRICTEST = AdmissionPolicy()
 
 def parse_policy(text: str, *, source: str) -> AdmissionPolicy:
     """Parse the policy YAML (keys ``runtimeImages``, ``modelImages``, ``hostPaths``,
-    ``allowFlagOverrides``; all optional).
+    ``pickerImages``, ``allowFlagOverrides``; all optional).
 
     Raises:
         ValueError: not YAML, not a mapping, an unknown key, or a value of the wrong type; the
@@ -90,7 +95,7 @@ def parse_policy(text: str, *, source: str) -> AdmissionPolicy:
     data = {} if data is None else data
     if not isinstance(data, Mapping):
         raise ValueError(f"{source}: must be a mapping")
-    unknown = set(data) - {"runtimeImages", "modelImages", "hostPaths", "allowFlagOverrides"}
+    unknown = set(data) - {"runtimeImages", "modelImages", "hostPaths", "pickerImages", "allowFlagOverrides"}
     if unknown:
         raise ValueError(f"{source}: unknown keys {sorted(unknown)}")
     overrides = data.get("allowFlagOverrides", False)
@@ -104,6 +109,7 @@ def parse_policy(text: str, *, source: str) -> AdmissionPolicy:
         runtime_images=_strings(data, "runtimeImages", source),
         model_images=_strings(data, "modelImages", source),
         host_paths=host_paths,
+        picker_images=_strings(data, "pickerImages", source),
         allow_flag_overrides=overrides,
     )
 
@@ -127,10 +133,16 @@ def check_policy(spec: InferenceSpec, policy: AdmissionPolicy) -> SpecError | No
         )
     if source.kind == "hostPath" and not host_path_allowed(source.path, policy.host_paths):
         return _violation("spec.model.source.hostPath.path", source.path, policy.host_paths, "hostPaths")
+    picker = spec.routing.picker.image
+    if picker is not None and not image_allowed(picker, policy.picker_images):
+        return _violation("spec.routing.picker.image", picker, policy.picker_images, "pickerImages")
     if policy.allow_flag_overrides:
         return None
+    precise = spec.routing.precise
+    flags = RESERVED_FLAGS | PRECISE_RESERVED_FLAGS if precise else RESERVED_FLAGS
+    env = RESERVED_ENV | PRECISE_RESERVED_ENV if precise else RESERVED_ENV
     for i, arg in enumerate(rt.extra_args):
-        flag = reserved_flag(arg)
+        flag = reserved_flag(arg, flags)
         if flag is not None:
             return SpecError(
                 f"spec.runtime.extraArgs[{i}]",
@@ -138,7 +150,7 @@ def check_policy(spec: InferenceSpec, policy: AdmissionPolicy) -> SpecError | No
                 reason=POLICY_REASON,
             )
     for i, var in enumerate(rt.env):
-        if var["name"] in RESERVED_ENV:
+        if var["name"] in env:
             return SpecError(
                 f"spec.runtime.env[{i}].name",
                 f"{var['name']} is reserved (admission policy allowFlagOverrides: false)",
@@ -166,13 +178,14 @@ def host_path_allowed(path: str, prefixes: tuple[str, ...]) -> bool:
     return any(normal == p.rstrip("/") or normal.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
-def reserved_flag(arg: str) -> str | None:
-    """The reserved flag ``arg`` sets (itself, ``--flag=value`` or an abbreviation), else None."""
+def reserved_flag(arg: str, reserved: frozenset[str] = RESERVED_FLAGS) -> str | None:
+    """The flag of ``reserved`` that ``arg`` sets (itself, ``--flag=value`` or an abbreviation),
+    else None."""
     if not arg.startswith("--") or len(arg) <= 2:
         return None
     name = arg.split("=", 1)[0]
-    matches = sorted(f for f in RESERVED_FLAGS if f.startswith(name))
-    return name if name in RESERVED_FLAGS else (matches[0] if matches else None)
+    matches = sorted(f for f in reserved if f.startswith(name))
+    return name if name in reserved else (matches[0] if matches else None)
 
 
 def _violation(field: str, value: str | None, allowed: tuple[str, ...], key: str) -> SpecError:

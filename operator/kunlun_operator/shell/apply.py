@@ -180,7 +180,11 @@ def delete_object(
     return Change(kind.kind, name, DELETED) if client.delete(kind, namespace, name) else None
 
 
-_KINDS = {(k.api_version, k.kind): k for k in names.OWNED_KINDS}
+#: Where each owned kind lives in the API (kinds that differ only by their name suffix, like the
+#: Endpoint Picker's Deployment, live in the same place as the first of their kind).
+_KINDS: dict[tuple[str, str], names.Kind] = {}
+for _kind in names.OWNED_KINDS:
+    _KINDS.setdefault((_kind.api_version, _kind.kind), _kind)
 
 
 def _kind_of(obj: Mapping[str, Any]) -> names.Kind:

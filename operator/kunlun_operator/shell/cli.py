@@ -23,7 +23,7 @@ from kunlun_operator.shell.handlers import LoopConfig, build_registry, post_even
 from kunlun_operator.shell.kube import KubeClient, load_config
 from kunlun_operator.shell.metrics import OperatorMetrics
 from kunlun_operator.spec import operator_config
-from kunlun_operator.spec.operator_config import PreflightHost
+from kunlun_operator.spec.operator_config import PickerImages, PreflightHost
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
@@ -119,6 +119,28 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
         "operator has no rights on them), such services are rejected",
     )
     run.add_argument(
+        "--inference-pool",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="route services with spec.routing.type InferencePool through an InferencePool and its Endpoint "
+        f"Picker where the cluster serves {names.INFERENCE_GROUP_VERSION} (discovery; an HTTPRoute where it "
+        f"serves {names.GATEWAY_GROUP_VERSION}); --no-inference-pool: never (the operator has no rights on "
+        "them), such services are rejected",
+    )
+    run.add_argument(
+        "--endpoint-picker-image",
+        default=names.DEFAULT_ENDPOINT_PICKER_IMAGE,
+        metavar="IMAGE",
+        help="the Endpoint Picker of routed services that name none (the Gateway API Inference Extension's)",
+    )
+    run.add_argument(
+        "--precise-endpoint-picker-image",
+        default=names.DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE,
+        metavar="IMAGE",
+        help="the Endpoint Picker of services with spec.routing.precise that name none (llm-d's, which "
+        "indexes the pods' KV events)",
+    )
+    run.add_argument(
         "--preflight-kml-version-file",
         default=names.HOST_KML_VERSION_FILE,
         metavar="HOST_PATH",
@@ -210,6 +232,8 @@ def controller_config(args: argparse.Namespace) -> ControllerConfig:
         preflight_host=parse_preflight_host(args),
         leaderworkerset=args.leaderworkerset,
         health_gate_grace_seconds=args.xpu_health_gate_grace_seconds,
+        inference_pool=args.inference_pool,
+        picker_images=PickerImages(args.endpoint_picker_image, args.precise_endpoint_picker_image),
     )
 
 

@@ -49,7 +49,12 @@ from kunlun_operator.shell.apply import (
 from kunlun_operator.shell.kube import POD, PVC, KubeClient
 from kunlun_operator.shell.metrics import OperatorMetrics
 from kunlun_operator.shell.pod_gates import EventSink, GateOpener, service_reference
-from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
+from kunlun_operator.spec.operator_config import (
+    DEFAULT_PICKER_IMAGES,
+    DEFAULT_PREFLIGHT_HOST,
+    PickerImages,
+    PreflightHost,
+)
 from kunlun_operator.spec.service import (
     ParsedService,
     ParsedSpec,
@@ -92,6 +97,10 @@ class ControllerConfig:
     #: --xpu-health-gate-grace-seconds: how long a ready pod waits for the device plugin's report
     #: before the operator sets its readiness gate (``health_gate``); 0: never
     health_gate_grace_seconds: float = 120.0
+    #: --[no-]inference-pool: routed services may use InferencePools where the cluster serves them
+    inference_pool: bool = True
+    #: --endpoint-picker-image, --precise-endpoint-picker-image
+    picker_images: PickerImages = DEFAULT_PICKER_IMAGES
 
 
 class Controller:
@@ -153,6 +162,35 @@ class Controller:
             return False
         return names.LEADER_WORKER_SET.plural in self.client.served_plurals(names.LWS_GROUP_VERSION)
 
+    def routing_served(self) -> tuple[bool, bool]:
+        """Whether routed services can be served: ``(InferencePool, HTTPRoute)``, each allowed
+        (``--inference-pool``) and served by the cluster (discovery; HTTPRoute asked only where
+        InferencePool is served).
+
+        Raises:
+            ApiError: discovery failed (other than "not served").
+        """
+        if not self.config.inference_pool:
+            return False, False
+        if names.INFERENCE_POOL.plural not in self.client.served_plurals(names.INFERENCE_GROUP_VERSION):
+            return False, False
+        return True, names.HTTP_ROUTE.plural in self.client.served_plurals(names.GATEWAY_GROUP_VERSION)
+
+    def read_routing(
+        self, ref: ServiceRef, spec: InferenceSpec | None, pool_served: bool
+    ) -> tuple[DeploymentFacts | None, dict[str, Any] | None]:
+        """A routed service's picker Deployment (its report) and InferencePool; None where absent
+        or where the service is not routed through a pool the cluster serves."""
+        if spec is None or not spec.routing.inference_pool or not pool_served:
+            return None, None
+        picker = self.client.get(
+            names.PICKER_DEPLOYMENT, ref.namespace, names.owned_name(ref.name, names.PICKER_DEPLOYMENT)
+        )
+        pool = self.client.get(
+            names.INFERENCE_POOL, ref.namespace, names.owned_name(ref.name, names.INFERENCE_POOL)
+        )
+        return (DeploymentFacts.from_object(picker) if picker else None), pool
+
     def read_facts(self, ref: ServiceRef, spec: ParsedSpec, nodes: Iterable[NodeFacts]) -> ClusterFacts:
         """What the reconcile of the service ``ref`` needs from the cluster. The parsed ``spec``
         says which workload kind to read and which claim to look up; an invalid one gets the
@@ -171,6 +209,8 @@ class Controller:
         else:
             deployment = self.client.get(names.DEPLOYMENT, ref.namespace, ref.name)
             workload = DeploymentFacts.from_object(deployment) if deployment else None
+        pool_served, route_served = self.routing_served()
+        picker, pool = self.read_routing(ref, parsed, pool_served)
         claim = None if parsed is None else parsed.model.source.claim_name  # set for a pvc source only
         pvc_exists = None if claim is None else self.client.get(PVC, ref.namespace, claim) is not None
         # The pods: where they run (Warn policy) and whether their cards are healthy.
@@ -201,6 +241,11 @@ class Controller:
             xpu_health_gate=self.config.xpu_health_gate,
             policy=self.config.policy,
             preflight_host=self.config.preflight_host,
+            inference_pool_served=pool_served,
+            httproute_served=route_served,
+            picker_images=self.config.picker_images,
+            picker=picker,
+            pool=pool,
         )
 
     def reconcile(self, body: Mapping[str, Any], nodes: Iterable[NodeFacts]) -> Plan:
@@ -374,10 +419,15 @@ class Controller:
         with self.lock(ref.namespace, ref.name):
             served = self.client.served_plurals(names.MONITORING_GROUP_VERSION)
             lws_served = self.leaderworkerset_served()
+            pool_served, route_served = self.routing_served()
             for kind in reversed(names.OWNED_KINDS):
                 if kind in names.MONITORING_KINDS and kind.plural not in served:
                     continue
                 if kind == names.LEADER_WORKER_SET and not lws_served:
+                    continue
+                if kind in names.ROUTING_KINDS and not pool_served:
+                    continue  # no rights on them without --inference-pool (nor anything built)
+                if kind == names.HTTP_ROUTE and not route_served:
                     continue
                 name = names.owned_name(ref.name, kind)
                 change = delete_object(

@@ -139,6 +139,9 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
     watched_owned_kinds = WATCHED_OWNED_KINDS + (
         (names.LEADER_WORKER_SET,) if controller.config.leaderworkerset else ()
     )
+    # InferencePools likewise (a Gateway's verdict in their status changes the Routed condition);
+    # the picker's Deployment, Service and ConfigMap are in the plurals watched above.
+    watched_owned_kinds += (names.INFERENCE_POOL,) if controller.config.inference_pool else ()
 
     @kopf.on.startup(registry=registry, id="configure")
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -298,12 +301,19 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
             except ApiError as error:  # do not deny on a flaky discovery: reconcile reports it
                 lws_served = True
                 warnings.append(f"LeaderWorkerSet discovery failed ({error}); multi-node not checked")
+            try:
+                pool_served, route_served = controller.routing_served()
+            except ApiError as error:  # likewise: the reconcile reports a missing API
+                pool_served = route_served = True
+                warnings.append(f"InferencePool/HTTPRoute discovery failed ({error}); routing not checked")
             verdict = admission.review(
                 parse_spec_or_error(dict(spec)),
                 matrix,
                 controller.config.default_image,
                 controller.config.policy,
                 leaderworkerset_served=lws_served,
+                inference_pool_served=pool_served,
+                httproute_served=route_served,
                 name=name,
             )
             warnings.extend(verdict.warnings)

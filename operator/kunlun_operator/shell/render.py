@@ -27,7 +27,12 @@ from kunlun_operator.shell.controller import ControllerConfig
 
 PROG = "kunlun-operator render"
 #: The API groups besides the built-in ones whose presence changes what the operator builds.
-OPTIONAL_API_VERSIONS = (names.LWS_GROUP_VERSION, names.MONITORING_GROUP_VERSION)
+OPTIONAL_API_VERSIONS = (
+    names.LWS_GROUP_VERSION,
+    names.MONITORING_GROUP_VERSION,
+    names.INFERENCE_GROUP_VERSION,
+    names.GATEWAY_GROUP_VERSION,
+)
 DESCRIPTION = """\
 Print, as YAML documents, exactly the objects the operator creates for each KunlunInferenceService
 in FILE (the same admission check and reconcile as `run`), or the admission error naming the field
@@ -35,7 +40,8 @@ in FILE (the same admission check and reconcile as `run`), or the admission erro
 labelled yet, none of the service's objects there, the packaged compatibility matrix (as when the
 --compatibility-configmap ConfigMap is absent) unless --compatibility-matrix gives one, and only
 the built-in API groups served unless --api-versions names more (LeaderWorkerSet for multi-node
-services, the Prometheus Operator for ServiceMonitor and PrometheusRule). The operator is
+services, the Prometheus Operator for ServiceMonitor and PrometheusRule, the Gateway API Inference
+Extension's InferencePool and Gateway API's HTTPRoute for routed services). The operator is
 configured by --config: a YAML list of its `run` flags (the args of its container)."""
 
 
@@ -72,7 +78,8 @@ def add_render_flags(render: argparse.ArgumentParser) -> None:
         metavar="GROUP/VERSION",
         choices=OPTIONAL_API_VERSIONS,
         help="an API group version the cluster serves besides the built-in ones (repeatable): "
-        f"{names.LWS_GROUP_VERSION} (LeaderWorkerSet), {names.MONITORING_GROUP_VERSION} (Prometheus Operator)",
+        f"{names.LWS_GROUP_VERSION} (LeaderWorkerSet), {names.MONITORING_GROUP_VERSION} (Prometheus Operator), "
+        f"{names.INFERENCE_GROUP_VERSION} (InferencePool), {names.GATEWAY_GROUP_VERSION} (HTTPRoute)",
     )
     render.add_argument(
         "-n", "--namespace", default=None, help="the namespace of services that name none (default: default)"
@@ -186,6 +193,7 @@ def fresh_cluster_facts(config: ControllerConfig, cluster: FreshCluster) -> Clus
         except ValueError as error:
             raise RenderError(str(error)) from None
     monitoring = names.MONITORING_GROUP_VERSION in cluster.api_versions
+    pools = config.inference_pool and names.INFERENCE_GROUP_VERSION in cluster.api_versions
     return ClusterFacts(
         nodes=(),
         matrix=matrix,
@@ -196,6 +204,9 @@ def fresh_cluster_facts(config: ControllerConfig, cluster: FreshCluster) -> Clus
         xpu_health_gate=config.xpu_health_gate,
         policy=config.policy,
         preflight_host=config.preflight_host,
+        inference_pool_served=pools,
+        httproute_served=pools and names.GATEWAY_GROUP_VERSION in cluster.api_versions,
+        picker_images=config.picker_images,
     )
 
 

@@ -1,7 +1,9 @@
 """The operator's own configuration that shapes what it builds, parsed once into typed values.
 
 Owns: ``PreflightHost``, the node files the Strict preflight mounts (``run`` flags
-``--preflight-kml-version-file`` and ``--preflight-xpu-smi``), and their checks. Not the custom
+``--preflight-kml-version-file`` and ``--preflight-xpu-smi``), and their checks; ``PickerImages``,
+the Endpoint Picker images of routed services (``--endpoint-picker-image``,
+``--precise-endpoint-picker-image``). Not the custom
 resource (``service``): these come from the cluster admin, the same for every service. Must not
 read flags or files itself: the shell (``shell/cli.py``) hands the flag values in. Invariant: a
 ``PreflightHost`` from ``parse_preflight_host`` never mounts the node's root directory.
@@ -34,6 +36,24 @@ class PreflightHost:
 
 #: The operator's defaults: the labeler's KML version file, the image's own xpu-smi.
 DEFAULT_PREFLIGHT_HOST = PreflightHost()
+
+
+@dataclass(frozen=True, slots=True)
+class PickerImages:
+    """The Endpoint Picker images of services with ``spec.routing.type: InferencePool`` that name
+    none (``spec.routing.picker.image``): always allowed, whatever the admission policy says."""
+
+    #: The Gateway API Inference Extension's picker (approximate prefix routing).
+    endpoint_picker: str = names.DEFAULT_ENDPOINT_PICKER_IMAGE
+    #: llm-d's picker, whose indexer reads the pods' KV events (``spec.routing.precise``).
+    precise_endpoint_picker: str = names.DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE
+
+    def for_precise(self, precise: bool) -> str:
+        return self.precise_endpoint_picker if precise else self.endpoint_picker
+
+
+#: The operator's defaults: the published pickers of the versions it is tested against.
+DEFAULT_PICKER_IMAGES = PickerImages()
 
 
 def parse_preflight_host(kml_version_file: str, xpu_smi: str) -> PreflightHost:

@@ -22,7 +22,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[3]
 CRD_PATH = REPO / "crds" / "serving.kunlun.dev_kunluninferenceservices.yaml"
 #: The real LeaderWorkerSet CRD (kubernetes-sigs/lws; source and license in the folder's README).
-LWS_CRD_PATH = REPO / "tests" / "fixtures" / "external" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+EXTERNAL = REPO / "tests" / "fixtures" / "external"
+LWS_CRD_PATH = EXTERNAL / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+#: The Gateway API Inference Extension's InferencePool and Gateway API's HTTPRoute (standard channel).
+INFERENCEPOOL_CRD_PATH = EXTERNAL / "inference.networking.k8s.io_inferencepools.yaml"
+HTTPROUTE_CRD_PATH = EXTERNAL / "gateway.networking.k8s.io_httproutes.yaml"
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,19 @@ def load_crd(path: Path = CRD_PATH) -> dict[str, Any]:
 def load_lws_crd() -> dict[str, Any]:
     """The LeaderWorkerSet CRD (1.3 MB: parsed once per test run, shared: do not change it)."""
     return load_crd(LWS_CRD_PATH)
+
+
+@functools.cache
+def load_inferencepool_crd() -> dict[str, Any]:
+    """The InferencePool CRD (parsed once per test run, shared: do not change it)."""
+    return load_crd(INFERENCEPOOL_CRD_PATH)
+
+
+@functools.cache
+def load_httproute_crd() -> dict[str, Any]:
+    """The HTTPRoute CRD (430 kB: parsed once per test run, shared: do not change it); its first
+    version is v1."""
+    return load_crd(HTTPROUTE_CRD_PATH)
 
 
 def openapi_schema(crd: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,17 @@ from kunlun_operator.spec.service import ServiceRef
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 VERSIONS = {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"}
 NOW = "2026-01-01T00:00:00Z"
+#: The owner references of every object the service ``make_ref()`` owns.
+OWNER = [
+    {
+        "apiVersion": "serving.kunlun.dev/v1alpha1",
+        "kind": "KunlunInferenceService",
+        "name": "qwen",
+        "uid": "uid-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+]
 
 
 def make_raw_spec(**overrides: Any) -> dict[str, Any]:
