@@ -13,10 +13,20 @@ import yaml
 
 from kunlun_operator import names
 from kunlun_operator.shell.cli import main
-from tests.unit.operator.crd_schema import load_lws_crd, validate_cr
+from tests.unit.operator.crd_schema import (
+    load_httproute_crd,
+    load_inferencepool_crd,
+    load_lws_crd,
+    validate_cr,
+)
 from tests.unit.operator.factories import EXAMPLES, VERSIONS, example_names, make_raw_spec
 
-EVERY_API = ["-a", names.LWS_GROUP_VERSION, "-a", names.MONITORING_GROUP_VERSION]
+EVERY_API = [
+    *("-a", names.LWS_GROUP_VERSION, "-a", names.MONITORING_GROUP_VERSION),
+    *("-a", names.INFERENCE_GROUP_VERSION, "-a", names.GATEWAY_GROUP_VERSION),
+]
+#: The other projects' kinds the examples create, and their real CRDs (tests/fixtures/external).
+EXTERNAL_CRDS = {"InferencePool": load_inferencepool_crd, "HTTPRoute": load_httproute_crd}
 #: No schema of the Prometheus Operator's kinds is at hand: their builders are tested by equality.
 NO_SCHEMA = {"ServiceMonitor", "PrometheusRule"}
 
@@ -63,6 +73,8 @@ def test_every_example_renders_objects_valid_for_kubernetes(
                     "template": template,
                 }
                 kubernetes_validate.validate(pod, "1.31.0", strict=True)
+        elif obj["kind"] in EXTERNAL_CRDS:
+            assert validate_cr(obj, EXTERNAL_CRDS[obj["kind"]]())[1] == []
         elif obj["kind"] not in NO_SCHEMA:
             kubernetes_validate.validate(obj, "1.31.0", strict=True)
     # the same bytes every time, objects in apply order, the runtime's config file as a block
