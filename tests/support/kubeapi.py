@@ -18,8 +18,10 @@ test module, then take ``fake_kube_api`` (a ``RunningKubeAPI``). ``kube.url`` is
 ``kube.kubeconfig`` a kubeconfig file pointing at it (token auth, plain HTTP) for kopf, kubectl-less
 clients and subprocesses. ``running_fake_api(tmp_path, monitoring=True)`` also serves the
 Prometheus Operator's ``monitoring.coreos.com/v1`` kinds, ``leaderworkerset=True`` LeaderWorkerSet's
-``leaderworkerset.x-k8s.io/v1`` (stored objects only: no groups, no pods); kopf's peering kinds
-(``kopf.dev/v1``) are always served.
+``leaderworkerset.x-k8s.io/v1`` (stored objects only: no groups, no pods), ``routing=True`` the
+Gateway API Inference Extension's ``inference.networking.k8s.io/v1`` InferencePool and Gateway API's
+``gateway.networking.k8s.io/v1`` HTTPRoute (stored objects only: no gateway, no picker); kopf's
+peering kinds (``kopf.dev/v1``) are always served.
 
 kmock (``KubernetesScaffold``) gives the HTTP server, request parsing, the request log and API
 discovery from the declared resources. This layer keeps the objects and adds what kmock 0.8 lacks:
@@ -96,6 +98,9 @@ BUILT_IN_KINDS = (
     Kind("", "v1", "secrets", "Secret"),
     Kind("", "v1", "events", "Event"),
     Kind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", subresources=("status",)),
+    Kind("", "v1", "serviceaccounts", "ServiceAccount"),
+    Kind("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+    Kind("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
     Kind("apps", "v1", "deployments", "Deployment", subresources=("status", "scale")),
     Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", subresources=("status",)),
     Kind(
@@ -135,6 +140,12 @@ LEADERWORKERSET_KINDS = (
         "LeaderWorkerSet",
         subresources=("status", "scale"),
     ),
+)
+
+#: The Gateway API Inference Extension's InferencePool and Gateway API's HTTPRoute (routed services).
+ROUTING_KINDS = (
+    Kind("inference.networking.k8s.io", "v1", "inferencepools", "InferencePool", subresources=("status",)),
+    Kind("gateway.networking.k8s.io", "v1", "httproutes", "HTTPRoute", subresources=("status",)),
 )
 
 
@@ -258,7 +269,9 @@ def _as_status_errors() -> Iterator[None]:
 class FakeKubeAPI(kmock.KubernetesScaffold):
     """The handler: kmock's scaffold for discovery, this class for objects, watches and faults."""
 
-    def __init__(self, *, monitoring: bool = False, leaderworkerset: bool = False) -> None:
+    def __init__(
+        self, *, monitoring: bool = False, leaderworkerset: bool = False, routing: bool = False
+    ) -> None:
         super().__init__()
         self.kinds = {
             (k.group, k.version, k.plural): k
@@ -267,6 +280,7 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
                 *PEERING_KINDS,
                 *(MONITORING_KINDS if monitoring else ()),
                 *(LEADERWORKERSET_KINDS if leaderworkerset else ()),
+                *(ROUTING_KINDS if routing else ()),
             )
         }
         for k in self.kinds.values():
@@ -666,14 +680,14 @@ def write_kubeconfig(path: Path, url: str) -> Path:
 
 @contextlib.contextmanager
 def running_fake_api(
-    tmp_path: Path, *, monitoring: bool = False, leaderworkerset: bool = False
+    tmp_path: Path, *, monitoring: bool = False, leaderworkerset: bool = False, routing: bool = False
 ) -> Iterator[RunningKubeAPI]:
     """Serve a ``FakeKubeAPI`` on 127.0.0.1 (a free port) from a background thread until exit."""
     started = threading.Event()
     handle: dict[str, Any] = {}
 
     async def serve() -> None:
-        api = FakeKubeAPI(monitoring=monitoring, leaderworkerset=leaderworkerset)
+        api = FakeKubeAPI(monitoring=monitoring, leaderworkerset=leaderworkerset, routing=routing)
         stop = asyncio.Event()
         async with api, kmock.Server(api) as server:
             handle.update(

@@ -238,7 +238,10 @@ class Cluster:
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     monitoring = request.node.get_closest_marker("monitoring") is not None
     leaderworkerset = request.node.get_closest_marker("leaderworkerset") is not None
-    with running_fake_api(tmp_path, monitoring=monitoring, leaderworkerset=leaderworkerset) as kube:
+    routing = request.node.get_closest_marker("routing") is not None
+    with running_fake_api(
+        tmp_path, monitoring=monitoring, leaderworkerset=leaderworkerset, routing=routing
+    ) as kube:
         cluster = Cluster(kube, tmp_path)
         try:
             yield cluster
@@ -261,6 +264,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "monitoring: the fake API also serves monitoring.coreos.com/v1")
     config.addinivalue_line(
         "markers", "leaderworkerset: the fake API also serves leaderworkerset.x-k8s.io/v1 (LeaderWorkerSet)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "routing: the fake API also serves inference.networking.k8s.io/v1 (InferencePool) and "
+        "gateway.networking.k8s.io/v1 (HTTPRoute)",
     )
 
 

@@ -5,8 +5,11 @@ code path that talks to the API (create, autoscaling on and off, Warn policy, a 
 matrix ConfigMap, a node change, drift, a replica on a failed card evicted, a readiness gate nobody
 reported on set by the operator, admission, deletion).
 The observed table must equal ``kunlun_operator/api_calls.yaml`` minus the peering rules (tests
-run standalone) and the LeaderWorkerSet rules, which a second run (a multi-node service on a cluster
-serving LeaderWorkerSet: create, scale, autoscaling, drift, deletion) must make exactly.
+run standalone), the LeaderWorkerSet rules, which a second run (a multi-node service on a cluster
+serving LeaderWorkerSet: create, scale, autoscaling, drift, deletion) must make exactly, and the
+routing rules, which a third run (a routed service on a cluster serving InferencePool and HTTPRoute:
+create, drift put back after a restart, switching back to the Service, deletion) must make exactly,
+but for the rights the operator holds only to grant them to the Endpoint Picker.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import copy
 from importlib import resources
 
+import kubernetes
 import pytest
 import yaml
 
@@ -42,13 +46,17 @@ def add_unreported_pod(cluster: Cluster) -> None:
     kubelet_ready(cluster, "qwen-unreported", since=ago(600))
 
 
-def documented(*, leaderworkerset: bool = False) -> set[tuple[str, str, str]]:
-    """The table's calls, without the peering rules; only the ``leaderworkerset`` rules when asked."""
+def documented(*, leaderworkerset: bool = False, routing: bool = False) -> set[tuple[str, str, str]]:
+    """The table's calls, without the peering rules and the rights held only to grant them (``grant``);
+    only the ``leaderworkerset`` or the ``routing`` rules when asked."""
     text = resources.files("kunlun_operator").joinpath("api_calls.yaml").read_text()
     return {
         (rule["group"], res, verb)
         for rule in yaml.safe_load(text)
-        if not rule.get("peering") and bool(rule.get("leaderworkerset")) == leaderworkerset
+        if not rule.get("peering")
+        and not rule.get("grant")
+        and bool(rule.get("leaderworkerset")) == leaderworkerset
+        and bool(rule.get("routing")) == routing
         for res in rule["resources"]
         for verb in rule["verbs"]
     }
@@ -151,3 +159,65 @@ def test_a_multi_node_service_makes_exactly_the_documented_leaderworkerset_calls
         (group, resource, verb) for verb, group, resource, _ in cluster.kube.calls() if group == LWS_GROUP
     }
     assert observed == documented(leaderworkerset=True)
+
+
+ROUTED = {**MULTI_NODE, "runtime": {}, "resources": {}}
+ROUTED["routing"] = {"type": "InferencePool", "gateway": {"name": "inference-gateway"}}
+ROUTING_RESOURCES = {"inferencepools", "httproutes", "serviceaccounts", "roles", "rolebindings"}
+
+
+@pytest.mark.routing
+def test_a_routed_service_makes_exactly_the_documented_routing_calls(cluster: Cluster) -> None:
+    rbac, inference, gateway = (
+        "rbac.authorization.k8s.io",
+        "inference.networking.k8s.io",
+        "gateway.networking.k8s.io",
+    )
+    cluster.add_node("xpu-1")
+    operator = cluster.start_operator()
+    cluster.create_service(copy.deepcopy(ROUTED))
+    wait_for(lambda: cluster.kube.objects("httproutes", gateway), message="the routing objects")
+    # drift in every routing kind while the operator is down (so every call meanwhile is the test's)
+    operator.stop()
+    mine_from = len(cluster.kube.calls())
+    rbac_api = kubernetes.client.RbacAuthorizationV1Api(cluster.kube.client())
+    cluster.core.patch_namespaced_service_account(
+        "qwen-epp", NAMESPACE, {"automountServiceAccountToken": True}
+    )
+    rbac_api.patch_namespaced_role("qwen-epp", NAMESPACE, {"rules": []})
+    rbac_api.patch_namespaced_role_binding("qwen-epp", NAMESPACE, {"subjects": []})
+    for group, plural, spec in (
+        (inference, "inferencepools", {"targetPorts": [{"number": 9999}]}),
+        (gateway, "httproutes", {"parentRefs": [{"name": "elsewhere"}]}),
+    ):
+        cluster.custom.patch_namespaced_custom_object(group, "v1", NAMESPACE, plural, "qwen", {"spec": spec})
+    mine_to = len(cluster.kube.calls())
+    cluster.start_operator()
+    wait_for(
+        lambda: (
+            [r["rules"] for r in cluster.kube.objects("roles", rbac)] != [[]]
+            and cluster.kube.objects("httproutes", gateway)[0]["spec"]["parentRefs"][0]["name"]
+            == "inference-gateway"
+            and cluster.kube.objects("inferencepools", inference)[0]["spec"]["targetPorts"]
+            == [{"number": 8000}]
+        ),
+        message="the drift put back",
+    )
+    cluster.patch_service({"spec": {"routing": {"type": "Service", "gateway": None}}})
+    wait_for(
+        lambda: not cluster.kube.objects("inferencepools", inference), message="the routing objects deleted"
+    )
+    cluster.custom.delete_namespaced_custom_object(
+        "serving.kunlun.dev", "v1alpha1", NAMESPACE, "kunluninferenceservices", "qwen"
+    )
+    wait_for(
+        lambda: not cluster.kube.objects("kunluninferenceservices", "serving.kunlun.dev"),
+        message="the service gone",
+    )
+    calls = cluster.kube.calls()
+    observed = {
+        (group, resource, verb)
+        for verb, group, resource, _ in calls[:mine_from] + calls[mine_to:]
+        if resource in ROUTING_RESOURCES
+    }
+    assert observed == documented(routing=True)

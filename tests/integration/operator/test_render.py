@@ -24,10 +24,15 @@ from tests.integration.operator.conftest import NAMESPACE, Cluster, wait_for
 from tests.integration.operator.test_admission import _accepts, review
 from tests.unit.operator.factories import EXAMPLES, example_names, make_raw_spec
 
-pytestmark = [pytest.mark.slow, pytest.mark.monitoring, pytest.mark.leaderworkerset]
+pytestmark = [pytest.mark.slow, pytest.mark.monitoring, pytest.mark.leaderworkerset, pytest.mark.routing]
 #: The policy the examples need (their models on the nodes' /data/models, the project's images).
 POLICY = "runtimeImages: [ghcr.io/kunlun-inference/]\nhostPaths: [/data/models]\n"
-API_VERSIONS = (names.LWS_GROUP_VERSION, names.MONITORING_GROUP_VERSION)
+API_VERSIONS = (
+    names.LWS_GROUP_VERSION,
+    names.MONITORING_GROUP_VERSION,
+    names.INFERENCE_GROUP_VERSION,
+    names.GATEWAY_GROUP_VERSION,
+)
 #: What the API server adds to an object: not part of what the operator asks for.
 SERVER_SET = ("uid", "resourceVersion", "generation", "creationTimestamp", "managedFields")
 
