@@ -21,7 +21,11 @@ def test_the_charts_operator_flags_configure_render(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     chart = render(
-        overrides={"admissionPolicy": {"hostPaths": ["/data/models"]}, "leaderWorkerSet": {"installed": True}}
+        overrides={
+            "admissionPolicy": {"hostPaths": ["/data/models"]},
+            "leaderWorkerSet": {"installed": True},
+            "routing": {"enabled": True},
+        }
     )
     [operator] = chart.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"]
     assert f"--admission-policy={POLICY_PATH}" in operator["args"]
@@ -37,10 +41,15 @@ def test_the_charts_operator_flags_configure_render(
     for example in example_names():
         path = REPO / "examples" / example
         argv = ["render", "-f", str(path), "--config", str(config), "--compatibility-matrix", str(matrix)]
-        code = main([*argv, "-a", names.LWS_GROUP_VERSION])
+        routing = ["-a", names.INFERENCE_GROUP_VERSION, "-a", names.GATEWAY_GROUP_VERSION]
+        code = main([*argv, "-a", names.LWS_GROUP_VERSION, *routing])
         out, err = capsys.readouterr()
         assert (code, err) == (0, ""), example
-        [workload] = [o for o in yaml.safe_load_all(out) if o["kind"] in ("Deployment", "LeaderWorkerSet")]
+        [workload] = [
+            o
+            for o in yaml.safe_load_all(out)
+            if o["kind"] in ("Deployment", "LeaderWorkerSet") and not o["metadata"]["name"].endswith("-epp")
+        ]
         spec = workload["spec"]
         template = spec["template"] if "template" in spec else spec["leaderWorkerTemplate"]["leaderTemplate"]
         wanted = yaml.safe_load(path.read_text())["spec"].get("runtime", {}).get("image", certified)

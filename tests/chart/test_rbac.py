@@ -55,12 +55,20 @@ def table_after(text: str, heading: str) -> list[dict[str, str]]:
     return [dict(zip(header, _cells(ln), strict=True)) for ln in block[2:]]
 
 
-def operator_calls(*, leaderworkerset: bool = False) -> set[Grant]:
+def operator_calls(*, leaderworkerset: bool = False, routing: bool = False) -> set[Grant]:
     """The operator's calls; those on LeaderWorkerSet (rules marked `leaderworkerset`) only when
-    ``leaderworkerset`` (the chart's leaderWorkerSet.installed)."""
+    ``leaderworkerset`` (the chart's leaderWorkerSet.installed), those of routed services (rules
+    marked `routing`, with the rights it holds to grant its pickers) only when ``routing`` (the
+    chart's routing.enabled)."""
     assert OPERATOR_API_CALLS.is_file(), f"{OPERATOR_API_CALLS} is missing: no record of the operator's calls"
     rules = yaml.safe_load(OPERATOR_API_CALLS.read_text())
-    return calls_from_api_calls_yaml([r for r in rules if leaderworkerset or not r.get("leaderworkerset")])
+    return calls_from_api_calls_yaml(
+        [
+            r
+            for r in rules
+            if (leaderworkerset or not r.get("leaderworkerset")) and (routing or not r.get("routing"))
+        ]
+    )
 
 
 def calls_from_api_calls_yaml(data: object) -> set[Grant]:

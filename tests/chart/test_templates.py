@@ -60,6 +60,7 @@ def test_operator_arguments_default(default_render: Rendered) -> None:
         f"--compatibility-configmap={NAMESPACE}/{PREFIX}-compatibility",
         "--default-runtime-image=ghcr.io/kunlun-inference/kunlun-runtime:0.1.0",
         "--no-leaderworkerset",
+        "--no-inference-pool",
         "--preflight-kml-version-file=/usr/local/xpu/kml/VERSION",
         "--admission-policy=/etc/kunlun-operator/policy/policy.yaml",
         "--webhook-port=9443",

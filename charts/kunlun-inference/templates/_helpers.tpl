@@ -133,6 +133,12 @@ seccompProfile:
 {{- if not .Values.leaderWorkerSet.installed }}
 - --no-leaderworkerset
 {{- end }}
+{{- if .Values.routing.enabled }}
+- --endpoint-picker-image={{ include "kunlun-inference.routing.image" .Values.routing.picker.image }}
+- --precise-endpoint-picker-image={{ include "kunlun-inference.routing.image" .Values.routing.precisePicker.image }}
+{{- else }}
+- --no-inference-pool
+{{- end }}
 {{- $preflight := .Values.runtime.preflight | default dict }}
 {{- if (ne $preflight.hostMounts false) }}
 - --preflight-kml-version-file={{ $preflight.kmlVersionFile | default (printf "%s/kml/VERSION" (trimSuffix "/" .Values.devicePlugin.hostPaths.kunlunHome)) }}
@@ -152,6 +158,37 @@ seccompProfile:
 {{- with .Values.operator.extraArgs }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/* An Endpoint Picker image reference: call with .Values.routing.picker.image (registry/repository:tag). */}}
+{{- define "kunlun-inference.routing.image" -}}
+{{- printf "%s/%s:%s" .registry .repository .tag -}}
+{{- end -}}
+
+{{/*
+The operator's rules for routed services (routing.enabled; docs/chart.md#prefix-aware-routing): the
+InferencePools, HTTPRoutes and Endpoint Pickers it owns, and the rights it grants each picker's Role,
+which Kubernetes lets only whoever holds them grant (rules marked `grant` in api_calls.yaml).
+*/}}
+{{- define "kunlun-inference.operator.routingRules" -}}
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get"]
+- apiGroups: ["inference.networking.x-k8s.io"]
+  resources: ["inferenceobjectives", "inferencemodelrewrites"]
+  verbs: ["get", "list", "watch"]
 {{- end -}}
 
 {{/*
@@ -337,6 +374,7 @@ seccompProfile:
 runtimeImages: {{ $p.runtimeImages | toJson }}
 modelImages: {{ $p.modelImages | toJson }}
 hostPaths: {{ $p.hostPaths | toJson }}
+pickerImages: {{ $p.pickerImages | default list | toJson }}
 allowFlagOverrides: {{ $p.allowFlagOverrides }}
 {{- end -}}
 
