@@ -3,14 +3,17 @@ operator's routing flags shape it, and without them it is refused naming the mis
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from kunlun_operator import names
+from kunlun_operator.decide.routing import require_routing_apis
 from kunlun_operator.shell.cli import build_parser, controller_config
-from tests.unit.operator.factories import EXAMPLES
+from kunlun_operator.spec.service import parse_spec
+from tests.unit.operator.factories import EXAMPLES, load_example
 from tests.unit.operator.test_render import run, write_config
 
 ROUTED = str(EXAMPLES / "kis-routed.yaml")
@@ -64,3 +67,11 @@ def test_the_picker_images_are_the_operators_flags(
     assert config.inference_pool is True
     code, out, _ = run(capsys, "-f", ROUTED, "--config", write_config(tmp_path, flags), *ROUTING_API)
     assert code == 0 and "image: mirror.local/llm-d:v0.8.0\n" in out
+
+
+def test_the_documented_routing_rejection_is_the_operators_message() -> None:
+    """docs/operator.md quotes the denial a routed service gets without the InferencePool API."""
+    spec = parse_spec(load_example("kis-routed.yaml")["spec"])
+    error = require_routing_apis(spec, inference_pool_served=False, httproute_served=False)
+    doc = (EXAMPLES.parent / "docs" / "operator.md").read_text()
+    assert re.findall(r"```text\n(spec\.routing\.type: .+)\n```", doc) == [str(error)]
