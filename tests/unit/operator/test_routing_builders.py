@@ -480,3 +480,16 @@ def test_a_service_routed_by_its_service_has_no_routing_objects_and_removes_any(
         make_ref(), routed(), make_facts(inference_pool_served=True, httproute_served=True), IMAGE, replicas=1
     )
     assert absent == [names.HPA, names.HTTP_ROUTE]
+
+
+def test_the_runtime_accepts_the_kv_events_flags_the_operator_gives_it() -> None:
+    """The contract with kunlun-runtime: its own parser and KV events config take our flags, and the
+    kubelet's expansion of $(POD_IP) makes the topic llm-d's indexer reads."""
+    from kunlun_runtime.commands import cli as runtime_cli  # here, not at the top: it imports torch
+    from kunlun_runtime.config import parse_kv_events_config
+
+    args = runtime_cli.build_parser().parse_args(_runtime(routed(precise=True))["args"])
+    assert (args.prefix_caching_hash_algo, args.block_size) == ("sha256_cbor", 16)
+    config = parse_kv_events_config(args.kv_events_config.replace("$(POD_IP)", "10.0.0.7"))
+    assert config.publishes
+    assert (config.endpoint, config.topic) == ("tcp://*:5557", "kv@10.0.0.7:8000@qwen")
