@@ -33,6 +33,10 @@ DRAIN_SECONDS = 15  # preStop: let endpoints drop the pod before the runtime get
 TERMINATION_GRACE_SECONDS = 90  # drain + finishing in-flight generations
 MODEL_VOLUME = "model"
 MODEL_IMAGE_MOUNT = "/model-image"  # image volumes: the image's root; the model is under models/
+#: An image source without image volumes: the model-fetch init container copies the image's
+#: IMAGE_MODEL_DIR into the model volume, mounted in it at FETCH_TARGET (the runtime mounts it at /models).
+IMAGE_MODEL_DIR = "/models"
+FETCH_TARGET = "/model-fetch"
 #: The runtime reads its API key and metrics token from these (``--api-key``, ``--metrics-token``
 #: default to them), so the secrets never appear in the ConfigMap, the pod's args or ``ps``.
 API_KEY_ENV = "VLLM_API_KEY"
@@ -179,9 +183,12 @@ def _init_containers(
                 "name": "model-fetch",
                 "image": source.reference,
                 "imagePullPolicy": source.pull_policy,
-                "command": ["sh", "-c", f"cp -a /models/. {names.MODEL_MOUNT_PATH}/"],
+                # -R, not -a: the emptyDir is root's, so keeping its times is refused to our user;
+                # symlinks are copied as links (a snapshot of blobs stays one).
+                "command": ["sh", "-c", f"cp -R {IMAGE_MODEL_DIR}/. {FETCH_TARGET}/"],
                 "securityContext": dict(RESTRICTED_CONTAINER),
-                "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": names.MODEL_MOUNT_PATH}],
+                # Not at the image's own /models: a mount there would hide what is to be copied.
+                "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": FETCH_TARGET}],
             }
         )
     if spec.versions.policy == "Strict":

@@ -375,8 +375,15 @@ def test_model_sources_mount_where_the_runtime_is_told_to_look() -> None:
     assert model_path(image, image_volumes=False) == "/models"
     fetch = build_deployment(make_ref(), image, image=IMAGE, config_hash="h", image_volumes=False, replicas=1)
     pod = fetch["spec"]["template"]["spec"]
-    assert pod["initContainers"][0]["name"] == "model-fetch"
-    assert pod["initContainers"][0]["image"] == "reg/m:1"
+    [fetcher] = [c for c in pod["initContainers"] if c["name"] == "model-fetch"]
+    assert fetcher["image"] == "reg/m:1"
+    # It copies the image's /models into the model volume, which it must mount elsewhere: a mount at
+    # /models would hide the very files it copies (tests/images runs the copy for real).
+    [fetch_mount] = fetcher["volumeMounts"]
+    assert fetch_mount["name"] == "model" and not fetch_mount["mountPath"].startswith("/models")
+    assert fetcher["command"] == ["sh", "-c", f"cp -R /models/. {fetch_mount['mountPath']}/"]
+    [runtime] = [c for c in pod["containers"] if c["name"] == "runtime"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in runtime["volumeMounts"]
     assert pod["volumes"][0] == {"name": "model", "emptyDir": {}}
     mounted = build_deployment(
         make_ref(), image, image=IMAGE, config_hash="h", image_volumes=True, replicas=1
