@@ -240,8 +240,11 @@ class LLMEngine:
         )
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (e.g. after the weights changed), as vLLM's; blocks in use
-        stay with their requests but are no longer shared. Always succeeds: returns True."""
+        """Forget every cached prefix (e.g. after the weights changed), as vLLM's: only while no
+        request holds blocks (False, nothing changed, otherwise), so that no block cached later
+        names a parent the indexers were told is gone. Publishes ``AllBlocksCleared``."""
+        if self.block_pool.num_free < self.block_pool.num_blocks:
+            return False
         self.block_pool.reset_prefix_cache()
         self._publish_kv_events()
         return True
