@@ -74,6 +74,16 @@ def prompt(seed: int, length: int) -> list[int]:
     return [(seed * 37 + 11 * i) % 300 + 1 for i in range(length)]
 
 
+def until_live(llm, subscriber, *, seed: int) -> int:
+    """Serve new prompts (from ``seed``) until a batch arrives live: the PUB socket connects and
+    learns the subscription in the background. Returns the next unused seed."""
+    for attempt in range(100):
+        generate(llm, [prompt(seed + attempt, 20)], max_tokens=2)
+        if subscriber.receive_live(timeout_ms=200):
+            return seed + attempt + 1
+    raise AssertionError("no batch arrived live")
+
+
 @pytest.mark.parametrize("encoding", ["array", "map"])
 def test_the_subscriber_rebuilds_the_cached_set_through_pressure_preemption_reset_and_restart(
     model_dir, context, encoding
@@ -118,11 +128,7 @@ def test_the_subscriber_rebuilds_the_cached_set_through_pressure_preemption_rese
 def test_a_lost_range_is_recovered_through_the_replay_socket(model_dir, context):
     llm, subscriber = start(model_dir, context)
     try:
-        seed = 100
-        while not subscriber.receive_live(timeout_ms=200):  # until the link is up
-            generate(llm, [prompt(seed, 20)], max_tokens=2)
-            seed += 1
-            assert seed < 200, "nothing arrived live"
+        seed = until_live(llm, subscriber, seed=100)
         subscriber.replay()
         lost = set(range(subscriber.next_seq, subscriber.next_seq + 3))
         subscriber.lose = set(lost)
@@ -223,12 +229,8 @@ def test_one_publisher_per_engine_under_tensor_parallelism(model_dir, context):
     llm, subscriber = start(model_dir, context, tensor_parallel_size=2)
     try:
         generate(llm, [prompt(1, 30), prompt(2, 30)])
-        seed = 3
-        while not subscriber.receive_live(timeout_ms=200):
-            generate(llm, [prompt(seed, 20)], max_tokens=2)
-            seed += 1
-            assert seed < 100, "nothing arrived live"
-        generate(llm, [prompt(seed + 1, 20)], max_tokens=2)
+        seed = until_live(llm, subscriber, seed=3)
+        generate(llm, [prompt(seed, 20)], max_tokens=2)
         in_sync(llm, subscriber)
         # One numbering: every batch once, none live twice (a second publisher would repeat them).
         assert subscriber.applied_seqs == list(range(subscriber.next_seq))

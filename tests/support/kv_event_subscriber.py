@@ -31,12 +31,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-# -- the array encoding: vLLM up to 0.23 -------------------------------------------------------------
-class ArrayKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class ArrayBlockStored(ArrayKVCacheEvent, tag="BlockStored"):
+# -- the events' fields, as vLLM declares them -----------------------------------------------------
+class BlockStored(msgspec.Struct, omit_defaults=True, gc=False):
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
@@ -50,13 +46,26 @@ class ArrayBlockStored(ArrayKVCacheEvent, tag="BlockStored"):
     kv_cache_spec_sliding_window: int | None = None
 
 
-class ArrayBlockRemoved(ArrayKVCacheEvent, tag="BlockRemoved"):
+class BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
 
 
-class ArrayAllBlocksCleared(ArrayKVCacheEvent, tag="AllBlocksCleared"):
+class AllBlocksCleared(msgspec.Struct, omit_defaults=True, gc=False):
+    pass
+
+
+# -- the array encoding (vLLM up to 0.23: array_like=True) and the map encoding (since PR #42892) --
+class ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class ArrayBlockRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class ArrayAllBlocksCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
     pass
 
 
@@ -64,32 +73,15 @@ class ArrayKVEventBatch(EventBatch):
     events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
 
 
-# -- the map encoding: vLLM since PR #42892 ------------------------------------------------------------
-class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+class MapBlockStored(BlockStored, tag="BlockStored"):
     pass
 
 
-class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+class MapBlockRemoved(BlockRemoved, tag="BlockRemoved"):
+    pass
 
 
-class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
+class MapAllBlocksCleared(AllBlocksCleared, tag="AllBlocksCleared"):
     pass
 
 
@@ -98,9 +90,6 @@ class MapKVEventBatch(EventBatch):
 
 
 BATCH_TYPES: dict[str, type[EventBatch]] = {"array": ArrayKVEventBatch, "map": MapKVEventBatch}
-STORED = (ArrayBlockStored, MapBlockStored)
-REMOVED = (ArrayBlockRemoved, MapBlockRemoved)
-CLEARED = (ArrayAllBlocksCleared, MapAllBlocksCleared)
 
 
 def decode_batch(payload: bytes, encoding: str = "array") -> Any:
@@ -182,9 +171,9 @@ class KVEventSubscriber:
         self.applied_seqs.append(seq)
         self.next_seq = seq + 1
         for event in batch.events:
-            if isinstance(event, CLEARED):
+            if isinstance(event, AllBlocksCleared):
                 self.cached.clear()
-            elif isinstance(event, STORED):
+            elif isinstance(event, BlockStored):
                 assert (
                     event.parent_block_hash is None
                     or event.parent_block_hash in self.cached
@@ -194,21 +183,23 @@ class KVEventSubscriber:
                 assert not self.cached & set(event.block_hashes), "a block stored twice"
                 self.cached |= set(event.block_hashes)
             else:
-                assert isinstance(event, REMOVED)
+                assert isinstance(event, BlockRemoved)
                 assert set(event.block_hashes) <= self.cached, "removed a block never stored"
                 self.cached -= set(event.block_hashes)
 
     def _ever_stored(self) -> set[int]:
-        return {h for b in self.batches for e in b.events if isinstance(e, STORED) for h in e.block_hashes}
+        return {
+            h for b in self.batches for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes
+        }
 
     def stored_events(self) -> list[Any]:
-        return [event for batch in self.batches for event in batch.events if isinstance(event, STORED)]
+        return [event for batch in self.batches for event in batch.events if isinstance(event, BlockStored)]
 
     def removed_hashes(self) -> list[int]:
         return [
             h
             for batch in self.batches
             for e in batch.events
-            if isinstance(e, REMOVED)
+            if isinstance(e, BlockRemoved)
             for h in e.block_hashes
         ]
