@@ -138,6 +138,11 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, **kwargs)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``: True when done (it is
+        refused, False, while a request holds blocks); KV events then say ``AllBlocksCleared``."""
+        return self.engine.reset_prefix_cache()
+
     def _per_prompt(self, params, count: int) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams() for _ in range(count)]

@@ -105,7 +105,12 @@ def test_the_subscriber_rebuilds_the_cached_set_through_pressure_preemption_rese
         assert llm.engine.scheduler.num_preemptions_total > preempted
         in_sync(llm, subscriber)
 
-        assert llm.engine.reset_prefix_cache()
+        llm.engine.add_request("holds-blocks", {"prompt_token_ids": history}, SamplingParams(max_tokens=2))
+        llm.engine.step()
+        assert not llm.reset_prefix_cache()  # refused while a request holds blocks, as vLLM's
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        assert llm.reset_prefix_cache()
         assert in_sync(llm, subscriber) == set()
         generate(llm, [history])
         assert in_sync(llm, subscriber)
