@@ -7,35 +7,30 @@ block returned when a request finishes or is aborted. What it serves is decided 
 the model (``models.model_dir``), the dtypes (``platforms.dtypes``) and the ranks' plan
 (``parallel.rank_plan``). It is single-threaded; ``AsyncEngine`` drives it for the server.
 
-A request with a structured-output constraint gets its own grammar state at ``add_request``. Each
-step, the allowed-token masks of the constrained requests about to sample are computed on the
-host, applied before sampling, and each chosen token advances its request's grammar; a grammar
-that is complete ends its request with ``stop``. The masks are computed on a worker thread during
-the forward (the grammar engine releases the GIL): on an accelerator the host is idle meanwhile,
-and even on the CPU platform, whose forward keeps every core busy, it measured no slower than in
-line and faster at batch 8 (docs/performance.md).
+A request with a structured-output constraint gets its own grammar state at ``add_request``; each
+step, ``grammar_masks`` computes the allowed tokens of the constrained requests about to sample
+(during the forward), the sampler applies them, and each chosen token advances its request's
+grammar; a grammar that is complete ends its request with ``stop``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.engine.grammar_masks import GrammarMasks, PendingMasks, advance_grammar
 from kunlun_runtime.engine.input_processor import InputProcessor, PromptInput
 from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.model_runner import ModelRunner, StepLogits
 from kunlun_runtime.engine.output_processor import OutputProcessor, RequestState
 from kunlun_runtime.engine.outputs import EngineCounters, RequestOutput
 from kunlun_runtime.engine.request import Request, RequestStatus
-from kunlun_runtime.engine.sampler import AllowedTokens, Sampler, make_logprob
+from kunlun_runtime.engine.sampler import Sampler, make_logprob
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
@@ -58,14 +53,6 @@ from kunlun_runtime.platforms.dtypes import resolve_dtype, resolve_weight_dtype
 from kunlun_runtime.structured.grammar import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _PendingMasks:
-    """The allowed-token masks of a step's constrained rows, being computed during the forward."""
-
-    rows: tuple[int, ...]
-    bitmask: concurrent.futures.Future[np.ndarray]
 
 
 class LLMEngine:
@@ -116,7 +103,7 @@ class LLMEngine:
             (self.model_dir / "tokenizer.json").read_text(), model_config.vocab_size, self.eos_token_ids
         )
         self.overlap_masks = True  # compute masks during the forward (False: in line, for comparison)
-        self._mask_pool: concurrent.futures.ThreadPoolExecutor | None = None  # started on first use
+        self.masks = GrammarMasks(self.structured)
         self._tracked: dict[str, RequestState] = {}
         self.num_generation_tokens_total = 0
         self.num_prompt_tokens_total = 0
@@ -180,10 +167,9 @@ class LLMEngine:
         if self.group is not None:
             self.group.close()
             self.group = None
-        pool = getattr(self, "_mask_pool", None)  # close() also runs on a half-built engine
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-            self._mask_pool = None
+        masks = getattr(self, "masks", None)  # close() also runs on a half-built engine
+        if masks is not None:
+            masks.close()
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -263,7 +249,7 @@ class LLMEngine:
             self._publish_kv_events()
             return []
         began = self._start_step(sched)
-        masks = self._start_masks(sched)
+        masks = self.masks.start(sched, self._grammar_of, overlap=self.overlap_masks)
         logits = self.runner.execute(sched, self._block_tables(sched))
         sampled = self._finish_step(sched, logits, began, masks)
         now = time.monotonic()
@@ -279,36 +265,14 @@ class LLMEngine:
             times.scheduled = times.scheduled or now
         return now
 
-    def _start_masks(self, sched: SchedulerOutput) -> _PendingMasks | None:
-        """Start computing the allowed tokens of the constrained requests that sample this step,
-        in the rows the runner gives them (those whose scheduled tokens reach their end)."""
-        rows: list[int] = []
-        matchers: list[GrammarMatcher] = []
-        row = 0
-        for item in sched.scheduled:
-            request = item.request
-            if request.num_computed_tokens + item.num_new_tokens != request.num_tokens:
-                continue
-            grammar = self._tracked[request.request_id].grammar
-            if grammar is not None:
-                rows.append(row)
-                matchers.append(grammar)
-            row += 1
-        if not matchers:
-            return None
-        if not self.overlap_masks:
-            done: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
-            done.set_result(self.structured.fill_bitmask(matchers))
-            return _PendingMasks(tuple(rows), done)
-        if self._mask_pool is None:
-            self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return _PendingMasks(tuple(rows), self._mask_pool.submit(self.structured.fill_bitmask, matchers))
+    def _grammar_of(self, request_id: str) -> GrammarMatcher | None:
+        return self._tracked[request_id].grammar
 
     def _block_tables(self, sched: SchedulerOutput) -> dict[str, list[int]]:
         return {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in sched.scheduled}
 
     def _finish_step(
-        self, sched: SchedulerOutput, logits: StepLogits, began: float, masks: _PendingMasks | None
+        self, sched: SchedulerOutput, logits: StepLogits, began: float, masks: PendingMasks | None
     ) -> list[tuple[RequestState, int, TokenLogprob | None]]:
         """After the forward: let the scheduler account for the step, record prompt logprobs, and
         sample; returns (request, token id, logprob) per new token."""
@@ -318,9 +282,7 @@ class LLMEngine:
         tracked = [self._tracked[rid] for rid in logits.sample_request_ids]
         if not tracked:
             return []
-        allowed = None
-        if masks is not None:
-            allowed = AllowedTokens(masks.rows, masks.bitmask.result())
+        allowed = None if masks is None else masks.result()
         sampled = self.sampler.sample(logits.sample_logits, [t.request for t in tracked], allowed)
         return [(t, token_id, logprob) for t, (token_id, logprob) in zip(tracked, sampled, strict=True)]
 
@@ -350,7 +312,7 @@ class LLMEngine:
             request.output_logprobs.append(logprob)
         self.num_generation_tokens_total += 1
         if tracked.grammar is not None:  # before the next schedule: its mask needs the new state
-            tracked.grammar_end = self._advance_grammar(tracked.grammar, token_id)
+            tracked.grammar_end = advance_grammar(tracked.grammar, token_id)
         if tracked.times.first_token is None:
             tracked.times.first_token = now
             self.num_prompt_tokens_total += len(request.prompt_token_ids)
@@ -362,16 +324,6 @@ class LLMEngine:
         if status is not None:
             return self._finish(tracked, status, new_token_ids=[token_id])
         return self.output_processor.make_output(tracked, new_token_ids=[token_id])
-
-    def _advance_grammar(self, grammar: GrammarMatcher, token_id: int) -> RequestStatus | None:
-        """Advance ``grammar`` by the chosen token: ``stop`` when the constrained text is complete,
-        None while it goes on. A grammar that refuses the token (its mask never offers one it
-        refuses, so it is in an error state: an engine limit reached) is logged and ends the
-        request as aborted, not as a valid ``stop``."""
-        if not grammar.accept(token_id):
-            logger.error("structured output: the grammar refused token %d (%s)", token_id, grammar.error)
-            return RequestStatus.FINISHED_ABORTED
-        return RequestStatus.FINISHED_STOPPED if grammar.is_finished else None
 
     def _finish(
         self, tracked: RequestState, status: RequestStatus, new_token_ids: Sequence[int] = ()
