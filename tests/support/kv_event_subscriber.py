@@ -7,7 +7,9 @@ event a map tagged by ``type``). Hashes are vLLM's ``ExternalBlockHash`` (``byte
 Decoding is msgspec's strict typed decode, so a field of the wrong type or place fails it.
 
 ``KVEventSubscriber`` binds a SUB socket (the engine's PUB connects to a ``tcp://127.0.0.1:PORT``
-endpoint, vLLM's rule), talks to the replay socket as a DEALER (``[b"", start]``), and rebuilds
+endpoint, vLLM's rule), talks to the replay socket as a DEALER (``[b"", start]``; replies
+``[b"", seq, payload]`` as vLLM up to 0.25 sends them with the array encoding, ``[b"", topic, seq,
+payload]`` and an end marker with an empty topic as vLLM since 0.26 does with the map one), and rebuilds
 the set of cached block hashes: stored minus removed, emptied by ``AllBlocksCleared``. It checks
 what an indexer relies on as it goes: sequence numbers without repeats, a stored block's parent
 already known, token counts of whole blocks, a removed block one that was stored.
@@ -153,12 +155,17 @@ class KVEventSubscriber:
         got = []
         while True:
             assert self.dealer.poll(timeout_ms), "the replay socket did not answer"
-            empty, seq_bytes, payload = self.dealer.recv_multipart()
+            frames = self.dealer.recv_multipart()
+            if self.encoding == "map":  # vLLM >= 0.26: the topic frame, as on the live socket
+                empty, topic, seq_bytes, payload = frames
+            else:
+                (empty, seq_bytes, payload), topic = frames, None
             assert empty == b""
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq == END_OF_REPLAY:
-                assert payload == b""
+                assert payload == b"" and topic in (None, b"")
                 return got
+            assert topic in (None, self.topic.encode())
             got.append(seq)
             self.replayed_seqs.append(seq)
             assert seq == self.next_seq, f"replay sent {seq}, expected {self.next_seq} (a batch is lost)"

@@ -2,9 +2,12 @@
 
 Every message on the PUB socket is three frames: the topic, the batch's sequence number (8 bytes,
 big-endian) and the msgpack ``EventBatch`` (kv/kv_events.py). The ROUTER replay socket answers a
-request ``[b"", start_seq]`` (a REQ or DEALER client; 8 bytes, big-endian) with one message
-``[b"", seq, payload]`` per buffered batch from ``start_seq`` on, then ``[b"", -1, b""]`` (the end
-marker: -1 as 8 signed bytes, an empty payload).
+request ``[b"", start_seq]`` (a DEALER client; 8 bytes, big-endian) with one message per buffered
+batch from ``start_seq`` on, then an end marker (-1 as 8 signed bytes, an empty payload), in the
+layout of the vLLM whose event encoding was chosen: ``map`` (vLLM since 0.26, PR #45177) puts the
+topic before the number as the live messages do, ``[b"", topic, seq, payload]`` and the marker
+``[b"", b"", -1, b""]``; ``array`` (vLLM up to 0.25) sends ``[b"", seq, payload]`` and
+``[b"", -1, b""]``.
 
 The engine step only calls ``publish``: it numbers the batch and appends it to a bounded queue,
 never blocking. When the queue is full the oldest waiting batch is dropped and counted
@@ -172,10 +175,13 @@ class KVEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            # vLLM >= 0.26 (the map encoding's) carries the topic in replies, an empty one in the end marker.
+            topic = (self._config.topic.encode(),) if self._encoding == "map" else ()
+            end_topic = (b"",) if topic else ()
             for seq, payload in list(self._replay_buffer):
                 if seq >= start_seq:
-                    replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+                    replay.send_multipart((client, b"", *topic, seq.to_bytes(8, "big"), payload))
+            replay.send_multipart((client, b"", *end_topic, END_OF_REPLAY, b""))
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=_LINGER_MILLISECONDS)

@@ -104,7 +104,8 @@ def add_kv_events_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         "--kv-events-encoding",
         default="array",
         choices=get_args(KVEventsEncoding),
-        help="each KV event an array (as vLLM up to 0.23; every indexer reads it) or a map (vLLM since)",
+        help="vLLM's KV event wire of that era: each event an array and replay replies without the topic "
+        "(vLLM <= 0.25; every indexer reads it), or each event a map and replay replies with the topic (vLLM 0.26)",
     )
 
 

@@ -32,10 +32,10 @@ def endpoints():
     return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
 
 
-def make_publisher(endpoints, **overrides) -> KVEventPublisher:
+def make_publisher(endpoints, encoding="array", **overrides) -> KVEventPublisher:
     pub, replay = endpoints
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=pub, replay_endpoint=replay, **overrides)
-    return KVEventPublisher(config, medium="CPU")
+    return KVEventPublisher(config, medium="CPU", encoding=encoding)
 
 
 def stored(first: int) -> BlockStored:
@@ -76,6 +76,26 @@ def test_live_messages_are_topic_seq_payload_and_replay_resends_from_a_sequence_
     finally:
         publisher.close()
         subscriber.close()
+
+
+def test_with_the_map_encoding_replay_replies_carry_the_topic_as_vllm_0_26_does(context, endpoints):
+    publisher = make_publisher(endpoints, encoding="map", topic="kv@pod@m")
+    publisher.start()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(endpoints[1])
+    try:
+        publisher.publish([AllBlocksCleared()])
+        publisher.publish([stored(1)])
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        assert dealer.poll(10_000)
+        first = dealer.recv_multipart()
+        assert first[:3] == [b"", b"kv@pod@m", (1).to_bytes(8, "big")]
+        assert decode_batch(first[3], "map").events[0].block_hashes == [1]
+        assert dealer.poll(10_000)
+        assert dealer.recv_multipart() == [b"", b"", END_OF_REPLAY, b""]
+    finally:
+        dealer.close(linger=0)
+        publisher.close()
 
 
 def test_a_malformed_replay_request_is_ignored_and_the_next_one_answered(context, endpoints):
