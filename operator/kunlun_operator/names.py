@@ -65,6 +65,10 @@ DEFAULT_ENDPOINT_PICKER_IMAGE = "registry.k8s.io/gateway-api-inference-extension
 #: ``--precise-endpoint-picker-image``: llm-d's picker (built on the extension's v1.5.0), whose
 #: precise-prefix-cache-scorer indexes the pods' KV events.
 DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE = "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0"
+#: ``--precise-tokenizer-image``: the tokenizer sidecar of llm-d's picker. Its release build has no
+#: tokenizer of its own (only the client of this service, over a Unix socket); v0.7.1 is the
+#: llm-d-kv-cache release the picker's v0.8.0 is built with.
+DEFAULT_PRECISE_TOKENIZER_IMAGE = "ghcr.io/llm-d/llm-d-uds-tokenizer:v0.7.1"
 #: The picker's ports: Envoy's ext-proc (gRPC), the gRPC health service, Prometheus metrics.
 PICKER_EXT_PROC_PORT = 9002
 PICKER_HEALTH_PORT = 9003

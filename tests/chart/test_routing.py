@@ -62,13 +62,17 @@ def test_the_default_picker_images_are_the_operators_published_ones_and_pass_the
     """The chart's picker images are the operator's defaults (pinned releases); a routed service
     naming no image gets them under the chart's default policy, which lets no service name its own
     until admissionPolicy.pickerImages lists the registry."""
-    for image in (names.DEFAULT_ENDPOINT_PICKER_IMAGE, names.DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE):
+    defaults = (
+        names.DEFAULT_ENDPOINT_PICKER_IMAGE,
+        names.DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE,
+        names.DEFAULT_PRECISE_TOKENIZER_IMAGE,
+    )
+    for image in defaults:
         assert not image.endswith(":latest") and ":" in image.rsplit("/", 1)[1]  # pinned
     rendered = render(overrides={"routing": {"enabled": True}})
     args = operator_cli.build_parser().parse_args(_operator_args(rendered))
-    assert (args.endpoint_picker_image, args.precise_endpoint_picker_image) == (
-        names.DEFAULT_ENDPOINT_PICKER_IMAGE,
-        names.DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE,
+    assert (args.endpoint_picker_image, args.precise_endpoint_picker_image, args.precise_tokenizer_image) == (
+        defaults
     )
     policy = _policy(rendered)
     for precise in (False, True):
@@ -96,14 +100,20 @@ def _review(raw: dict[str, Any], policy: AdmissionPolicy) -> Review:
 def test_a_mirror_replaces_the_picker_images() -> None:
     mirror = {"registry": "mirror.local:5000", "repository": "gaie/epp", "tag": "v1.5.0"}
     precise = {"registry": "mirror.local:5000", "repository": "llm-d/scheduler", "tag": "v0.8.0"}
+    tokenizer = {"registry": "mirror.local:5000", "repository": "llm-d/uds-tokenizer", "tag": "v0.7.1"}
     rendered = render(
         overrides={
-            "routing": {"enabled": True, "picker": {"image": mirror}, "precisePicker": {"image": precise}}
+            "routing": {
+                "enabled": True,
+                "picker": {"image": mirror},
+                "precisePicker": {"image": precise, "tokenizerImage": tokenizer},
+            }
         }
     )
     args = _operator_args(rendered)
     assert "--endpoint-picker-image=mirror.local:5000/gaie/epp:v1.5.0" in args
     assert "--precise-endpoint-picker-image=mirror.local:5000/llm-d/scheduler:v0.8.0" in args
+    assert "--precise-tokenizer-image=mirror.local:5000/llm-d/uds-tokenizer:v0.7.1" in args
 
 
 @pytest.mark.parametrize("enabled", [False, True])

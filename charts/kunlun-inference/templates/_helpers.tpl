@@ -136,6 +136,7 @@ seccompProfile:
 {{- if .Values.routing.enabled }}
 - --endpoint-picker-image={{ include "kunlun-inference.routing.image" .Values.routing.picker.image }}
 - --precise-endpoint-picker-image={{ include "kunlun-inference.routing.image" .Values.routing.precisePicker.image }}
+- --precise-tokenizer-image={{ include "kunlun-inference.routing.image" .Values.routing.precisePicker.tokenizerImage }}
 {{- else }}
 - --no-inference-pool
 {{- end }}

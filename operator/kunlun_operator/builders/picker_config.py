@@ -7,7 +7,8 @@ protocol's gauges from every pod's ``/metrics`` (queue depth, KV-cache use) and 
 the highest weighted score. Approximate: the extension's ``prefix-cache-scorer`` estimates each
 pod's prefix cache from the picker's own routing history. Precise: llm-d's
 ``precise-prefix-cache-scorer`` indexes the pods' real caches from their KV events (``kv_events``:
-the same port, block size and hash seed), tokenising prompts with the model's own tokenizer file.
+the same port, block size and hash seed), tokenising prompts through its tokenizer sidecar
+(``picker_tokenizer``: a Unix socket, the model's own tokenizer files).
 Invariant: the data is a pure function of the spec, so its hash rolls the picker when it changes.
 """
 
@@ -20,6 +21,7 @@ import yaml
 from kunlun_operator import names
 from kunlun_operator.builders.common import PICKER_LABELS, build_metadata, header
 from kunlun_operator.builders.kv_events import block_size
+from kunlun_operator.builders.picker_tokenizer import SOCKET_FILE
 from kunlun_operator.spec.routing import hash_seed
 from kunlun_operator.spec.service import ServiceRef
 from kunlun_operator.spec.values import InferenceSpec
@@ -73,11 +75,12 @@ def approximate_config(spec: InferenceSpec) -> dict[str, Any]:
     }
 
 
-def precise_config(ref: ServiceRef, spec: InferenceSpec, tokenizer_file: str) -> dict[str, Any]:
+def precise_config(ref: ServiceRef, spec: InferenceSpec, tokenizer_dir: str) -> dict[str, Any]:
     """Scores from the pods' metrics and an index of their prefix caches built from their KV events:
     the picker subscribes to every pod of the pool on the ``kv-events`` port (its endpoints come from
     the data layer's ``endpoint-notification-source``) and hashes prompts as the pods do.
-    ``tokenizer_file``: the model's ``tokenizer.json`` inside the picker (nothing is downloaded)."""
+    ``tokenizer_dir``: the directory of the model's tokenizer files inside the tokenizer sidecar,
+    which the picker reaches on ``SOCKET_FILE`` (the only tokenizer of llm-d's release build)."""
     model = spec.model.name
     scorer = {
         "type": "precise-prefix-cache-scorer",
@@ -94,8 +97,7 @@ def precise_config(ref: ServiceRef, spec: InferenceSpec, tokenizer_file: str) ->
             "indexerConfig": {
                 "tokenizersPoolConfig": {
                     "modelName": model,
-                    "hf": {"enabled": False},
-                    "local": {"modelTokenizerMap": {model: tokenizer_file}},
+                    "uds": {"socketFile": SOCKET_FILE, "modelTokenizerMap": {model: tokenizer_dir}},
                 },
                 "kvBlockIndexConfig": {"enableMetrics": True},
             },
@@ -122,9 +124,9 @@ def precise_config(ref: ServiceRef, spec: InferenceSpec, tokenizer_file: str) ->
     }
 
 
-def build_picker_configmap(ref: ServiceRef, spec: InferenceSpec, *, tokenizer_file: str) -> dict[str, Any]:
-    """The picker's ConfigMap; ``tokenizer_file`` is used by the precise profile only."""
-    config = precise_config(ref, spec, tokenizer_file) if spec.routing.precise else approximate_config(spec)
+def build_picker_configmap(ref: ServiceRef, spec: InferenceSpec, *, tokenizer_dir: str) -> dict[str, Any]:
+    """The picker's ConfigMap; ``tokenizer_dir`` is used by the precise profile only."""
+    config = precise_config(ref, spec, tokenizer_dir) if spec.routing.precise else approximate_config(spec)
     return {
         **header(names.PICKER_CONFIGMAP),
         "metadata": build_metadata(ref, names.PICKER_CONFIGMAP, labels=PICKER_LABELS),

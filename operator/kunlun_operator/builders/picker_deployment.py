@@ -5,7 +5,8 @@ Extension's picker's (llm-d's takes the same): the pool it serves (``--pool-name
 group), its ports (ext-proc 9002, gRPC health 9003, metrics 9090) and its plugin configuration
 (``picker_config``, mounted from the ConfigMap, whose hash rolls the picker). Its metrics endpoint
 runs without authentication: checking tokens needs a ClusterRole (TokenReviews), which the operator
-does not create. A precise picker also mounts the model's tokenizer file from the model source.
+does not create. A precise picker (llm-d's) tokenises through its sidecar (``picker_tokenizer``),
+which reads the model's tokenizer files from the model source, over a socket in a shared emptyDir.
 Invariant: its pods carry the picker's labels, never the runtime's, so no runtime selector matches
 them; they run under the restricted Pod Security profile with the ServiceAccount ``picker_rbac``
 binds.
@@ -17,20 +18,18 @@ from typing import Any
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import PICKER_LABELS, RESTRICTED_CONTAINER, build_metadata, header
-from kunlun_operator.builders.pod_template import (
-    MODEL_IMAGE_MOUNT,
-    MODEL_VOLUME,
-    TERMINATION_GRACE_SECONDS,
-    model_path,
-    model_volume,
+from kunlun_operator.builders.picker_tokenizer import (
+    SOCKET_VOLUME,
+    build_tokenizer_container,
+    build_tokenizer_fetch,
+    socket_mount,
 )
+from kunlun_operator.builders.pod_template import TERMINATION_GRACE_SECONDS, model_volume
 from kunlun_operator.spec.service import ServiceRef
 from kunlun_operator.spec.values import InferenceSpec
 
 CONFIG_MOUNT = "/config"
 CONFIG_FILE = f"{CONFIG_MOUNT}/config.yaml"
-TOKENIZER_FILE_NAME = "tokenizer.json"
-TOKENIZER_MOUNT = "/tokenizer"  # an image source without image volumes: the file copied here
 #: The picker images run as this non-root user (distroless ``nonroot``).
 PICKER_USER = 65532
 DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
@@ -60,34 +59,6 @@ def picker_args(ref: ServiceRef) -> list[str]:
         "--metrics-endpoint-auth=false",
         "--tracing=false",
     ]
-
-
-def tokenizer_file(spec: InferenceSpec, *, image_volumes: bool) -> str:
-    """Where a precise picker finds the model's ``tokenizer.json``: in the model source, mounted as
-    the runtime mounts it, or copied out of an image source without image volumes."""
-    if spec.model.source.kind == "image" and not image_volumes:
-        return f"{TOKENIZER_MOUNT}/{TOKENIZER_FILE_NAME}"
-    return f"{model_path(spec, image_volumes=image_volumes)}/{TOKENIZER_FILE_NAME}"
-
-
-def _tokenizer_mount(spec: InferenceSpec, *, image_volumes: bool) -> dict[str, Any]:
-    if spec.model.source.kind == "image":
-        path = MODEL_IMAGE_MOUNT if image_volumes else TOKENIZER_MOUNT
-        return {"name": MODEL_VOLUME, "mountPath": path, "readOnly": True}
-    return {"name": MODEL_VOLUME, "mountPath": names.MODEL_MOUNT_PATH, "readOnly": True}
-
-
-def _tokenizer_fetch(spec: InferenceSpec) -> dict[str, Any]:
-    """Copies only the tokenizer file out of an image model source (the picker needs no weights)."""
-    source = spec.model.source
-    return {
-        "name": "tokenizer-fetch",
-        "image": source.reference,
-        "imagePullPolicy": source.pull_policy,
-        "command": ["cp", f"{names.MODEL_MOUNT_PATH}/{TOKENIZER_FILE_NAME}", f"{TOKENIZER_MOUNT}/"],
-        "securityContext": dict(RESTRICTED_CONTAINER),
-        "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": TOKENIZER_MOUNT}],
-    }
 
 
 def _grpc_probe(period: int) -> dict[str, Any]:
@@ -125,10 +96,11 @@ def _container(ref: ServiceRef, spec: InferenceSpec, image: str) -> dict[str, An
 
 
 def build_picker_pod_spec(
-    ref: ServiceRef, spec: InferenceSpec, image: str, *, image_volumes: bool
+    ref: ServiceRef, spec: InferenceSpec, image: str, *, tokenizer_image: str, image_volumes: bool
 ) -> dict[str, Any]:
-    """The picker's pod; a precise one mounts the model's tokenizer (a hostPath source exists on
-    the Kunlun nodes only, so such a picker runs there)."""
+    """The picker's pod; a precise one has the tokenizer sidecar running ``tokenizer_image``, which
+    mounts the model's source (a hostPath source exists on the Kunlun nodes only, so such a picker
+    runs there)."""
     container = _container(ref, spec, image)
     pod: dict[str, Any] = {
         "serviceAccountName": names.owned_name(ref.name, names.PICKER_SERVICE_ACCOUNT),
@@ -147,24 +119,33 @@ def build_picker_pod_spec(
         {"name": "config", "configMap": {"name": names.owned_name(ref.name, names.PICKER_CONFIGMAP)}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    containers = [container]
     if spec.routing.precise:
         source = spec.model.source
-        container["volumeMounts"].append(_tokenizer_mount(spec, image_volumes=image_volumes))
-        volumes.append(model_volume(spec, image_volumes=image_volumes))
+        container["volumeMounts"].append(socket_mount())
+        containers.append(build_tokenizer_container(spec, tokenizer_image, image_volumes=image_volumes))
+        volumes += [{"name": SOCKET_VOLUME, "emptyDir": {}}, model_volume(spec, image_volumes=image_volumes)]
         if source.kind == "image" and not image_volumes:
-            pod["initContainers"] = [_tokenizer_fetch(spec)]
+            pod["initContainers"] = [build_tokenizer_fetch(spec)]
         if source.kind == "hostPath":
             pod["nodeSelector"] = {names.LABEL_PRESENT: "true"}
             pod["tolerations"] = [{"key": names.RESOURCE_NAME, "operator": "Exists", "effect": "NoSchedule"}]
-    pod["containers"] = [container]
+    pod["containers"] = containers
     pod["volumes"] = volumes
     return pod
 
 
 def build_picker_deployment(
-    ref: ServiceRef, spec: InferenceSpec, *, image: str, config_hash: str, image_volumes: bool
+    ref: ServiceRef,
+    spec: InferenceSpec,
+    *,
+    image: str,
+    tokenizer_image: str,
+    config_hash: str,
+    image_volumes: bool,
 ) -> dict[str, Any]:
-    """The picker's Deployment running ``image``; ``config_hash``: of its ConfigMap's data."""
+    """The picker's Deployment running ``image`` (a precise one with its tokenizer sidecar running
+    ``tokenizer_image``); ``config_hash``: of its ConfigMap's data."""
     selector = names.picker_selector_labels(ref.name)
     return {
         **header(names.PICKER_DEPLOYMENT),
@@ -178,7 +159,9 @@ def build_picker_deployment(
                     "labels": {**names.common_labels(ref.name), **PICKER_LABELS},
                     "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash},
                 },
-                "spec": build_picker_pod_spec(ref, spec, image, image_volumes=image_volumes),
+                "spec": build_picker_pod_spec(
+                    ref, spec, image, tokenizer_image=tokenizer_image, image_volumes=image_volumes
+                ),
             },
         },
     }

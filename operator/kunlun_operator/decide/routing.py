@@ -20,13 +20,14 @@ from kunlun_operator.builders.configmap import config_hash
 from kunlun_operator.builders.httproute import build_httproute
 from kunlun_operator.builders.inferencepool import build_inferencepool
 from kunlun_operator.builders.picker_config import build_picker_configmap
-from kunlun_operator.builders.picker_deployment import build_picker_deployment, tokenizer_file
+from kunlun_operator.builders.picker_deployment import build_picker_deployment
 from kunlun_operator.builders.picker_rbac import (
     build_picker_role,
     build_picker_rolebinding,
     build_picker_serviceaccount,
 )
 from kunlun_operator.builders.picker_service import build_picker_service
+from kunlun_operator.builders.picker_tokenizer import tokenizer_dir
 from kunlun_operator.decide.status import Condition, DeploymentFacts
 from kunlun_operator.errors import SpecError
 from kunlun_operator.spec.operator_config import PickerImages
@@ -81,7 +82,7 @@ def routing_objects(
     if not spec.routing.inference_pool:
         return []
     configmap = build_picker_configmap(
-        ref, spec, tokenizer_file=tokenizer_file(spec, image_volumes=image_volumes)
+        ref, spec, tokenizer_dir=tokenizer_dir(spec, image_volumes=image_volumes)
     )
     objects = [
         build_picker_serviceaccount(ref),
@@ -92,6 +93,7 @@ def routing_objects(
             ref,
             spec,
             image=picker_image(spec, images),
+            tokenizer_image=images.precise_tokenizer,
             config_hash=config_hash(configmap["data"]),
             image_volumes=image_volumes,
         ),

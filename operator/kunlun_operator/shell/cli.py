@@ -141,6 +141,13 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
         "indexes the pods' KV events)",
     )
     run.add_argument(
+        "--precise-tokenizer-image",
+        default=names.DEFAULT_PRECISE_TOKENIZER_IMAGE,
+        metavar="IMAGE",
+        help="the tokenizer sidecar of the picker of services with spec.routing.precise (llm-d's UDS "
+        "tokenizer; it reads the model's tokenizer files, offline)",
+    )
+    run.add_argument(
         "--preflight-kml-version-file",
         default=names.HOST_KML_VERSION_FILE,
         metavar="HOST_PATH",
@@ -233,7 +240,9 @@ def controller_config(args: argparse.Namespace) -> ControllerConfig:
         leaderworkerset=args.leaderworkerset,
         health_gate_grace_seconds=args.xpu_health_gate_grace_seconds,
         inference_pool=args.inference_pool,
-        picker_images=PickerImages(args.endpoint_picker_image, args.precise_endpoint_picker_image),
+        picker_images=PickerImages(
+            args.endpoint_picker_image, args.precise_endpoint_picker_image, args.precise_tokenizer_image
+        ),
     )
 
 

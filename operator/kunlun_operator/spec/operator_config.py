@@ -3,7 +3,7 @@
 Owns: ``PreflightHost``, the node files the Strict preflight mounts (``run`` flags
 ``--preflight-kml-version-file`` and ``--preflight-xpu-smi``), and their checks; ``PickerImages``,
 the Endpoint Picker images of routed services (``--endpoint-picker-image``,
-``--precise-endpoint-picker-image``). Not the custom
+``--precise-endpoint-picker-image``, ``--precise-tokenizer-image``). Not the custom
 resource (``service``): these come from the cluster admin, the same for every service. Must not
 read flags or files itself: the shell (``shell/cli.py``) hands the flag values in. Invariant: a
 ``PreflightHost`` from ``parse_preflight_host`` never mounts the node's root directory.
@@ -47,6 +47,8 @@ class PickerImages:
     endpoint_picker: str = names.DEFAULT_ENDPOINT_PICKER_IMAGE
     #: llm-d's picker, whose indexer reads the pods' KV events (``spec.routing.precise``).
     precise_endpoint_picker: str = names.DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE
+    #: The tokenizer sidecar of a precise picker (llm-d's UDS tokenizer), whatever picker image it runs.
+    precise_tokenizer: str = names.DEFAULT_PRECISE_TOKENIZER_IMAGE
 
     def for_precise(self, precise: bool) -> str:
         return self.precise_endpoint_picker if precise else self.endpoint_picker

@@ -15,9 +15,10 @@ from kunlun_operator import names
 from kunlun_operator.builders.httproute import build_httproute
 from kunlun_operator.builders.inferencepool import build_inferencepool
 from kunlun_operator.builders.picker_config import build_picker_configmap
-from kunlun_operator.builders.picker_deployment import build_picker_deployment, tokenizer_file
+from kunlun_operator.builders.picker_deployment import build_picker_deployment
 from kunlun_operator.builders.picker_rbac import build_picker_role, build_picker_rolebinding
 from kunlun_operator.builders.picker_service import build_picker_service
+from kunlun_operator.builders.picker_tokenizer import tokenizer_dir
 from kunlun_operator.decide.reconcile import desired_objects
 from kunlun_operator.decide.routing import routing_objects
 from kunlun_operator.spec.operator_config import PickerImages
@@ -162,7 +163,12 @@ def test_the_picker_reads_pods_pools_and_objectives_in_its_namespace_and_nothing
 
 def test_the_picker_deployment_serves_its_pool_with_its_config() -> None:
     deployment = build_picker_deployment(
-        make_ref(), routed(picker={"replicas": 2}), image="epp:1", config_hash="abc", image_volumes=False
+        make_ref(),
+        routed(picker={"replicas": 2}),
+        image="epp:1",
+        tokenizer_image="tok:1",
+        config_hash="abc",
+        image_volumes=False,
     )
     probe = {
         "grpc": {"port": 9003, "service": "envoy.service.ext_proc.v3.ExternalProcessor"},
@@ -283,8 +289,8 @@ def test_no_runtime_selector_matches_a_picker_pod_and_the_pool_matches_no_picker
         assert not selector.items() <= runtime_pod.items()
 
 
-def _picker_config(spec: InferenceSpec, tokenizer: str = "/models/Qwen2-7B/tokenizer.json") -> dict[str, Any]:
-    configmap = build_picker_configmap(make_ref(), spec, tokenizer_file=tokenizer)
+def _picker_config(spec: InferenceSpec, tokenizer: str = "/models/Qwen2-7B") -> dict[str, Any]:
+    configmap = build_picker_configmap(make_ref(), spec, tokenizer_dir=tokenizer)
     return yaml.safe_load(configmap["data"]["config.yaml"])
 
 
@@ -360,10 +366,13 @@ def test_precise_pods_publish_the_kv_events_the_pickers_indexer_reads() -> None:
         "topic": "kv@$(POD_IP):8000@qwen",  # llm-d's indexer keys a pod as the IP:port it routes to
     }
     assert env["POD_IP"] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    # llm-d's release build tokenises only through its sidecar's socket (llm-d-kv-cache's uds config)
     assert params["indexerConfig"]["tokenizersPoolConfig"] == {
         "modelName": "qwen",
-        "hf": {"enabled": False},
-        "local": {"modelTokenizerMap": {"qwen": "/models/Qwen2-7B/tokenizer.json"}},
+        "uds": {
+            "socketFile": "/tmp/tokenizer/tokenizer-uds.socket",
+            "modelTokenizerMap": {"qwen": "/models/Qwen2-7B"},
+        },
     }
 
 
@@ -399,34 +408,51 @@ def test_only_the_leader_of_a_multi_node_group_publishes() -> None:
 
 
 SOURCES = [
-    ("pvc", {"pvc": {"claimName": "models", "path": "Qwen2-7B"}}, False, "/models/Qwen2-7B/tokenizer.json"),
-    ("hostPath", {"hostPath": {"path": "/data/qwen"}}, False, "/models/tokenizer.json"),
-    ("image volume", {"image": {"reference": "reg/qwen:1"}}, True, "/model-image/models/tokenizer.json"),
-    ("image copy", {"image": {"reference": "reg/qwen:1"}}, False, "/tokenizer/tokenizer.json"),
+    ("pvc", {"pvc": {"claimName": "models", "path": "Qwen2-7B"}}, False, "/models/Qwen2-7B"),
+    ("hostPath", {"hostPath": {"path": "/data/qwen"}}, False, "/models"),
+    ("image volume", {"image": {"reference": "reg/qwen:1"}}, True, "/model-image/models"),
+    ("image copy", {"image": {"reference": "reg/qwen:1"}}, False, "/tokenizer"),
 ]
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HOME": "/tmp/hf",
+    "USE_MODELSCOPE": "false",
+}
 
 
 @pytest.mark.parametrize(("what", "source", "image_volumes", "path"), SOURCES, ids=[s[0] for s in SOURCES])
-def test_a_precise_picker_reads_the_models_own_tokenizer_from_its_source(
+def test_a_precise_picker_tokenises_through_its_sidecar_from_the_models_own_files(
     what: str, source: dict[str, Any], image_volumes: bool, path: str
 ) -> None:
+    """llm-d's picker has no tokenizer of its own: the UDS tokenizer sidecar (the operator's image)
+    shares the socket directory with it and loads the model's tokenizer files, never downloading."""
     raw = make_raw_spec(
         model={"name": "qwen", "source": source}, routing={"type": "InferencePool", "precise": True}
     )
     spec = parse_spec(raw)
-    assert tokenizer_file(spec, image_volumes=image_volumes) == path
+    assert tokenizer_dir(spec, image_volumes=image_volumes) == path
     pod = build_picker_deployment(
-        make_ref(), spec, image="epp", config_hash="h", image_volumes=image_volumes
+        make_ref(), spec, image="epp", tokenizer_image="tok:1", config_hash="h", image_volumes=image_volumes
     )["spec"]["template"]["spec"]
-    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"]
-    assert path.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+    epp, sidecar = pod["containers"]
+    assert (epp["name"], sidecar["name"], sidecar["image"]) == ("epp", "tokenizer", "tok:1")
+    socket = {"name": "tokenizer-socket", "mountPath": "/tmp/tokenizer"}
+    assert socket in epp["volumeMounts"] and socket in sidecar["volumeMounts"]
+    assert {"name": "tokenizer-socket", "emptyDir": {}} in pod["volumes"]
+    assert "model" not in {m["name"] for m in epp["volumeMounts"]}  # the picker reads no model file
+    [mount] = [m for m in sidecar["volumeMounts"] if m["name"] == "model"]
+    assert (path + "/").startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+    env = {e["name"]: e["value"] for e in sidecar["env"]}
+    assert OFFLINE.items() <= env.items()
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 8082}
     [volume] = [v for v in pod["volumes"] if v["name"] == "model"]
     if what == "image copy":
         assert volume == {"name": "model", "emptyDir": {}}
         [fetch] = pod["initContainers"]
         assert (fetch["image"], fetch["command"]) == (
             "reg/qwen:1",
-            ["cp", "/models/tokenizer.json", "/tokenizer/"],
+            ["cp", "/models/tokenizer.json", "/models/tokenizer_config.json", "/tokenizer/"],
         )
     else:
         assert "initContainers" not in pod
@@ -435,6 +461,13 @@ def test_a_precise_picker_reads_the_models_own_tokenizer_from_its_source(
     kubernetes_validate.validate(
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": pod}, "1.31.0", strict=True
     )
+
+
+def test_an_approximate_picker_has_no_tokenizer_sidecar() -> None:
+    pod = build_picker_deployment(
+        make_ref(), routed(), image="epp", tokenizer_image="tok:1", config_hash="h", image_volumes=False
+    )["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["epp"] and "initContainers" not in pod
 
 
 @pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
@@ -460,9 +493,11 @@ def test_every_routing_object_is_valid_for_kubernetes_or_its_crd(k8s_version: st
             assert validate_cr(obj, load_httproute_crd())[1] == []
         else:
             kubernetes_validate.validate(obj, k8s_version, strict=True)
-    image = objects[4]["spec"]["template"]["spec"]["containers"][0]["image"]
-    assert image == (
-        names.DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE if precise else names.DEFAULT_ENDPOINT_PICKER_IMAGE
+    images = [c["image"] for c in objects[4]["spec"]["template"]["spec"]["containers"]]
+    assert images == (
+        [names.DEFAULT_PRECISE_ENDPOINT_PICKER_IMAGE, names.DEFAULT_PRECISE_TOKENIZER_IMAGE]
+        if precise
+        else [names.DEFAULT_ENDPOINT_PICKER_IMAGE]
     )
 
 

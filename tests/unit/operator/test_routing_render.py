@@ -58,15 +58,19 @@ def test_the_picker_images_are_the_operators_flags(
     flags = [
         "--endpoint-picker-image=mirror.local/epp:v1.5.0",
         "--precise-endpoint-picker-image=mirror.local/llm-d:v0.8.0",
+        "--precise-tokenizer-image=mirror.local/uds-tokenizer:v0.7.1",
     ]
     config = controller_config(build_parser().parse_args(["run", *flags]))
-    assert (config.picker_images.endpoint_picker, config.picker_images.precise_endpoint_picker) == (
+    images = config.picker_images
+    assert (images.endpoint_picker, images.precise_endpoint_picker, images.precise_tokenizer) == (
         "mirror.local/epp:v1.5.0",
         "mirror.local/llm-d:v0.8.0",
+        "mirror.local/uds-tokenizer:v0.7.1",
     )
     assert config.inference_pool is True
     code, out, _ = run(capsys, "-f", ROUTED, "--config", write_config(tmp_path, flags), *ROUTING_API)
     assert code == 0 and "image: mirror.local/llm-d:v0.8.0\n" in out
+    assert "image: mirror.local/uds-tokenizer:v0.7.1\n" in out
 
 
 def test_the_documented_routing_rejection_is_the_operators_message() -> None:
