@@ -1,8 +1,11 @@
 """The Endpoint Picker's Service: the address the InferencePool names for the Gateway.
 
 Owns: the ``<name>-epp`` ClusterIP Service in front of the picker's pods: the ext-proc port the
-InferencePool's ``endpointPickerRef`` names (HTTP/2, ``appProtocol: kubernetes.io/h2c``, so a
-Gateway speaks gRPC to it in cleartext) and the picker's metrics.
+InferencePool's ``endpointPickerRef`` names and the picker's metrics. The picker serves ext-proc
+over TLS (its ``--secure-serving`` default: a self-signed certificate), so the port declares no
+``appProtocol`` (as the extension's own chart): ``kubernetes.io/h2c`` would tell the Gateway to
+speak cleartext HTTP/2 to a TLS server. Gateways that check the certificate must be told to skip
+it (Istio: a DestinationRule ``tls: {mode: SIMPLE, insecureSkipVerify: true}``; docs/operator.md).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ def build_picker_service(ref: ServiceRef) -> dict[str, Any]:
                     "port": names.PICKER_EXT_PROC_PORT,
                     "targetPort": "grpc",
                     "protocol": "TCP",
-                    "appProtocol": "kubernetes.io/h2c",
                 },
                 {
                     "name": "http-metrics",

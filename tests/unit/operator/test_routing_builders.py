@@ -15,7 +15,7 @@ from kunlun_operator import names
 from kunlun_operator.builders.httproute import build_httproute
 from kunlun_operator.builders.inferencepool import build_inferencepool
 from kunlun_operator.builders.picker_config import build_picker_configmap
-from kunlun_operator.builders.picker_deployment import build_picker_deployment
+from kunlun_operator.builders.picker_deployment import build_picker_deployment, picker_args
 from kunlun_operator.builders.picker_rbac import build_picker_role, build_picker_rolebinding
 from kunlun_operator.builders.picker_service import build_picker_service
 from kunlun_operator.builders.picker_tokenizer import tokenizer_dir
@@ -124,6 +124,9 @@ def test_the_route_attaches_the_pool_to_the_named_gateway_listener() -> None:
 
 
 def test_the_picker_service_serves_ext_proc_and_metrics_from_the_picker_pods_only() -> None:
+    """The picker serves ext-proc over TLS (secure serving, its default, is never turned off), so
+    the port claims no cleartext protocol (no appProtocol, as the extension's chart)."""
+    assert not any(a.startswith("--secure-serving") for a in picker_args(make_ref()))
     assert build_picker_service(make_ref()) == {
         "apiVersion": "v1",
         "kind": "Service",
@@ -132,13 +135,7 @@ def test_the_picker_service_serves_ext_proc_and_metrics_from_the_picker_pods_onl
             "type": "ClusterIP",
             "selector": PICKER_PODS,
             "ports": [
-                {
-                    "name": "grpc-ext-proc",
-                    "port": 9002,
-                    "targetPort": "grpc",
-                    "protocol": "TCP",
-                    "appProtocol": "kubernetes.io/h2c",
-                },
+                {"name": "grpc-ext-proc", "port": 9002, "targetPort": "grpc", "protocol": "TCP"},
                 {"name": "http-metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"},
             ],
         },
