@@ -49,6 +49,17 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Close the engine: its last KV events sent, the publisher's sockets and the other ranks
+        (tensor or pipeline parallel) closed. ``with LLM(...) as llm:`` closes it on leaving."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM over an already built EngineConfig (the CLI's path)."""

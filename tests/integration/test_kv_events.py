@@ -10,12 +10,15 @@ from __future__ import annotations
 import hashlib
 
 import cbor2
+import httpx
 import pytest
 import zmq
 
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.commands.cli import main
+from kunlun_runtime.config import KVEventsConfig
 from kunlun_runtime.parallel.group import free_port
+from tests.integration.server.live import serve_in_thread
 from tests.support.kv_event_subscriber import KVEventSubscriber
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
 
@@ -242,4 +245,67 @@ def test_one_publisher_per_engine_under_tensor_parallelism(model_dir, context):
         assert len(set(subscriber.live_seqs)) == len(subscriber.live_seqs) > 0
     finally:
         llm.engine.close()
+        subscriber.close()
+
+
+def port_is_free(endpoint: str) -> bool:
+    """Whether a fresh socket can bind ``endpoint`` (the publisher that held it has let it go)."""
+    probe = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        probe.bind(endpoint)
+        return True
+    except zmq.ZMQError:
+        return False
+    finally:
+        probe.close(linger=0)
+
+
+def test_leaving_with_llm_closes_the_publisher_its_last_batch_sent_and_its_port_free(model_dir, context):
+    llm, subscriber = start(model_dir, context)
+    replay = subscriber.replay_endpoint
+    with llm:
+        until_live(llm, subscriber, seed=500)
+        assert not port_is_free(replay)
+        generate(llm, [prompt(600, 24)], max_tokens=2)
+        cached = set(llm.engine.block_pool.cached_block_hashes())
+    try:
+        assert llm.engine.kv_events is None and port_is_free(replay)
+        while subscriber.receive_live(timeout_ms=2000):  # what the close flushed
+            pass
+        assert subscriber.cached == cached and subscriber.applied_seqs == list(range(subscriber.next_seq))
+    finally:
+        subscriber.close()
+
+
+def test_serve_closes_the_engine_on_shutdown_its_last_batch_sent_and_its_port_free(model_dir, context):
+    sub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    subscriber = KVEventSubscriber(context, sub, replay, topic="kv@pod-0@tiny")
+    events = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=sub, replay_endpoint=replay, topic="kv@pod-0@tiny"
+    )
+    try:
+        with serve_in_thread(
+            model_dir, block_size=BLOCK, max_model_len=64, kv_events_config=events
+        ) as server:
+
+            def complete(seed: int) -> None:
+                body = {"model": server.model_name, "prompt": prompt(seed, 24), "max_tokens": 2}
+                assert (
+                    httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+                )
+
+            for seed in range(700, 800):  # until a batch arrives live: the link is up
+                complete(seed)
+                if subscriber.receive_live(timeout_ms=200):
+                    break
+            subscriber.replay()
+            assert subscriber.cached and not port_is_free(replay)
+            complete(900)
+        assert port_is_free(replay)
+        stored_before = len(subscriber.stored_events())
+        while subscriber.receive_live(timeout_ms=2000):  # the second request's blocks, sent before the close
+            pass
+        assert len(subscriber.stored_events()) > stored_before
+        assert subscriber.applied_seqs == list(range(subscriber.next_seq))
+    finally:
         subscriber.close()

@@ -142,11 +142,20 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
+        """Stop the engine thread, then close the engine (its last KV events sent, its publisher's
+        sockets and the other ranks closed). An engine thread still running after the timeout is
+        stuck in a step: the engine is left as it is (the process is ending) and that is logged."""
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout_seconds)
+            if self._thread.is_alive():
+                logger.warning(
+                    "the engine thread did not stop within %s s; the engine is not closed", timeout_seconds
+                )
+                return
+        self._engine.close()
 
     @property
     def is_dead(self) -> bool:
