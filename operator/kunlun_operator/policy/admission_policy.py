@@ -58,9 +58,12 @@ RESERVED_ENV = frozenset(
         "PYTHONSTARTUP",
     }
 )
-#: What the operator sets on the pods of a precisely routed service (``spec.routing.precise``): the
-#: KV events and the block hashes the picker's indexer recomputes, from the seed it shares.
-PRECISE_RESERVED_FLAGS = frozenset({"--kv-events-config", "--prefix-caching-hash-algo"})
+#: What the operator sets or relies on for the pods of a precisely routed service
+#: (``spec.routing.precise``): the KV events, their wire encoding (the runtime's default is the one
+#: the picker's indexer decodes) and the block hashes the indexer recomputes, from the seed it shares.
+PRECISE_RESERVED_FLAGS = frozenset(
+    {"--kv-events-config", "--kv-events-encoding", "--prefix-caching-hash-algo"}
+)
 PRECISE_RESERVED_ENV = frozenset({"PYTHONHASHSEED", "POD_IP"})
 
 

@@ -186,6 +186,10 @@ def test_precise_routing_reserves_its_flags_and_environment() -> None:
             _raw(precise=True) | {"runtime": {"extraArgs": ["--prefix-caching-hash"]}},
             "spec.runtime.extraArgs[0]",
         ),
+        (  # the indexer decodes the runtime's default encoding only
+            _raw(precise=True) | {"runtime": {"extraArgs": ["--seed=1", "--kv-events-encoding=map"]}},
+            "spec.runtime.extraArgs[1]",
+        ),
     ):
         denial = review(parse_spec_or_error(raw), load_default_matrix(), IMAGE, policy, **SERVED).denial
         assert denial is not None and denial.field == field
