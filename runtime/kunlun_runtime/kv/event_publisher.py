@@ -12,7 +12,8 @@ topic before the number as the live messages do, ``[b"", topic, seq, payload]`` 
 The engine step only calls ``publish``: it numbers the batch and appends it to a bounded queue,
 never blocking. When the queue is full the oldest waiting batch is dropped and counted
 (``num_dropped``): its sequence number is then missing for good, a gap a subscriber sees and
-replay cannot fill. One thread encodes, sends, keeps the last ``buffer_steps`` batches for
+replay cannot fill. A batch that cannot be encoded or sent is dropped, logged and counted the
+same way, and the thread goes on with the next. One thread encodes, sends, keeps the last ``buffer_steps`` batches for
 replay and serves the replay socket; the sockets are created here (a bad or busy endpoint is an
 error at start) and then used by that thread alone.
 """
@@ -145,13 +146,12 @@ class KVEventPublisher:
             ready = dict(poller.poll())
             if self._wake_read in ready:
                 os.read(self._wake_read, 4096)
-            try:
-                stopping = self._send_queued()
-                if self._replay is not None and self._replay in ready:
+            stopping = self._send_queued()
+            if self._replay is not None and self._replay in ready:
+                try:
                     self._serve_replay(self._replay)
-            except zmq.ZMQError:  # a socket failed; the next batch tries again
-                logger.exception("KV events: publishing failed")
-                stopping = self._stopping
+                except Exception:  # a failed replay must not end the thread; logged
+                    logger.exception("KV events: answering a replay request failed")
             if stopping:
                 return
 
@@ -162,8 +162,19 @@ class KVEventPublisher:
                 if not self._queue:
                     return self._stopping
                 batch = self._queue.popleft()
-            payload = encode_event_batch(batch.ts, batch.events, medium=self._medium, encoding=self._encoding)
-            self._pub.send_multipart((self._config.topic.encode(), batch.seq.to_bytes(8, "big"), payload))
+            try:
+                payload = encode_event_batch(
+                    batch.ts, batch.events, medium=self._medium, encoding=self._encoding
+                )
+                self._pub.send_multipart((self._config.topic.encode(), batch.seq.to_bytes(8, "big"), payload))
+            except Exception:  # one bad batch must not end the thread; counted, logged
+                with self._lock:
+                    self.num_dropped += 1
+                logger.exception(
+                    "KV events: batch %d could not be sent and is dropped (kunlun:kv_event_batches_dropped)",
+                    batch.seq,
+                )
+                continue
             self._replay_buffer.append((batch.seq, payload))
 
     def _serve_replay(self, replay: zmq.Socket[bytes]) -> None:

@@ -131,6 +131,27 @@ def test_a_full_queue_drops_its_oldest_batches_and_counts_them(context, endpoint
         subscriber.close()
 
 
+def test_a_batch_that_cannot_be_sent_is_counted_as_dropped_and_the_thread_goes_on(context, endpoints):
+    publisher = make_publisher(endpoints)
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(endpoints[1])
+    try:
+        publisher.publish([stored(0)])
+        publisher.publish([BlockStored((1,), None, (2**70,), 1)])  # a token id msgpack cannot encode
+        publisher.publish([stored(2)])
+        publisher.start()
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while not seqs or seqs[-1] != -1:
+            assert dealer.poll(10_000), "the replay socket did not answer"
+            seqs.append(int.from_bytes(dealer.recv_multipart()[1], "big", signed=True))
+        assert seqs == [0, 2, -1]  # 1 is gone for good, as a batch dropped from a full queue
+        assert publisher.num_dropped == 1
+    finally:
+        dealer.close(linger=0)
+        publisher.close()
+
+
 def test_replay_keeps_only_the_last_buffer_steps_batches(context, endpoints):
     subscriber = KVEventSubscriber(context, endpoints[0], endpoints[1])
     publisher = make_publisher(endpoints, buffer_steps=2)
