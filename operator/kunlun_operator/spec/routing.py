@@ -41,7 +41,7 @@ def parse_routing(routing: Mapping[str, Any]) -> RoutingSpec:
     Raises:
         SpecError: a field of the wrong type or out of bounds, or a field that only means something
             with ``type: InferencePool`` (``gateway``, ``picker``, ``precise``) or with ``precise``
-            (``hashSeed``) set without it.
+            (``hashSeed``, ``picker.replicas`` above 1) set without it.
     """
     p = "spec.routing"
     parsed = RoutingSpec(
@@ -61,6 +61,12 @@ def parse_routing(routing: Mapping[str, Any]) -> RoutingSpec:
                 raise SpecError(f"{p}.{key}", f"{key} needs type InferencePool")
     if parsed.hash_seed is not None and not parsed.precise:
         raise SpecError(f"{p}.hashSeed", "hashSeed needs precise true")
+    if parsed.picker.replicas > 1 and not parsed.precise:
+        raise SpecError(
+            f"{p}.picker.replicas",
+            "picker.replicas above 1 needs precise true: approximate pickers estimate the prefix caches "
+            "from their own routing history, which several replicas split",
+        )
     return parsed
 
 

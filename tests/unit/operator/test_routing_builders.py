@@ -161,7 +161,7 @@ def test_the_picker_reads_pods_pools_and_objectives_in_its_namespace_and_nothing
 def test_the_picker_deployment_serves_its_pool_with_its_config() -> None:
     deployment = build_picker_deployment(
         make_ref(),
-        routed(picker={"replicas": 2}),
+        routed(picker={"failureMode": "FailClose"}),
         image="epp:1",
         tokenizer_image="tok:1",
         config_hash="abc",
@@ -176,7 +176,7 @@ def test_the_picker_deployment_serves_its_pool_with_its_config() -> None:
         "kind": "Deployment",
         "metadata": _meta("qwen-epp", PICKER_LABELS),
         "spec": {
-            "replicas": 2,
+            "replicas": 1,
             "selector": {"matchLabels": PICKER_PODS},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {

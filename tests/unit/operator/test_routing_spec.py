@@ -57,7 +57,7 @@ def test_a_picker_block_without_fields_gets_the_crds_defaults() -> None:
 INVALID = [
     ("precise with Service", {"routing": {"precise": True}}, "spec.routing.precise"),
     ("gateway with Service", {"routing": {"gateway": {"name": "gw"}}}, "spec.routing.gateway"),
-    ("picker with Service", {"routing": {"picker": {"replicas": 2}}}, "spec.routing.picker"),
+    ("picker with Service", {"routing": {"picker": {"failureMode": "FailClose"}}}, "spec.routing.picker"),
     (
         "hashSeed without precise",
         {"routing": {"type": "InferencePool", "hashSeed": "1"}},
@@ -93,6 +93,11 @@ INVALID = [
     (
         "too many picker replicas",
         {"routing": {"type": "InferencePool", "picker": {"replicas": 11}}},
+        "spec.routing.picker.replicas",
+    ),
+    (  # no leader election: each approximate picker would learn a share of the conversations
+        "several approximate pickers",
+        {"routing": {"type": "InferencePool", "picker": {"replicas": 2}}},
         "spec.routing.picker.replicas",
     ),
     (
