@@ -8,6 +8,7 @@ engine under tensor parallelism."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 
 import cbor2
 import httpx
@@ -17,6 +18,7 @@ import zmq
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.commands.cli import main
 from kunlun_runtime.config import KVEventsConfig
+from kunlun_runtime.errors import ConfigError, ModelLoadError
 from kunlun_runtime.parallel.group import free_port
 from tests.integration.server.live import serve_in_thread
 from tests.support.kv_event_subscriber import KVEventSubscriber
@@ -309,3 +311,36 @@ def test_serve_closes_the_engine_on_shutdown_its_last_batch_sent_and_its_port_fr
         assert subscriber.applied_seqs == list(range(subscriber.next_seq))
     finally:
         subscriber.close()
+
+
+def test_a_busy_endpoint_fails_before_the_model_loads(model_dir, context, tmp_path):
+    weightless = tmp_path / "tiny"
+    shutil.copytree(model_dir, weightless)
+    (weightless / "model.safetensors").unlink()  # loading the model would fail on this
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    holder = context.socket(zmq.ROUTER)
+    holder.bind(replay)
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "replay_endpoint": replay,
+    }
+    with pytest.raises(ConfigError, match="cannot bind") as error:
+        LLM(str(weightless), dtype="float32", block_size=BLOCK, kv_events_config=events)
+    assert error.value.field == "kv_events_config.replay_endpoint"
+    holder.close(linger=0)
+
+
+def test_a_failed_load_frees_the_endpoints_it_bound(model_dir, tmp_path):
+    weightless = tmp_path / "tiny"
+    shutil.copytree(model_dir, weightless)
+    (weightless / "model.safetensors").unlink()
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "replay_endpoint": replay,
+    }
+    with pytest.raises(ModelLoadError, match="weight files"):
+        LLM(str(weightless), dtype="float32", block_size=BLOCK, kv_events_config=events)
+    assert port_is_free(replay)

@@ -43,7 +43,7 @@ from kunlun_runtime.kv.prefix_hash import PrefixHasher
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.kernel_choice import choose_for_config
 from kunlun_runtime.layers.runtime_info import RuntimeInfo, announce_start
-from kunlun_runtime.models.model_config import load_model_config
+from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.model_dir import resolve_max_model_len, resolve_model_dir, served_model_name
 from kunlun_runtime.models.tokenizer import Tokenizer
 from kunlun_runtime.parallel.rank_plan import plan_ranks
@@ -68,6 +68,18 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = Tokenizer(self.model_dir)  # before any worker starts: fail fast, leak nothing
         self.group: LeaderGroup | None = None
+        # Its sockets bound before the model loads: a busy or wrong endpoint fails fast.
+        self.kv_events = self._open_kv_events()
+        try:
+            self._load(config, model_config)
+        except BaseException:
+            self.close()  # the publisher's sockets, the other ranks
+            raise
+        if self.kv_events is not None:
+            self.kv_events.start()
+
+    def _load(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        """Plan and load the ranks, then build what steps them (the scheduler, runner, sampler, ...)."""
         rank_spec = plan_ranks(config, self.platform, model_config, self.model_dir, self.max_model_len)
         self.kv_cache_dtype = rank_spec.cache_dtype  # what the paged KV cache stores
         num_blocks = rank_spec.num_blocks
@@ -123,23 +135,18 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             kv_cache_bytes=self.kv_cache.nbytes,
         )
-        self.kv_events = self._start_kv_events()
 
-    def _start_kv_events(self) -> KVEventPublisher | None:
+    def _open_kv_events(self) -> KVEventPublisher | None:
         """The KV event publisher, one per engine (the leader's; no other rank has a KV manager),
-        announcing an empty cache first: an indexer drops what a previous run of this pod left."""
+        its sockets bound (its thread starts once the engine is built), announcing an empty cache
+        first: an indexer drops what a previous run of this pod left."""
         events = self.config.kv_events_config
         if events is None or not events.publishes:
             return None
         # vLLM's names for where the blocks live: host memory on the CPU, the accelerator's otherwise.
         medium = MEDIUM_CPU if self.platform.device_type == "cpu" else MEDIUM_GPU
-        try:
-            publisher = KVEventPublisher(events, medium=medium, encoding=self.config.kv_events_encoding)
-        except BaseException:
-            self.close()  # the other ranks, when the endpoint is wrong or busy
-            raise
+        publisher = KVEventPublisher(events, medium=medium, encoding=self.config.kv_events_encoding)
         publisher.publish([AllBlocksCleared()])
-        publisher.start()
         return publisher
 
     def _utilization_reader(self) -> Callable[[], float | None] | None:
@@ -161,7 +168,8 @@ class LLMEngine:
         """Send the last KV events and stop the other ranks (no-op on one rank)."""
         publisher = getattr(self, "kv_events", None)
         if publisher is not None:
-            self._publish_kv_events()
+            if hasattr(self, "block_pool"):  # not on an engine whose load failed
+                self._publish_kv_events()
             publisher.close()
             self.kv_events = None
         if self.group is not None:
