@@ -77,6 +77,9 @@ class KVEventPublisher:
             self._open("endpoint", self._pub, config.endpoint, bind=binds(config.endpoint))
             if config.replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
+                # A whole replay and its end marker fit under the send high-water mark: past it a
+                # ROUTER drops what it sends without a word (ZeroMQ's default is 1000 messages).
+                self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
                 self._open("replay_endpoint", self._replay, config.replay_endpoint, bind=True)
         except ConfigError:
             self._close_sockets()

@@ -166,6 +166,32 @@ def test_replay_keeps_only_the_last_buffer_steps_batches(context, endpoints):
         subscriber.close()
 
 
+def test_a_replay_longer_than_zeromqs_default_high_water_mark_arrives_whole(context, endpoints):
+    steps = 3000  # ZeroMQ's default send high-water mark is 1000 messages
+    publisher = make_publisher(endpoints, buffer_steps=steps)
+    slow, quick = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 4096)
+    for dealer in (slow, quick):
+        dealer.connect(endpoints[1])
+    try:
+        for first in range(steps):  # ~1 KiB each: more than the socket buffers hold
+            publisher.publish([BlockStored((first,), None, tuple(range(256)), 256)])
+        publisher.start()
+        slow.send_multipart([b"", (0).to_bytes(8, "big")])  # not read until its whole answer is sent
+        quick.send_multipart([b"", (steps - 1).to_bytes(8, "big")])  # answered after slow's
+        assert quick.poll(30_000)
+        seqs = []
+        while not seqs or seqs[-1] != -1:
+            assert slow.poll(10_000), f"the replay stopped after {len(seqs)} messages"
+            seqs.append(int.from_bytes(slow.recv_multipart()[1], "big", signed=True))
+        assert seqs == [*range(steps), -1]
+    finally:
+        slow.close(linger=0)
+        quick.close(linger=0)
+        publisher.close()
+
+
 def test_a_busy_replay_endpoint_is_a_start_error_naming_the_key(endpoints):
     first = make_publisher(endpoints)
     try:
