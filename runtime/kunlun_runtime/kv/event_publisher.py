@@ -73,10 +73,12 @@ class KVEventPublisher:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
         try:
+            self._pub.setsockopt(zmq.IPV6, 1)  # IPv6 endpoints, and `*` on IPv6-only clusters too
             self._pub.set_hwm(config.hwm)
             self._open("endpoint", self._pub, config.endpoint, bind=binds(config.endpoint))
             if config.replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.IPV6, 1)
                 # A whole replay and its end marker fit under the send high-water mark: past it a
                 # ROUTER drops what it sends without a word (ZeroMQ's default is 1000 messages).
                 self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)

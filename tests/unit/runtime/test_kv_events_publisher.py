@@ -4,6 +4,8 @@ replay from a sequence number with its end marker, the bounded queue dropping it
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
@@ -189,6 +191,36 @@ def test_a_replay_longer_than_zeromqs_default_high_water_mark_arrives_whole(cont
     finally:
         slow.close(linger=0)
         quick.close(linger=0)
+        publisher.close()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_ipv6_endpoints_bind_and_replay(context):
+    replay = f"tcp://[::1]:{free_port()}"
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://[::]:{free_port()}", replay_endpoint=replay
+    )
+    publisher = KVEventPublisher(config, medium="CPU")
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IPV6, 1)
+    dealer.connect(replay)
+    try:
+        publisher.start()
+        publisher.publish([AllBlocksCleared()])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert dealer.poll(10_000)
+        assert int.from_bytes(dealer.recv_multipart()[1], "big") == 0
+    finally:
+        dealer.close(linger=0)
         publisher.close()
 
 
