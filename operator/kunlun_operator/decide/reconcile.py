@@ -110,9 +110,12 @@ class ClusterFacts:
     httproute_served: bool = False
     #: --endpoint-picker-image, --precise-endpoint-picker-image
     picker_images: PickerImages = DEFAULT_PICKER_IMAGES
-    #: A routed service's Endpoint Picker Deployment (its report) and InferencePool (None: absent).
+    #: A routed service's Endpoint Picker Deployment (its report), InferencePool and HTTPRoute
+    #: (None: absent, or no gateway named); the pool's and the route's status.parents carry the
+    #: Gateway's verdicts.
     picker: DeploymentFacts | None = None
     pool: Mapping[str, Any] | None = None
+    route: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +201,7 @@ def reconcile(
             (p.pull for p in facts.pods if p.pull is not None), image, from_matrix=spec.runtime.image is None
         ),
     ]
-    routed = routed_condition(ref, spec, facts.picker, facts.pool)
+    routed = routed_condition(ref, spec, facts.picker, facts.pool, facts.route)
     if routed is not None:  # routed through an InferencePool only
         conditions.append(routed)
     status: dict[str, Any] = {

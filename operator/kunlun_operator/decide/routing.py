@@ -5,7 +5,8 @@ Owns: for ``spec.routing.type: InferencePool``, the Endpoint Picker's objects (S
 Role, RoleBinding, ConfigMap, Deployment, Service), the InferencePool and, with a gateway named,
 the HTTPRoute, in apply order; the routing kinds that must be absent otherwise (only those of APIs
 the cluster serves and the operator may use); the error naming the API a cluster lacks; and the
-``Routed`` condition from the picker's Deployment and the pool's status. Pure: facts come in.
+``Routed`` condition from the picker's Deployment and the pool's and route's status. Pure: facts
+come in.
 Invariant: a service routed by its Service alone gets no routing object and no ``Routed`` condition,
 exactly as before routing existed.
 """
@@ -120,11 +121,17 @@ def absent_routing_kinds(
 
 
 def routed_condition(
-    ref: ServiceRef, spec: InferenceSpec, picker: DeploymentFacts | None, pool: Mapping[str, Any] | None
+    ref: ServiceRef,
+    spec: InferenceSpec,
+    picker: DeploymentFacts | None,
+    pool: Mapping[str, Any] | None,
+    route: Mapping[str, Any] | None = None,
 ) -> Condition | None:
     """``Routed`` for a service routed through an InferencePool (None otherwise): True once its
     picker has a ready replica (the picker turns ready only after reading its pool) and, with a
-    gateway named, that Gateway accepted the pool; the reason says what is missing."""
+    gateway named, that Gateway accepted the route (``route``'s status) and the pool; the reason
+    says what is missing. A Gateway rejects a route (a listener not allowing the namespace, an
+    unknown sectionName) in the route's status only, never in the pool's."""
     if not spec.routing.inference_pool:
         return None
     epp = names.owned_name(ref.name, names.PICKER_DEPLOYMENT)
@@ -161,9 +168,20 @@ def routed_condition(
             f"{ready} route requests sent to the pool; no spec.routing.gateway: attach the pool with your own route",
         )
     where = f"{gateway.namespace or ref.namespace}/{gateway.name}"
-    verdict = gateway_verdict(
-        pool, gateway.name, gateway.namespace or ref.namespace, pool_namespace=ref.namespace
+    gateway_namespace = gateway.namespace or ref.namespace
+    on_route = (
+        None
+        if route is None
+        else gateway_verdict(route, gateway.name, gateway_namespace, pool_namespace=ref.namespace)
     )
+    if on_route:
+        return Condition(
+            CONDITION_TYPE,
+            "False",
+            "GatewayRejectedRoute",
+            f"Gateway {where} on HTTPRoute {names.owned_name(ref.name, names.HTTP_ROUTE)}: {on_route}",
+        )
+    verdict = gateway_verdict(pool, gateway.name, gateway_namespace, pool_namespace=ref.namespace)
     if verdict is None:
         return Condition(
             CONDITION_TYPE,
@@ -180,9 +198,10 @@ def routed_condition(
 def gateway_verdict(
     pool: Mapping[str, Any], gateway: str, gateway_namespace: str, *, pool_namespace: str
 ) -> str | None:
-    """What the Gateway reported on the pool in ``status.parents``: None when it has not, ``""``
-    when it accepted it and resolved its references, else its ``reason: message`` for the first
-    condition that is not True."""
+    """What the Gateway reported on the pool (or route) in ``status.parents``: None when it has
+    not, ``""`` when it accepted it and resolved its references, else its ``reason: message`` for
+    the first condition that is not True. ``pool_namespace``: the object's own namespace, which a
+    parentRef without one means."""
     for parent in (pool.get("status") or {}).get("parents") or []:
         ref = parent.get("parentRef") or {}
         if ref.get("name") != gateway or (ref.get("namespace") or pool_namespace) != gateway_namespace:

@@ -177,19 +177,25 @@ class Controller:
         return True, names.HTTP_ROUTE.plural in self.client.served_plurals(names.GATEWAY_GROUP_VERSION)
 
     def read_routing(
-        self, ref: ServiceRef, spec: InferenceSpec | None, pool_served: bool
-    ) -> tuple[DeploymentFacts | None, dict[str, Any] | None]:
-        """A routed service's picker Deployment (its report) and InferencePool; None where absent
-        or where the service is not routed through a pool the cluster serves."""
+        self, ref: ServiceRef, spec: InferenceSpec | None, pool_served: bool, route_served: bool
+    ) -> tuple[DeploymentFacts | None, dict[str, Any] | None, dict[str, Any] | None]:
+        """A routed service's picker Deployment (its report), InferencePool and, with a gateway
+        named, HTTPRoute (whose status carries the Gateway's verdict on the route); None where
+        absent or where the service is not routed through a pool (or route) the cluster serves."""
         if spec is None or not spec.routing.inference_pool or not pool_served:
-            return None, None
+            return None, None, None
         picker = self.client.get(
             names.PICKER_DEPLOYMENT, ref.namespace, names.owned_name(ref.name, names.PICKER_DEPLOYMENT)
         )
         pool = self.client.get(
             names.INFERENCE_POOL, ref.namespace, names.owned_name(ref.name, names.INFERENCE_POOL)
         )
-        return (DeploymentFacts.from_object(picker) if picker else None), pool
+        route = None
+        if spec.routing.gateway is not None and route_served:
+            route = self.client.get(
+                names.HTTP_ROUTE, ref.namespace, names.owned_name(ref.name, names.HTTP_ROUTE)
+            )
+        return (DeploymentFacts.from_object(picker) if picker else None), pool, route
 
     def read_facts(self, ref: ServiceRef, spec: ParsedSpec, nodes: Iterable[NodeFacts]) -> ClusterFacts:
         """What the reconcile of the service ``ref`` needs from the cluster. The parsed ``spec``
@@ -210,7 +216,7 @@ class Controller:
             deployment = self.client.get(names.DEPLOYMENT, ref.namespace, ref.name)
             workload = DeploymentFacts.from_object(deployment) if deployment else None
         pool_served, route_served = self.routing_served()
-        picker, pool = self.read_routing(ref, parsed, pool_served)
+        picker, pool, route = self.read_routing(ref, parsed, pool_served, route_served)
         claim = None if parsed is None else parsed.model.source.claim_name  # set for a pvc source only
         pvc_exists = None if claim is None else self.client.get(PVC, ref.namespace, claim) is not None
         # The pods: where they run (Warn policy) and whether their cards are healthy.
@@ -246,6 +252,7 @@ class Controller:
             picker_images=self.config.picker_images,
             picker=picker,
             pool=pool,
+            route=route,
         )
 
     def reconcile(self, body: Mapping[str, Any], nodes: Iterable[NodeFacts]) -> Plan:

@@ -83,8 +83,23 @@ def test_a_routed_service_gets_its_pool_picker_and_route_and_loses_them_when_swi
         "lastTransitionTime": "2026-01-01T00:00:00Z",
     }
     parent = {"parentRef": {"name": "inference-gateway"}, "conditions": [accepted]}
+    # a Gateway refusing the route says so in the route's status only; the reconcile reads it (here
+    # on the pool's status change, which it watches)
+    refused = {**accepted, "status": "False", "reason": "NotAllowedByListeners"}
+    route_parent = {"parentRef": {"name": "inference-gateway"}, "conditions": [refused]}
+    cluster.custom.patch_namespaced_custom_object_status(
+        GATEWAY_GROUP, "v1", NAMESPACE, "httproutes", "qwen", {"status": {"parents": [route_parent]}}
+    )
     cluster.custom.patch_namespaced_custom_object_status(
         INFERENCE_GROUP, "v1", NAMESPACE, "inferencepools", "qwen", {"status": {"parents": [parent]}}
+    )
+    wait_for(lambda: routed(cluster) == ("False", "GatewayRejectedRoute"), message="Routed: route refused")
+    cluster.custom.patch_namespaced_custom_object_status(
+        GATEWAY_GROUP, "v1", NAMESPACE, "httproutes", "qwen", {"status": {"parents": [parent]}}
+    )
+    later = {**parent, "conditions": [{**accepted, "lastTransitionTime": "2026-01-01T00:01:00Z"}]}
+    cluster.custom.patch_namespaced_custom_object_status(
+        INFERENCE_GROUP, "v1", NAMESPACE, "inferencepools", "qwen", {"status": {"parents": [later]}}
     )
     wait_for(lambda: routed(cluster) == ("True", "GatewayAccepted"), message="Routed: accepted")
     cluster.wait_for_events("GatewayAccepted")

@@ -107,6 +107,37 @@ def test_routed_says_what_is_missing_until_the_gateway_accepts_the_pool() -> Non
     )
 
 
+def test_a_route_the_gateway_rejects_makes_routed_false_with_the_gateways_words() -> None:
+    """A Gateway refuses a route (its listener does not allow the namespace, no such sectionName)
+    in the route's status.parents only: Routed says so instead of awaiting the gateway forever."""
+    spec = parse_spec_or_error(_raw(gateway=GATEWAY))
+    refused = {
+        "parentRef": {"name": "inference-gateway", "namespace": "gateways"},
+        "conditions": [
+            {"type": "Accepted", "status": "False", "reason": "NotAllowedByListeners", "message": "ns ml"},
+            {"type": "ResolvedRefs", "status": "True", "reason": "ResolvedRefs", "message": ""},
+        ],
+    }
+    route = {"metadata": {"name": "qwen"}, "status": {"parents": [refused]}}
+    facts = make_facts(**SERVED, pool={"metadata": {"name": "qwen"}}, picker=_picker(1), route=route)
+    assert _routed(reconcile(make_ref(), spec, None, facts, now=NOW).status) == (
+        "False",
+        "GatewayRejectedRoute",
+        "Gateway gateways/inference-gateway on HTTPRoute qwen: Accepted False: NotAllowedByListeners: ns ml",
+    )
+    accepted = {**refused, "conditions": [{**refused["conditions"][0], "status": "True"}]}
+    facts = make_facts(
+        **SERVED,
+        pool={"metadata": {"name": "qwen"}},
+        picker=_picker(1),
+        route={**route, "status": {"parents": [accepted]}},
+    )
+    assert _routed(reconcile(make_ref(), spec, None, facts, now=NOW).status)[:2] == (
+        "Unknown",
+        "AwaitingGateway",
+    )
+
+
 def test_routed_is_true_without_a_gateway_once_the_picker_is_ready_and_says_so_once() -> None:
     spec = parse_spec_or_error(_raw())
     facts = make_facts(**SERVED, pool={"metadata": {"name": "qwen"}}, picker=_picker(1))
