@@ -21,7 +21,7 @@ from kunlun_runtime.config import KVEventsConfig
 from kunlun_runtime.errors import ConfigError, ModelLoadError
 from kunlun_runtime.parallel.group import free_port
 from tests.integration.server.live import serve_in_thread
-from tests.support.kv_event_subscriber import KVEventSubscriber
+from tests.support.kv_event_subscriber import AllBlocksCleared, KVEventSubscriber
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
 
 BLOCK = 8
@@ -129,7 +129,12 @@ def test_the_subscriber_rebuilds_the_cached_set_through_pressure_preemption_rese
     try:
         generate(llm, [history])
         subscriber.next_seq = 0  # it knows the pod restarted (or sees number 0 again live)
-        assert in_sync(llm, subscriber) and subscriber.replayed_seqs[-3:][0] == 0
+        restarted_at = len(subscriber.applied_seqs)
+        assert in_sync(llm, subscriber)
+        after = subscriber.applied_seqs[restarted_at:]
+        assert after == list(range(len(after))) and len(after) >= 2
+        first = subscriber.batches[restarted_at].events  # number 0 of the new run: the cache is empty
+        assert len(first) == 1 and isinstance(first[0], AllBlocksCleared)
     finally:
         llm.engine.close()
         subscriber.close()

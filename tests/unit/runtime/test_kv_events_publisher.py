@@ -40,6 +40,12 @@ def make_publisher(endpoints, encoding="array", **overrides) -> KVEventPublisher
     return KVEventPublisher(config, medium="CPU", encoding=encoding)
 
 
+def receive(dealer: zmq.Socket) -> list[bytes]:
+    """The next reply on ``dealer``, failing (not hanging) when none comes within 10 s."""
+    assert dealer.poll(10_000), "the replay socket did not answer"
+    return dealer.recv_multipart()
+
+
 def stored(first: int) -> BlockStored:
     return BlockStored((first,), None, tuple(range(8)), 8)
 
@@ -71,7 +77,7 @@ def test_live_messages_are_topic_seq_payload_and_replay_resends_from_a_sequence_
         assert subscriber.cached == set(range(2, sent))
 
         subscriber.dealer.send_multipart([b"", (sent - 1).to_bytes(8, "big")])
-        frames = [subscriber.dealer.recv_multipart() for _ in range(3)]
+        frames = [receive(subscriber.dealer) for _ in range(3)]
         assert [int.from_bytes(f[1], "big", signed=True) for f in frames] == [sent - 1, sent, -1]
         assert frames[-1] == [b"", END_OF_REPLAY, b""]
         assert decode_batch(frames[1][2]).events[0].block_hashes == [1]
@@ -89,12 +95,10 @@ def test_with_the_map_encoding_replay_replies_carry_the_topic_as_vllm_0_26_does(
         publisher.publish([AllBlocksCleared()])
         publisher.publish([stored(1)])
         dealer.send_multipart([b"", (1).to_bytes(8, "big")])
-        assert dealer.poll(10_000)
-        first = dealer.recv_multipart()
+        first = receive(dealer)
         assert first[:3] == [b"", b"kv@pod@m", (1).to_bytes(8, "big")]
         assert decode_batch(first[3], "map").events[0].block_hashes == [1]
-        assert dealer.poll(10_000)
-        assert dealer.recv_multipart() == [b"", b"", END_OF_REPLAY, b""]
+        assert receive(dealer) == [b"", b"", END_OF_REPLAY, b""]
     finally:
         dealer.close(linger=0)
         publisher.close()
@@ -109,9 +113,8 @@ def test_a_malformed_replay_request_is_ignored_and_the_next_one_answered(context
         publisher.publish([AllBlocksCleared()])
         dealer.send_multipart([b"", b"\x00"])  # a 1-byte start: not vLLM's 8 bytes
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        assert dealer.poll(10_000)
-        assert int.from_bytes(dealer.recv_multipart()[1], "big") == 0
-        assert dealer.recv_multipart()[1:] == [END_OF_REPLAY, b""]
+        assert int.from_bytes(receive(dealer)[1], "big") == 0
+        assert receive(dealer)[1:] == [END_OF_REPLAY, b""]
     finally:
         dealer.close(linger=0)
         publisher.close()
@@ -145,8 +148,7 @@ def test_a_batch_that_cannot_be_sent_is_counted_as_dropped_and_the_thread_goes_o
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         seqs = []
         while not seqs or seqs[-1] != -1:
-            assert dealer.poll(10_000), "the replay socket did not answer"
-            seqs.append(int.from_bytes(dealer.recv_multipart()[1], "big", signed=True))
+            seqs.append(int.from_bytes(receive(dealer)[1], "big", signed=True))
         assert seqs == [0, 2, -1]  # 1 is gone for good, as a batch dropped from a full queue
         assert publisher.num_dropped == 1
     finally:
@@ -217,8 +219,7 @@ def test_ipv6_endpoints_bind_and_replay(context):
         publisher.start()
         publisher.publish([AllBlocksCleared()])
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        assert dealer.poll(10_000)
-        assert int.from_bytes(dealer.recv_multipart()[1], "big") == 0
+        assert int.from_bytes(receive(dealer)[1], "big") == 0
     finally:
         dealer.close(linger=0)
         publisher.close()
