@@ -10,8 +10,10 @@ history (greedy, ``--answer-tokens`` tokens). Modes:
 
 - ``round_robin``: what a plain Kubernetes Service does;
 - ``prefix_aware``: the Endpoint Picker stand-in of ``routing_picker.py``, reading only what an EPP
-  reads: each replica's ``/metrics`` (queue, KV use, block size and count), the prompt's tokens
-  (``/tokenize``) and the picks it made itself (the extension's approximate prefix index);
+  reads: each replica's ``/metrics`` (queue, running, KV use, block size and count), the prompt's
+  tokens (``/tokenize``) and the picks it made itself (the extension's approximate prefix index);
+  its scorers are the extension's default profile plus its running-requests scorer
+  (``--running-weight 0`` leaves that out);
 - ``precise``: the same scorers, the prefix index built from the replicas' KV events (ZeroMQ,
   ``--kv-events-config``; hashes ``sha256_cbor`` recomputed from tokens, as llm-d's indexer does);
 - ``single``: the reference, every conversation on one replica (its prefix hit rate is the best
@@ -31,13 +33,15 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
 
 import httpx
-from routing_fleet import Replica, fleet, read_counters
+from routing_fleet import Replica, fleet, machine_busy_seconds, own_cpu_seconds, read_counters
 from routing_router import make_router
 
 MODES = ("round_robin", "prefix_aware", "precise", "single")
@@ -185,9 +189,24 @@ def summarise(mode: str, results: list[TurnResult], errors: list[str], makespan:
     }
 
 
+def wait_quiet(max_load: float, deadline_seconds: float = 900.0) -> float:
+    """Wait (up to the deadline) until the 1-minute load average is below ``max_load`` (0: do not
+    wait); returns it, for the report."""
+    deadline = time.monotonic() + deadline_seconds
+    while max_load and os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    load = os.getloadavg()[0]
+    if max_load and load >= max_load:
+        print(
+            f"load average still {load:.2f} after {deadline_seconds:.0f} s; measuring anyway", file=sys.stderr
+        )
+    return load
+
+
 async def run_mode(args: argparse.Namespace, mode: str, tokens_per_word: float | None) -> tuple[dict, float]:
     """Start the mode's fleet, calibrate the workload on it once, replay, summarise."""
     count = 1 if mode == "single" else args.replicas
+    load_before = wait_quiet(args.quiet_load)  # others' work on this machine skews the timings
     with fleet(args, count, events=mode == "precise") as replicas:
         async with httpx.AsyncClient(timeout=60) as http:
             if tokens_per_word is None:
@@ -198,14 +217,22 @@ async def run_mode(args: argparse.Namespace, mode: str, tokens_per_word: float |
                 tokens_per_word = reply.json()["count"] / 200
             before = [await read_counters(http, r) for r in replicas]
         system, conversations = build_workload(args, tokens_per_word)
+        busy, own = machine_busy_seconds(), own_cpu_seconds(replicas)
         results, errors, makespan, picker = await replay(args, mode, replicas, system, conversations)
+        # What others ran on this machine meanwhile, as a share of its cores: timings are only
+        # comparable between modes that ran with little of it.
+        others = (machine_busy_seconds() - busy) - (own_cpu_seconds(replicas) - own)
         async with httpx.AsyncClient(timeout=60) as http:
             after = [await read_counters(http, r) for r in replicas]
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     num_expected = args.conversations * args.turns
     summary = summarise(mode, results, errors, makespan, hits, queries, count, num_expected)
-    return {**summary, "picker": picker}, tokens_per_word
+    machine = {
+        "load_average_1m_before": load_before,
+        "others_cpu_share": others / (makespan * (os.cpu_count() or 1)),
+    }
+    return {**summary, "picker": picker, **machine}, tokens_per_word
 
 
 def ratio(numerator: object, denominator: object) -> float:
@@ -270,12 +297,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--turns", type=int, default=4)
     add("--history-tokens", type=int, default=1500, help="system prompt + document, in tokens (about)")
     add("--answer-tokens", type=int, default=32)
-    add("--rate", type=float, default=0.16, help="conversations started per second (Poisson)")
+    add("--rate", type=float, default=0.1, help="conversations started per second (Poisson)")
     add("--think-seconds", type=float, default=3.0, help="mean pause between an answer and the next turn")
     add("--scrape-interval", type=float, default=0.1, help="seconds between the picker's /metrics scrapes")
-    add("--running-weight", type=float, default=0.0,
-        help="weight of the running-requests scorer (0: the extension's default profile, which has none)")  # fmt: skip
+    add("--running-weight", type=float, default=2.0,
+        help="weight of the extension's running-requests scorer; 0 gives its default profile, which "
+        "sends every conversation after a shared system prompt to one replica (docs/performance.md)")  # fmt: skip
     add("--hash-seed", default="1234", help="PYTHONHASHSEED of the precise mode's replicas")
+    add("--quiet-load", type=float, default=0.0,
+        help="before each mode, wait until the 1-minute load average is below this (0: do not wait)")  # fmt: skip
     add("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     add("--seed", type=int, default=0)
     add("--quick", action="store_true", help="a smoke run: 3 conversations x 2 turns over short histories")
@@ -293,6 +323,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A SIGTERM (or a SIGINT that a background shell ignores) stops the replicas on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     modes: dict[str, dict] = {}
     tokens_per_word = None
     for mode in args.modes:

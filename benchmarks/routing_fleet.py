@@ -111,6 +111,29 @@ def fleet(args, count: int, *, events: bool) -> Iterator[list[Replica]]:
                     replica.process.wait(10)
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores have spent busy since boot (/proc/stat; NaN where there is none)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds(replicas: list[Replica]) -> float:
+    """CPU seconds used so far by this process and the replicas (their /proc/PID/stat)."""
+    times = os.times()
+    total = times.user + times.system
+    for replica in replicas:
+        try:
+            fields = Path(f"/proc/{replica.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
 def metric_samples(text: str) -> dict[str, list]:
     """Samples by family name, parsed as the picker parses them (Prometheus text format)."""
     return {family.name: family.samples for family in text_string_to_metric_families(text)}

@@ -6,7 +6,9 @@ the Gateway API Inference Extension's default scheduling profile: a queue scorer
 ``vllm:kv_cache_usage_perc``) and a prefix-cache scorer (the fraction of the prompt's full blocks
 the replica is believed to hold), weighted 2, 2 and 3, the highest total wins (ties at random).
 ``Weights.running`` adds the extension's running-requests-size scorer (fewest
-``vllm:num_requests_running`` 1, most 0), which its default profile leaves out.
+``vllm:num_requests_running`` 1, most 0), which its default profile leaves out: without it, every
+conversation that shares a system prompt goes to the replica that first cached it, since a
+replica's queue stays empty while its batch has room and its KV use stays low.
 
 What a replica is believed to hold comes from one of two indexes:
 
@@ -37,7 +39,7 @@ _MASK_64 = (1 << 64) - 1
 
 @dataclass(frozen=True, slots=True)
 class Weights:
-    """Each scorer's weight; the defaults are the extension's default scheduling profile."""
+    """Each scorer's weight; the defaults (``running`` 0) are the extension's default profile."""
 
     prefix: float = 3.0
     queue: float = 2.0
