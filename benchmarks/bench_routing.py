@@ -54,6 +54,7 @@ WORDS = (
 )  # fmt: skip
 TARGET_TTFT_P50_RATIO = 0.4  # prefix-aware p50 TTFT at most this much of round-robin's
 TARGET_HIT_RATE_RATIO = 0.9  # prefix-aware hit rate at least this much of a single replica's
+TARGETS_SAID = {1.0: "met", 0.0: "missed"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,10 +259,10 @@ def build_report(args: argparse.Namespace, modes: dict[str, dict]) -> dict[str, 
             if single
             else math.nan,
         }
-        ratios[mode]["targets_met"] = float(
-            ratios[mode]["ttft_p50_vs_round_robin"] <= TARGET_TTFT_P50_RATIO
-            and ratios[mode]["hit_rate_vs_single"] >= TARGET_HIT_RATE_RATIO
-        )
+        ttft, hit_rate = ratios[mode]["ttft_p50_vs_round_robin"], ratios[mode]["hit_rate_vs_single"]
+        met = ttft <= TARGET_TTFT_P50_RATIO and hit_rate >= TARGET_HIT_RATE_RATIO
+        # 1 met, 0 missed, NaN unknown (round-robin or the single replica was not run)
+        ratios[mode]["targets_met"] = math.nan if math.isnan(ttft) or math.isnan(hit_rate) else float(met)
     config = {k: v for k, v in vars(args).items() if k not in ("json", "modes")}
     return {"config": config, "modes": modes, "ratios": ratios,
             "targets": {"ttft_p50_vs_round_robin_max": TARGET_TTFT_P50_RATIO,
@@ -281,7 +282,7 @@ def print_table(report: dict) -> None:
         print(f"{name}: TTFT p50 {row['ttft_p50_vs_round_robin']:.3f}x round-robin, p90 "
               f"{row['ttft_p90_vs_round_robin']:.3f}x, throughput {row['throughput_vs_round_robin']:.3f}x, "
               f"hit rate {row['hit_rate_vs_single']:.3f}x single replica; "
-              f"targets met: {bool(row['targets_met'])}")  # fmt: skip
+              f"targets: {TARGETS_SAID.get(row['targets_met'], 'unknown')}")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
