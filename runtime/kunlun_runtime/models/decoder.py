@@ -290,5 +290,8 @@ class DecoderModel(nn.Module):
         ``widen=False`` in the dtype ``lm_head`` computes them in (their precision either way;
         half the bytes to send where that is BF16)."""
         assert self.lm_head is not None, "only the last pipeline stage has lm_head"
+        if hidden.shape[0] == 0:  # a step of prefill chunks that all stop short of their prompt's end
+            dtype = torch.float32 if widen else self.activation_dtype
+            return hidden.new_zeros((0, self.config.vocab_size), dtype=dtype)
         logits = self.lm_head(hidden)
         return logits.float() if widen else logits

@@ -177,3 +177,18 @@ def test_chat_passes_tools_and_template_variables_to_a_template_that_uses_them(l
             [{"role": "user", "content": "hi"}],
             chat_template_kwargs={"tools": [], "add_generation_prompt": 0},
         )
+
+
+def test_a_prompt_longer_than_a_step_is_prefilled_in_chunks_in_bf16(tmp_path):
+    """A step of nothing but a prompt's first chunk samples no row: the BF16 kernels, which refuse
+    an empty batch, must not be asked for logits (that step used to kill the engine)."""
+    model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
+    prompt = {"prompt_token_ids": [(7 * i) % 200 + 3 for i in range(100)]}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    chunked = LLM(str(model_dir), dtype="bfloat16", max_model_len=128, max_num_batched_tokens=32)
+    whole = LLM(str(model_dir), dtype="bfloat16", max_model_len=128, max_num_batched_tokens=128)
+    assert chunked.engine.model.native_kernels  # the path that refused an empty batch
+    got = chunked.generate(prompt, params)[0].outputs[0].token_ids
+    assert len(got) == 4
+    assert got == whole.generate(prompt, params)[0].outputs[0].token_ids
+    assert all_free(chunked)
