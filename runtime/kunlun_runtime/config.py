@@ -172,6 +172,9 @@ def _check_key(ok: bool, key: str, message: str) -> None:
     _check(ok, f"kv_events_config.{key}", message)
 
 
+MAX_LORA_RANK = 512  # vLLM's largest supported --max-lora-rank
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All engine options. Construct with keywords, then call ``validate()`` (``LLM`` does)."""
@@ -218,6 +221,12 @@ class EngineConfig:
     # model, so the operator passes its startup budget here rather than lengthening every step's.
     leader_wait_timeout_seconds: float | None = None
     quantization: QuantizationName | None = None
+    # LoRA adapters (vLLM's flags): off unless enabled; adapters in one batch, their largest rank,
+    # and how many stay loaded in host memory (least recently used unloaded beyond; None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     seed: int = 0
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -314,7 +323,32 @@ class EngineConfig:
             f"must be one of {sorted(KV_EVENTS_ENCODINGS)}, got {self.kv_events_encoding!r}",
         )
         self._validate_kv_events()
+        self._validate_lora()
         return self
+
+    def _validate_lora(self) -> None:
+        _check(
+            isinstance(self.enable_lora, bool),
+            "enable_lora",
+            f"must be true or false, got {self.enable_lora!r}",
+        )
+        _check(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
+        _check(
+            1 <= self.max_lora_rank <= MAX_LORA_RANK,
+            "max_lora_rank",
+            f"must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}",
+        )
+        if self.max_cpu_loras is not None:
+            _check(
+                self.max_cpu_loras >= self.max_loras,
+                "max_cpu_loras",
+                f"must be >= max_loras ({self.max_loras}): a batch's adapters stay loaded, got {self.max_cpu_loras}",
+            )
+
+    @property
+    def lora_cache_size(self) -> int:
+        """How many adapters stay loaded in host memory (``max_cpu_loras``, else ``max_loras``)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     def _validate_kv_events(self) -> None:
         if self.kv_events_config is None:
