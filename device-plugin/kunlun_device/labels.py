@@ -70,3 +70,8 @@ FAILURES_ANNOTATION = "kunlun.dev/xpu-failures"
 
 #: NoSchedule taint the node agent puts on a node whose cards are all Unhealthy (when enabled).
 UNHEALTHY_TAINT = "kunlun.dev/xpu-unhealthy"
+
+#: The DRA driver name (`kunlun-device-plugin dra`): the driver of our ResourceSlices and of the
+#: `xpu.kunlun.dev` DeviceClass, and the domain of every device attribute we publish (CEL reads
+#: them as ``device.attributes["xpu.kunlun.dev"].<name>``).
+DRA_DRIVER = "xpu.kunlun.dev"
