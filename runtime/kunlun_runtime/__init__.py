@@ -1,14 +1,16 @@
 """kunlun_runtime: the bundled inference engine of kunlun-inference.
 
 Public surface (vLLM-compatible in shape): ``LLM``, ``SamplingParams``,
-``StructuredOutputsParams`` (a constraint on the output) and ``Logprob`` (the entries of the
-offline outputs' logprobs, as ``vllm.logprobs.Logprob``).
+``StructuredOutputsParams`` (a constraint on the output), ``LoRARequest`` (a LoRA adapter to
+generate with, as ``vllm.lora.request.LoRARequest``) and ``Logprob`` (the entries of the offline
+outputs' logprobs, as ``vllm.logprobs.Logprob``).
 """
 
 from kunlun_runtime.engine.logprobs import Logprob
+from kunlun_runtime.lora.request import LoRARequest
 from kunlun_runtime.version import __version__
 
-__all__ = ["LLM", "Logprob", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "Logprob", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: importing the package must not import torch

@@ -26,6 +26,7 @@ from kunlun_runtime.engine.logprobs import (
 )
 from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.engine.sampling_params import SamplingParams
+from kunlun_runtime.lora.request import LoRARequest
 from kunlun_runtime.models.tokenizer import RESERVED_TEMPLATE_VARIABLES, Tokenizer
 
 if TYPE_CHECKING:
@@ -79,12 +80,15 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        """Run every prompt to completion; one RequestOutput per prompt, in order. ``lora_request``:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         # Anything but a list or tuple is one prompt, of whatever type: the engine validates it
         # (InvalidRequestError naming the field), so the elements are Any here.
         prompt_list: Sequence[Any] = prompts if isinstance(prompts, (list, tuple)) else [prompts]
         params_list = self._per_prompt(sampling_params, len(prompt_list))
+        loras = _per_prompt_lora(lora_request, len(prompt_list))
         shape = _VllmLogprobs(self.engine.tokenizer)
         groups: list[list[str]] = []
         try:
@@ -98,7 +102,11 @@ class LLM:
                         child_params.seed = params.seed + child
                     request_id = f"{base}-{child}"
                     self.engine.add_request(
-                        request_id, prompt, child_params, priority=priority[index] if priority else 0
+                        request_id,
+                        prompt,
+                        child_params,
+                        priority=priority[index] if priority else 0,
+                        lora_request=loras[index],
                     )
                     ids.append(request_id)
             finished = self._run(on_output, shape)
@@ -228,3 +236,13 @@ def _is_one_conversation(
 ) -> TypeIs[list[dict[str, Any]]]:
     """True for one conversation (its messages), False for a list of conversations."""
     return bool(messages) and isinstance(messages[0], dict)
+
+
+def _per_prompt_lora(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"lora_request: {len(lora)} given for {count} prompts")
+    return list(lora)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kunlun_runtime.config import EngineConfig
+from kunlun_runtime.engine.adapters import EngineAdapters
 from kunlun_runtime.engine.grammar_masks import GrammarMasks, PendingMasks, advance_grammar
 from kunlun_runtime.engine.input_processor import InputProcessor, PromptInput
 from kunlun_runtime.engine.logprobs import TokenLogprob
@@ -43,6 +44,9 @@ from kunlun_runtime.kv.prefix_hash import PrefixHasher
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.kernel_choice import choose_for_config
 from kunlun_runtime.layers.runtime_info import RuntimeInfo, announce_start
+from kunlun_runtime.lora.checkpoint import LoRAAdapter
+from kunlun_runtime.lora.request import LoRARequest
+from kunlun_runtime.lora.slots import install_adapter
 from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.model_dir import resolve_max_model_len, resolve_model_dir, served_model_name
 from kunlun_runtime.models.tokenizer import Tokenizer
@@ -104,6 +108,9 @@ class LLMEngine:
             SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader()
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, group=self.group)
+        self.adapters: EngineAdapters | None = None
+        if config.enable_lora:
+            self.adapters = EngineAdapters(config, model_config, self.served_model_name, self._install_lora)
         self.eos_token_ids = model_config.eos_token_ids
         # Greedy picks through our argmax where the model runs our kernels: the same results as
         # torch.argmax, whose generic reduction runs far below memory bandwidth over a large vocabulary.
@@ -189,13 +196,17 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises InvalidRequestError naming the field."""
+        """Validate and queue a request (on the LoRA adapter ``lora_request``, registered now if
+        it is new). Raises InvalidRequestError naming the field."""
         if request_id in self._tracked:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running", field="request_id")
         prompt_text, request = self.input_processor.make_request(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time
         )
+        if lora_request is not None:
+            request.lora = self._lora_adapters().resolve(lora_request)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.new_matcher(params.structured_outputs)
@@ -248,6 +259,39 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.publish(self.block_pool.drain_events())
 
+    # -- LoRA adapters --------------------------------------------------------------------------
+    def _lora_adapters(self) -> EngineAdapters:
+        if self.adapters is None:
+            raise InvalidRequestError(
+                "lora_request: LoRA is not enabled (--enable-lora)", field="lora_request"
+            )
+        return self.adapters
+
+    def read_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter's checkpoint (thread-safe: for callers off the engine thread)."""
+        return self._lora_adapters().read(lora)
+
+    def add_lora(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+        """Register an adapter (read here unless ``adapter`` was read already)."""
+        self._lora_adapters().add(lora, adapter)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter (False: unknown); requests running on it finish on it."""
+        return self._lora_adapters().registry.remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.adapters is None else self.adapters.registry.known()
+
+    def lora_activity(self) -> tuple[int, list[str], list[str]]:
+        """(max_loras, adapters of running requests, adapters of waiting ones)."""
+        return self._lora_adapters().activity(self.scheduler.running, self.scheduler.waiting)
+
+    def _install_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        if self.group is not None:
+            self.group.install_lora(slot, adapter)
+        else:
+            install_adapter(self.model, slot, adapter)
+
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns an output for every request that progressed or finished.
@@ -258,7 +302,10 @@ class LLMEngine:
             return []
         began = self._start_step(sched)
         masks = self.masks.start(sched, self._grammar_of, overlap=self.overlap_masks)
-        logits = self.runner.execute(sched, self._block_tables(sched))
+        lora_slots = (
+            None if self.adapters is None else self.adapters.assign_slots(sched, self.scheduler.running)
+        )
+        logits = self.runner.execute(sched, self._block_tables(sched), lora_slots)
         sampled = self._finish_step(sched, logits, began, masks)
         now = time.monotonic()
         outputs = [self._append_token(t, token_id, logprob, now) for t, token_id, logprob in sampled]

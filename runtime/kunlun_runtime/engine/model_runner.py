@@ -17,6 +17,7 @@ import torch
 
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.kv.cache import KVCache
+from kunlun_runtime.layers.lora import BASE_SLOT
 from kunlun_runtime.models.decoder import DecoderModel
 from kunlun_runtime.models.forward import StepInputs, run_forward
 from kunlun_runtime.parallel.layout import ParallelLayout
@@ -57,7 +58,13 @@ class ModelRunner:
         self.micro_batches = group.layout.pipeline if group is not None else 1
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepLogits:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        block_tables: dict[str, list[int]],
+        lora_slots: dict[str, int] | None = None,
+    ) -> StepLogits:
+        """``lora_slots``: the LoRA slot of each request on an adapter (None or empty: none is)."""
         inputs = StepInputs()
         sample_rows: list[int] = []
         sample_ids: list[str] = []
@@ -70,6 +77,8 @@ class ModelRunner:
             inputs.query_lens.append(count)
             inputs.context_lens.append(start + count)
             inputs.block_tables.append(block_tables[request.request_id])
+            if lora_slots:
+                inputs.lora_slots.append(lora_slots.get(request.request_id, BASE_SLOT))
             if request.wants_prompt_logprobs and start < len(request.prompt_token_ids) - 1:
                 num_prompt_rows = min(count, len(request.prompt_token_ids) - 1 - start)
                 prompt_rows[request.request_id] = (row0, num_prompt_rows, start)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.sampling_params import SamplingParams
+from kunlun_runtime.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -32,6 +33,7 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0  # lower value = served earlier (vLLM convention)
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
+    lora: LoRARequest | None = None  # the adapter it runs on (None: the base model)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
@@ -50,6 +52,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def lora_key(self) -> tuple[int, str] | None:
+        """The adapter's (id, name), part of the prefix-cache key; None on the base model."""
+        return None if self.lora is None else (self.lora.lora_int_id, self.lora.lora_name)
 
     @property
     def is_finished(self) -> bool:

@@ -13,6 +13,8 @@ Policy (pure; no model, no tensors):
    stops at the first request that does not fit: nobody overtakes a request that waits for memory.
 4. Everything under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences; a prompt
    longer than the remaining budget is prefilled in chunks over several steps.
+5. With LoRA, the running requests use at most ``max_loras`` adapters (the model's slots): a
+   waiting request on another adapter waits, and the requests behind it may pass it.
 
 That is the ``fixed`` policy. The ``feedback`` policy (its decisions live in
 ``scheduling_policy``) keeps rules 1–4 and the same preemption and protection, and adds time: a
@@ -36,6 +38,7 @@ from kunlun_runtime.engine.scheduler_output import ScheduledRequest, SchedulerOu
 from kunlun_runtime.engine.scheduling_policy import SchedulingPolicy, SchedulingPolicyName, build_policy
 from kunlun_runtime.engine.step_cost import StepCostModel, batch_features
 from kunlun_runtime.kv.kv_manager import KVManager
+from kunlun_runtime.lora.request import LoRARequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,7 @@ class SchedulerLimits:
     priority_aging_steps: int
     scheduling_policy: SchedulingPolicyName = SchedulingPolicyName.FIXED
     target_step_seconds: float | None = None  # feedback: step-time cap while decodes run
+    max_loras: int | None = None  # LoRA adapters one step may use (None: LoRA is off)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> SchedulerLimits:
@@ -56,6 +60,7 @@ class SchedulerLimits:
             priority_aging_steps=config.priority_aging_steps,
             scheduling_policy=SchedulingPolicyName(config.scheduling_policy),
             target_step_seconds=config.target_step_seconds,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
 
 
@@ -168,9 +173,12 @@ class Scheduler:
         self.waiting.sort(key=order)
         admitted: set[str] = set()
         blocked = False  # someone ahead was skipped: from here on only whole small requests
+        adapters = {r.lora for r in self.running if r.lora is not None}
         for request in self.waiting:
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
+            if not self._adapter_fits(request, adapters):  # it waits for an adapter's slot; others may pass
+                continue
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = cached.num_tokens
             chunk = self.policy.admission_chunk(
@@ -188,10 +196,19 @@ class Scheduler:
                 blocked = True
                 continue
             self._start(request, num_cached_tokens, num_new, out)
+            if request.lora is not None:
+                adapters.add(request.lora)
             self.policy.note_admitted(request, num_new)
             budget -= num_new
             admitted.add(request.request_id)
         self.waiting = [r for r in self.waiting if r.request_id not in admitted]
+
+    def _adapter_fits(self, request: Request, adapters: set[LoRARequest]) -> bool:
+        """A request on a LoRA adapter joins the step only while the running requests use fewer
+        than ``max_loras`` adapters, or its own is among them (the model has that many slots)."""
+        if request.lora is None or request.lora in adapters or self.limits.max_loras is None:
+            return True
+        return len(adapters) < self.limits.max_loras
 
     def _start(self, request: Request, num_cached_tokens: int, num_new: int, out: SchedulerOutput) -> None:
         request.num_computed_tokens = num_cached_tokens

@@ -110,10 +110,12 @@ class BlockPool:
         parent_hash: int | None,
         token_ids: Sequence[int],
         block_size: int,
+        lora: tuple[int, str] | None = None,
     ) -> None:
         """Register consecutive full blocks of one request under their hashes (the first after
         ``parent_hash``; ``token_ids`` are the blocks' tokens) and record a ``BlockStored`` for each
-        run of them that entered the cache (a block whose hash another block holds does not)."""
+        run of them that entered the cache (a block whose hash another block holds does not).
+        ``lora``: the (id, name) of the adapter the request runs on, which the events name."""
         run: list[int] = []
         run_parent: int | None = None
         run_start = 0
@@ -123,14 +125,19 @@ class BlockPool:
                     run_parent, run_start = parent_hash, index
                 run.append(block_hash)
             elif run:
-                self._record_stored(run, run_parent, token_ids[run_start * block_size :], block_size)
+                self._record_stored(run, run_parent, token_ids[run_start * block_size :], block_size, lora)
                 run = []
             parent_hash = block_hash
         if run:
-            self._record_stored(run, run_parent, token_ids[run_start * block_size :], block_size)
+            self._record_stored(run, run_parent, token_ids[run_start * block_size :], block_size, lora)
 
     def _record_stored(
-        self, run: list[int], parent: int | None, token_ids: Sequence[int], block_size: int
+        self,
+        run: list[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora: tuple[int, str] | None,
     ) -> None:
         if self._events is None:
             return
@@ -140,6 +147,8 @@ class BlockPool:
                 parent_block_hash=None if parent is None else external_block_hash(parent),
                 token_ids=tuple(token_ids[: len(run) * block_size]),
                 block_size=block_size,
+                lora_id=None if lora is None else lora[0],
+                lora_name=None if lora is None else lora[1],
             )
         )
 

@@ -12,8 +12,9 @@ parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys
 kv_cache_spec_kind, kv_cache_spec_sliding_window]``, ``["BlockRemoved", block_hashes, medium,
 group_idx]`` or ``["AllBlocksCleared"]``; in the ``map`` encoding (vLLM since PR #42892, June
 2026) a map whose ``type`` key is the tag, fields with a default left out while at the default.
-Hashes are unsigned 64-bit integers (prefix_hash.external_block_hash). We send no LoRA (none is
-served) and no ``extra_keys``: those would carry the cache salts, which are tenants' secrets.
+Hashes are unsigned 64-bit integers (prefix_hash.external_block_hash). Blocks computed with a
+LoRA adapter carry its ``lora_id`` and ``lora_name``. We send no ``extra_keys``: those would
+carry the cache salts, which are tenants' secrets.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]  # the blocks' tokens, block after block
     block_size: int
+    lora_id: int | None = None  # the adapter the blocks were computed with (None: the base model)
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +86,9 @@ def _as_array(event: KVCacheEvent, medium: str) -> list[Any]:
             event.parent_block_hash,
             list(event.token_ids),
             event.block_size,
-            None,  # lora_id
+            event.lora_id,
             medium,
-            None,  # lora_name
+            event.lora_name,
             None,  # extra_keys
             GROUP_IDX,
             KV_CACHE_SPEC_KIND,
@@ -104,9 +107,9 @@ def _as_map(event: KVCacheEvent, medium: str) -> dict[str, Any]:
             "parent_block_hash": event.parent_block_hash,
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": event.lora_id,
             "medium": medium,
-            "lora_name": None,
+            "lora_name": event.lora_name,
             "group_idx": GROUP_IDX,
             "kv_cache_spec_kind": KV_CACHE_SPEC_KIND,
         }

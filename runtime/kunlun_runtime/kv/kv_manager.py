@@ -25,6 +25,8 @@ class KVRequest(Protocol):
     @property
     def cache_salt(self) -> str | None: ...
     @property
+    def lora_key(self) -> tuple[int, str] | None: ...  # the adapter's (id, name); None: the base model
+    @property
     def num_computed_tokens(self) -> int: ...
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -73,7 +75,9 @@ class KVManager:
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return []
         tokens = request.all_token_ids
-        return self.hasher.hash_full_blocks(tokens[: len(tokens) - 1], self.block_size, request.cache_salt)
+        return self.hasher.hash_full_blocks(
+            tokens[: len(tokens) - 1], self.block_size, request.cache_salt, lora_name=_lora_name(request)
+        )
 
     def num_cached_blocks(self, block_hashes: Sequence[int]) -> int:
         """How many of ``block_hashes``, from the first, are in the prefix cache now."""
@@ -135,13 +139,16 @@ class KVManager:
         if num_full <= len(known):
             return
         tokens = request.all_token_ids[: num_full * self.block_size]
-        hashes = self.hasher.hash_full_blocks(tokens, self.block_size, request.cache_salt, known)
+        hashes = self.hasher.hash_full_blocks(
+            tokens, self.block_size, request.cache_salt, known, lora_name=_lora_name(request)
+        )
         self.pool.cache_blocks(
             blocks[len(known) : num_full],
             hashes[len(known) :],
             known[-1] if known else None,
             tokens[len(known) * self.block_size :],
             self.block_size,
+            request.lora_key,
         )
         self._hashes[request.request_id] = hashes
 
@@ -153,3 +160,8 @@ class KVManager:
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._blocks
+
+
+def _lora_name(request: KVRequest) -> str | None:
+    """The adapter's name, part of every block's hash: two adapters never share KV."""
+    return None if request.lora_key is None else request.lora_key[1]

@@ -7,8 +7,12 @@
 - ``sha256`` and ``sha256_cbor``: vLLM's. SHA-256 of the pickle (protocol 5) or the canonical
   CBOR of ``(parent digest, token ids, extra keys)``; the first block's parent is vLLM's
   ``NONE_HASH``, the algorithm's own hash of ``$PYTHONHASHSEED`` (random when it is unset), and the
-  extra keys are ``(salt,)`` on the first block of a salted request, else None. With the seed
-  known, an indexer recomputes every hash from tokens (CBOR needs no Python).
+  extra keys are the LoRA adapter's name on every block of a request on one, then the salt on
+  the first block of a salted request (None when there are neither). With the seed known, an
+  indexer recomputes every hash from tokens (CBOR needs no Python).
+
+A request on a LoRA adapter hashes its adapter's name into every block (``keyed_blake2b`` too):
+KV computed with one adapter is never served to another, nor to the base model.
 
 The salt is the request's cache salt; the server makes it the tenant's namespace narrowed by the
 client's ``cache_salt`` (server/auth.py), so two tenants' identical prompts never share a hash.
@@ -84,17 +88,28 @@ class PrefixHasher:
             return cls(algo, os.urandom(SHA256_BYTES))
         return cls(algo, function(seed))
 
-    def hash_block(self, parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:
-        """The hash of one full block after ``parent`` (None for a request's first block)."""
+    def hash_block(
+        self,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        salt: str | None,
+        lora_name: str | None = None,
+    ) -> BlockHash:
+        """The hash of one full block after ``parent`` (None for a request's first block), of a
+        request on the LoRA adapter ``lora_name`` (None: the base model)."""
         if self.algo == "keyed_blake2b":
             digest = hashlib.blake2b(key=self.secret, digest_size=8)
             digest.update((ROOT_HASH if parent is None else parent).to_bytes(8, "little"))
             digest.update((salt or "").encode())
             digest.update(b"\x00")
+            if lora_name is not None:  # after the salt's terminator: no salt can spell an adapter
+                digest.update(b"\x01" + lora_name.encode() + b"\x00")
             digest.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
             return int.from_bytes(digest.digest(), "little")
         parent_digest = self.secret if parent is None else parent.to_bytes(SHA256_BYTES, "big")
-        extra_keys = (salt,) if parent is None and salt else None
+        # vLLM's extra keys: the adapter's name on every block, then the salt on the first.
+        keys = ((lora_name,) if lora_name is not None else ()) + ((salt,) if parent is None and salt else ())
+        extra_keys = keys or None
         payload = (parent_digest, tuple(token_ids), extra_keys)
         return int.from_bytes(_SHA256_FUNCTIONS[self.algo](payload), "big")
 
@@ -104,12 +119,15 @@ class PrefixHasher:
         block_size: int,
         salt: str | None = None,
         start_hashes: Sequence[BlockHash] = (),
+        *,
+        lora_name: str | None = None,
     ) -> list[BlockHash]:
         """Hashes of every full block of ``token_ids``; ``start_hashes`` are reused for a known prefix."""
         hashes = list(start_hashes)
         parent = hashes[-1] if hashes else None
         for index in range(len(hashes), len(token_ids) // block_size):
-            parent = self.hash_block(parent, token_ids[index * block_size : (index + 1) * block_size], salt)
+            block = token_ids[index * block_size : (index + 1) * block_size]
+            parent = self.hash_block(parent, block, salt, lora_name)
             hashes.append(parent)
         return hashes
 

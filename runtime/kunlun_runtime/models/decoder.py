@@ -26,6 +26,7 @@ from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import AttentionMetadata
 from kunlun_runtime.layers.attention_backend import AttentionShape, PagedAttention, kernels_read_cache
 from kunlun_runtime.layers.linear import Int8Linear, NativeLinear, first_matrix
+from kunlun_runtime.layers.lora import LoRABatch, LoRAProjection
 from kunlun_runtime.layers.norm import RMSNorm
 from kunlun_runtime.layers.rotary import RotaryEmbedding
 from kunlun_runtime.models.model_config import ModelConfig
@@ -62,6 +63,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.lora: dict[str, LoRAProjection] = {}  # "qkv_proj", "o_proj" where LoRA is enabled
 
     def forward(
         self,
@@ -69,8 +71,11 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            self.lora["qkv_proj"].add_update(x, qkv, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -79,7 +84,10 @@ class Attention(nn.Module):
             assert self.k_norm is not None  # set together in __init__
             q, k = self.q_norm(q), self.k_norm(k)
         k_blocks, v_blocks = kv_cache.k_blocks[self.layer_index], kv_cache.v_blocks[self.layer_index]
-        out = self.o_proj(self.attn.forward(q, k, v, cos_sin, k_blocks, v_blocks, meta))
+        attended = self.attn.forward(q, k, v, cos_sin, k_blocks, v_blocks, meta)
+        out = self.o_proj(attended)
+        if lora is not None:  # before the all-reduce: the partial updates sum like the outputs
+            self.lora["o_proj"].add_update(attended, out, lora)
         if self.tp_world > 1:  # row-parallel: sum the ranks' partial outputs
             dist.all_reduce(out, group=self.tp_group)
         return out
@@ -94,14 +102,20 @@ class MLP(nn.Module):
         self.native = False  # SiLU(gate) * up through our CPU kernel
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.lora: dict[str, LoRAProjection] = {}  # "gate_up_proj", "down_proj" where LoRA is enabled
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            self.lora["gate_up_proj"].add_update(x, gate_up, lora)
         if self.native and gate_up.dim() == 2:
-            out = self.down_proj(cpu_kernels.silu_mul(gate_up.contiguous()))
+            hidden = cpu_kernels.silu_mul(gate_up.contiguous())
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+            hidden = F.silu(gate) * up
+        out = self.down_proj(hidden)
+        if lora is not None:
+            self.lora["down_proj"].add_update(hidden, out, lora)
         if self.tp_world > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
@@ -115,14 +129,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp_world)
 
-    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta, lora: LoRABatch | None = None) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta, lora)
         norm = self.post_attention_layernorm
         if norm.uses_native(x):  # the residual add and the norm in one pass, same roundings
             x, h = cpu_kernels.add_rms_norm(x, attn_out.contiguous(), norm.weight, norm.eps)
-            return x + self.mlp(h)
+            return x + self.mlp(h, lora)
         x = x + attn_out
-        return x + self.mlp(norm(x))
+        return x + self.mlp(norm(x), lora)
 
 
 class DecoderModel(nn.Module):
@@ -243,16 +257,18 @@ class DecoderModel(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden]: after the final norm on the last stage, else the residual
-        stream to hand to the next stage. Stages after the first take that stream as ``hidden``."""
+        stream to hand to the next stage. Stages after the first take that stream as ``hidden``.
+        ``lora``: the rows' adapters (None: every row on the base model)."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(input_ids).to(self.activation_dtype)
         else:
             assert hidden is not None, "a later pipeline stage starts from the previous stage's output"
             x = hidden
         cos_sin = self.rotary.lookup(positions, x.dtype)
-        if self._runs_fused_decode(meta, kv_cache):
+        if lora is None and self._runs_fused_decode(meta, kv_cache):
             assert self.decode_weights is not None  # _runs_fused_decode checked it
             cos, sin = cos_sin
             x = cpu_kernels.decode_layers(
@@ -271,7 +287,7 @@ class DecoderModel(nn.Module):
             )
             return x if self.norm is None else self.norm(x)
         for layer in self.layers:
-            x = layer(x, cos_sin, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta, lora)
         return x if self.norm is None else self.norm(x)
 
     def _runs_fused_decode(self, meta: AttentionMetadata, kv_cache: KVCache) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from kunlun_runtime.kv.cache import KVCache
 from kunlun_runtime.layers.attention import build_attention_metadata
+from kunlun_runtime.layers.lora import LoRABatch
 from kunlun_runtime.models.decoder import DecoderModel
 
 
@@ -25,6 +26,8 @@ class StepInputs:
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
+    # Each sequence's LoRA slot (layers.lora.BASE_SLOT: the base model); empty: no adapter at all.
+    lora_slots: list[int] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -52,4 +55,5 @@ def run_forward(
         kv_cache,
         meta,
         hidden,
+        LoRABatch.build(inputs.lora_slots, inputs.query_lens, device),
     )

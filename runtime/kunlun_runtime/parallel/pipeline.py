@@ -70,6 +70,7 @@ def plan_step(inputs: StepInputs, rows: list[int], count: int) -> tuple[StepPlan
                 query_lens=inputs.query_lens[group.start : group.stop],
                 context_lens=inputs.context_lens[group.start : group.stop],
                 block_tables=inputs.block_tables[group.start : group.stop],
+                lora_slots=inputs.lora_slots[group.start : group.stop],
             )
         )
         row_bounds.append((row, row + tokens))

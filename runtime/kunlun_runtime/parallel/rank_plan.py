@@ -89,6 +89,7 @@ def plan_ranks(
         require_native_kernels=config.require_native_kernels,
         vocab_size=model_config.vocab_size,
         hidden_size=model_config.hidden_size,
+        lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
     )
 
 

@@ -35,6 +35,8 @@ from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention_backend import kernels_read_cache
 from kunlun_runtime.layers.linear import convert_linears
+from kunlun_runtime.lora.checkpoint import LoRAAdapter
+from kunlun_runtime.lora.slots import enable_lora_slots, install_adapter
 from kunlun_runtime.models.decoder import DecoderLayer, DecoderModel
 from kunlun_runtime.models.loader import load_model
 from kunlun_runtime.parallel.group import (
@@ -51,6 +53,16 @@ from kunlun_runtime.platforms import Platform
 
 logger = logging.getLogger(__name__)
 KEEPALIVE = "keepalive"  # the message of an idle leader's keepalive round
+
+
+@dataclass(frozen=True, slots=True)
+class InstallLoRA:
+    """The leader's message: every rank puts its share of ``adapter`` in ``slot`` (None: empties it)."""
+
+    slot: int
+    adapter: LoRAAdapter | None
+
+
 POLL_SECONDS = 0.2  # how often the leader checks its local workers while the group starts
 EXIT_GRACE_SECONDS = 5.0  # after a local worker exits, how long the preflight has to say why
 
@@ -84,6 +96,7 @@ class RankSpec:
     vocab_size: int = 0  # of the logits the last stage returns
     hidden_size: int = 0
     kv_cache_dtype: torch.dtype | None = None  # what the KV cache stores; None: the activations' dtype
+    lora_slots: tuple[int, int] | None = None  # (max_loras, max_lora_rank) where LoRA is enabled
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -107,6 +120,7 @@ class RankSpec:
             tuple((stage.start, stage.stop) for stage in self.stages),
             self.vocab_size,
             self.hidden_size,
+            self.lora_slots,
         )
 
 
@@ -155,6 +169,8 @@ def build_rank(spec: RankSpec, rank: int) -> tuple[DecoderModel, KVCache, torch.
             spec.cache_dtype,
             spec.dtype,
         )
+    if spec.lora_slots is not None:
+        enable_lora_slots(model, *spec.lora_slots)
     cache_spec = KVCacheSpec.for_model(model.config, spec.block_size, spec.cache_dtype)
     cache = KVCache(
         cache_spec,
@@ -216,9 +232,18 @@ def follow_leader(runner: StageRunner, groups: RankGroups) -> None:
         if message == KEEPALIVE:
             dist.barrier(group=groups.serving)
             continue
+        if isinstance(message, InstallLoRA):
+            install_lora(runner, message)
+            continue
         assert isinstance(message, StepPlan)  # rank 0 sends nothing else
         runner.run(message)
     dist.destroy_process_group()
+
+
+def install_lora(runner: StageRunner, message: InstallLoRA) -> None:
+    """This rank's share of an adapter into its model's slot."""
+    tp_rank = runner.layout.tensor_rank_of(runner.rank)
+    install_adapter(runner.model, message.slot, message.adapter, tp_rank, runner.layout.tensor)
 
 
 def worker_main(spec: RankSpec, rank: int) -> None:
@@ -417,6 +442,20 @@ class LeaderGroup:
                 ) from error
             self._last_activity = time.monotonic()
             return logits
+
+    def install_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Every rank puts its share of ``adapter`` in ``slot`` (between steps)."""
+        assert self.runner is not None and self._groups is not None, "start() first"
+        with self._lock:
+            self._raise_if_failed()
+            message = InstallLoRA(slot, adapter)
+            try:
+                dist.broadcast_object_list([message], src=0, group=self._groups.serving)
+                install_lora(self.runner, message)
+            except Exception as error:
+                self.failure = error
+                raise EngineDeadError(f"parallel group: installing a LoRA adapter failed: {error}") from error
+            self._last_activity = time.monotonic()
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:

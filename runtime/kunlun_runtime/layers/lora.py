@@ -1,0 +1,102 @@
+"""LoRA in the forward pass: each projection's adapter slots, and one step's rows → slots.
+
+A projection with LoRA keeps ``max_loras`` slots of its adapters' low-rank weights, each slot
+``parts`` pieces of ``max_rank`` (q/k/v are three pieces of ``qkv_proj``, gate/up two of
+``gate_up_proj``): A as [slots, parts·max_rank, in] and B as [out, slots, parts·max_rank], a
+smaller rank zero-padded, the scaling folded into B (``lora.checkpoint``). The base projection
+runs once for all rows; then its output gains the adapters' updates:
+
+- every row on one adapter (a batch of one, or of one fine-tune): ``x·Aₛᵀ·Bₛᵀ`` with that slot's
+  matrices, two small matmuls;
+- rows on several adapters and on the base: one shrink over every slot's A, a mask keeping each
+  row's own slot's columns (none for a base row), one expand over every slot's B. Two matmuls and
+  a multiply whatever the mix, where a loop over adapters would gather and scatter per adapter;
+  the extra columns cost ``slots·parts·rank`` multiply-adds per input and output feature, small
+  beside the base projection while ``slots·rank`` is small beside its width.
+
+Rows of no adapter in the whole batch: nothing runs (the model keeps its LoRA-free fast paths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+BASE_SLOT = -1  # a sequence on the base model
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """One step's adapter of each row, as the projections read it."""
+
+    row_slots: torch.Tensor  # [T] each row's slot (BASE_SLOT: the base model)
+    single_slot: int | None  # every row on this slot: the two-matmul path
+    _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, sequence_slots: list[int], query_lens: list[int], device: torch.device
+    ) -> LoRABatch | None:
+        """The batch's rows → slots from each sequence's slot and length; None when no row uses
+        an adapter."""
+        if not sequence_slots or all(slot == BASE_SLOT for slot in sequence_slots):
+            return None
+        distinct = set(sequence_slots)
+        single = next(iter(distinct)) if len(distinct) == 1 else None
+        slots = torch.tensor(sequence_slots, dtype=torch.long, device=device)
+        lens = torch.tensor(query_lens, dtype=torch.long, device=device)
+        return cls(torch.repeat_interleave(slots, lens), single)
+
+    def mask(self, num_slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, num_slots·width]: 1 on the columns of each row's slot (``width`` per slot)."""
+        key = (num_slots, width, dtype)
+        if key not in self._masks:
+            column_slot = torch.arange(num_slots * width, device=self.row_slots.device) // width
+            self._masks[key] = (column_slot[None, :] == self.row_slots[:, None]).to(dtype)
+        return self._masks[key]
+
+
+class LoRAProjection:
+    """The adapter slots of one (fused, per-rank) projection."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        parts: int,
+        max_rank: int,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots, self.parts, self.max_rank = num_slots, parts, max_rank
+        self.width = parts * max_rank  # a slot's columns
+        self.a = torch.zeros(num_slots, self.width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(out_features, num_slots, self.width, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.b.nbytes
+
+    def install(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Put an adapter's pieces (A [parts, r, in], B [out, parts, r], this rank's share) in
+        ``slot``; None: the adapter leaves this projection alone (zeros)."""
+        slot_a = self.a[slot].view(self.parts, self.max_rank, -1)
+        slot_b = self.b[:, slot].view(-1, self.parts, self.max_rank)
+        slot_a.zero_()
+        slot_b.zero_()
+        if a is not None and b is not None:
+            rank = a.shape[1]
+            slot_a[:, :rank].copy_(a)
+            slot_b[:, :, :rank].copy_(b)
+
+    def add_update(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        """``out`` (the base projection of ``x``) plus each row's adapter update, in place."""
+        if batch.single_slot is not None:
+            slot = batch.single_slot
+            return out.add_(F.linear(F.linear(x, self.a[slot]), self.b[:, slot]))
+        shrunk = F.linear(x, self.a.view(-1, self.a.shape[-1]))
+        shrunk.mul_(batch.mask(self.num_slots, self.width, shrunk.dtype))
+        return out.add_(F.linear(shrunk, self.b.view(self.b.shape[0], -1)))

@@ -1,0 +1,194 @@
+"""Read a PEFT LoRA checkpoint into the base model's fused projections, or refuse it clearly.
+
+A PEFT adapter is ``adapter_config.json`` (rank ``r``, ``lora_alpha``, ``use_rslora``,
+``target_modules``, optional per-module ``rank_pattern``/``alpha_pattern``) and
+``adapter_model.safetensors`` (or ``.bin``) with ``…layers.N.self_attn.q_proj.lora_A.weight``
+[r, in] and ``lora_B.weight`` [out, r] per targeted projection. The engine fuses q/k/v and
+gate/up (``models.loader``), so an adapter's projections are fused the same way: for a fused
+projection of ``parts`` pieces, A becomes [parts, r, in] (each piece's A) and B [out, parts, r]
+(each piece's B on its own rows: block-diagonal), with the scaling (``alpha / r``, rsLoRA
+``alpha / sqrt(r)``) folded into B and zeros for the pieces the adapter leaves alone. Then one
+shrink and one expand compute every piece's update at once, and tensor parallelism shards A and
+B exactly as it shards the base weight (``lora.slots``).
+
+Everything is checked before anything is kept: a file that is missing or unreadable, a PEFT
+feature we do not serve (DoRA, LoRA biases, extra trainable modules, embeddings), a rank above
+``max_lora_rank``, a module or shape that does not fit the base model (hidden size, layer count)
+is an ``InvalidRequestError`` naming the adapter and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.lora.request import LoRARequest
+from kunlun_runtime.models.model_config import ModelConfig
+
+# HF projection → (our fused projection, its piece index).
+PIECES = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+NUM_PIECES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    """An adapter read and checked against one base model, in the model's fused layout (FP32,
+    full size: each rank shards it when it installs it)."""
+
+    request: LoRARequest
+    base: ModelConfig  # the whole model it was read for (what tensor parallelism shards by)
+    rank: int  # the largest rank over its modules (what a slot must hold)
+    # "layers.{i}.self_attn.qkv_proj" (checkpoint layer numbering) → (A [parts, rank, in], B [out, parts, rank])
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    """Per fused projection: its input width and each piece's output height (the full model)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "self_attn.qkv_proj": (hidden, [config.q_size, config.kv_size, config.kv_size]),
+        "self_attn.o_proj": (config.q_size, [hidden]),
+        "mlp.gate_up_proj": (hidden, [inter, inter]),
+        "mlp.down_proj": (inter, [hidden]),
+    }
+
+
+def read_adapter(lora: LoRARequest, base: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+    """Read ``lora``'s checkpoint for ``base``; raises InvalidRequestError naming the problem."""
+    directory = Path(lora.lora_path)
+    config = _read_config(lora, directory)
+    tensors = _read_tensors(lora, directory)
+    shapes = piece_shapes(base)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None or match.group(2) not in PIECES:
+            _refuse(lora, f"weight {key!r} is not a LoRA A/B of a q/k/v/o/gate/up/down projection")
+        layer, proj, which = int(match.group(1)), match.group(2), match.group(3)
+        if layer >= base.num_layers:
+            _refuse(
+                lora, f"weight {key!r} is for layer {layer}, but the base model has {base.num_layers} layers"
+            )
+        if tensor.dim() != 2:
+            _refuse(lora, f"weight {key!r} has shape {tuple(tensor.shape)}, expected a matrix")
+        found.setdefault((layer, proj), {})[which] = tensor
+    if not found:
+        _refuse(lora, "the checkpoint has no LoRA weights")
+    ranks: dict[tuple[int, str], int] = {}
+    for (layer, proj), pair in found.items():
+        if set(pair) != {"A", "B"}:
+            _refuse(lora, f"layers.{layer} {proj}: lora_{'B' if 'A' in pair else 'A'} is missing")
+        fused, piece = PIECES[proj]
+        in_features, outs = shapes[fused]
+        rank = pair["A"].shape[0]
+        expected_a, expected_b = (rank, in_features), (outs[piece], rank)
+        if tuple(pair["A"].shape) != expected_a or tuple(pair["B"].shape) != expected_b:
+            _refuse(
+                lora,
+                f"layers.{layer} {proj}: lora_A {tuple(pair['A'].shape)} and lora_B {tuple(pair['B'].shape)} "
+                f"do not fit the base model (expected {expected_a} and {expected_b}: hidden size "
+                f"{base.hidden_size}, intermediate size {base.intermediate_size}); is it an adapter of another model?",
+            )
+        if rank > max_lora_rank:
+            _refuse(lora, f"rank {rank} ({proj}) is above --max-lora-rank {max_lora_rank}")
+        ranks[(layer, proj)] = rank
+    rank = max(ranks.values())
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, proj), pair in sorted(found.items()):
+        fused, piece = PIECES[proj]
+        name = f"layers.{layer}.{fused}"
+        if name not in weights:
+            in_features, outs = shapes[fused]
+            parts = NUM_PIECES[fused]
+            weights[name] = (torch.zeros(parts, rank, in_features), torch.zeros(sum(outs), parts, rank))
+        a, b = weights[name]
+        r = ranks[(layer, proj)]
+        row = sum(shapes[fused][1][:piece])
+        scale = _scaling(config, proj, r)
+        a[piece, :r] = pair["A"].float()
+        b[row : row + pair["B"].shape[0], piece, :r] = pair["B"].float() * scale
+    return LoRAAdapter(lora, base, rank, weights)
+
+
+def _scaling(config: dict[str, Any], proj: str, rank: int) -> float:
+    alpha = float(_by_pattern(config.get("alpha_pattern") or {}, proj, config.get("lora_alpha", 8)))
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _by_pattern(patterns: dict[str, Any], proj: str, default: Any) -> Any:
+    # PEFT matches a pattern key against the module's name's end (``q_proj``, ``layers.3.self_attn.q_proj``);
+    # ranks come from the tensors' shapes, so only alpha is looked up, by the projection's name.
+    for key, value in patterns.items():
+        if key == proj or key.endswith(f".{proj}") or re.fullmatch(key, proj):
+            return value
+    return default
+
+
+def _read_config(lora: LoRARequest, directory: Path) -> dict[str, Any]:
+    path = directory / "adapter_config.json"
+    if not path.is_file():
+        _refuse(lora, f"{path} not found (a PEFT LoRA adapter directory has adapter_config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        _refuse(lora, f"{path}: not valid JSON ({error})")
+    if not isinstance(config, dict):
+        _refuse(lora, f"{path}: expected a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        _refuse(lora, f"peft_type {config.get('peft_type')!r}: only LORA adapters are served")
+    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) weights")):
+        if config.get(key):
+            _refuse(lora, f"{key}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        _refuse(lora, f"bias {config['bias']!r}: LoRA biases are not supported (train with bias='none')")
+    if config.get("modules_to_save"):
+        _refuse(
+            lora, f"modules_to_save {config['modules_to_save']!r}: fully trained modules are not supported"
+        )
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        _refuse(lora, f"lora_alpha: must be a positive number, got {alpha!r}")
+    return config
+
+
+def _read_tensors(lora: LoRARequest, directory: Path) -> dict[str, torch.Tensor]:
+    safetensors, pickled = directory / "adapter_model.safetensors", directory / "adapter_model.bin"
+    try:
+        if safetensors.is_file():
+            return load_file(str(safetensors))
+        if pickled.is_file():
+            loaded = torch.load(pickled, map_location="cpu", weights_only=True)
+            if not isinstance(loaded, dict):
+                _refuse(lora, f"{pickled}: expected a dict of tensors")
+            return loaded
+    except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+        _refuse(lora, f"cannot read the adapter's weights ({error})")
+    _refuse(lora, f"{safetensors} not found (nor adapter_model.bin)")
+
+
+def _refuse(lora: LoRARequest, problem: str) -> NoReturn:
+    raise InvalidRequestError(
+        f"lora adapter {lora.lora_name!r} ({lora.lora_path}): {problem}", field="lora_path"
+    )
