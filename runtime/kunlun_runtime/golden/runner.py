@@ -22,6 +22,7 @@ import torch
 
 from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers.attention import build_attention_metadata
+from kunlun_runtime.layers.lora import LoRABatch
 from kunlun_runtime.models.decoder import DecoderModel
 
 # Tolerances on the relative error per layer (max over tokens of max |ours - reference| divided by
@@ -85,10 +86,11 @@ def capture_engine(
     block_size: int = 16,
     chunk_size: int | None = None,
     kv_cache_dtype: torch.dtype | None = None,
+    lora_slot: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run ``token_ids`` through the engine model's paged path (prefilled in chunks of
     ``chunk_size`` tokens if given) in a fresh KV cache of ``kv_cache_dtype`` (default: the
-    activations'); return each layer's output [T, ...]."""
+    activations'), on the LoRA adapter in ``lora_slot`` if given; return each layer's output [T, ...]."""
     config = model.config
     device = next(model.parameters()).device
     spec = KVCacheSpec.for_model(config, block_size, kv_cache_dtype or model.activation_dtype)
@@ -107,11 +109,13 @@ def capture_engine(
         for start in range(0, len(token_ids), step):
             chunk = list(token_ids[start : start + step])
             meta = build_attention_metadata([len(chunk)], [start + len(chunk)], [table], block_size, device)
+            lora = None if lora_slot is None else LoRABatch.build([lora_slot], [len(chunk)], device)
             hidden = model(
                 torch.tensor(chunk, device=device),
                 torch.arange(start, start + len(chunk), device=device),
                 cache,
                 meta,
+                lora=lora,
             )
             logits.append(model.compute_logits(hidden).cpu())
     finally:
@@ -124,10 +128,14 @@ def capture_engine(
 
 @torch.inference_mode()
 def capture_reference(
-    model_dir: Path, token_ids: Sequence[int], weight_dtype: torch.dtype | None = None
+    model_dir: Path,
+    token_ids: Sequence[int],
+    weight_dtype: torch.dtype | None = None,
+    adapter_dir: Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """The same layers from HF ``transformers`` in FP32 (eager attention); with ``weight_dtype``
-    its matrices are first rounded to that dtype, as the engine keeps them."""
+    its matrices are first rounded to that dtype, as the engine keeps them; with ``adapter_dir``
+    under that LoRA adapter, applied by PEFT (unmerged, as trained)."""
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(
@@ -138,7 +146,11 @@ def capture_reference(
         for parameter in reference.parameters():
             if parameter.dim() >= 2:
                 parameter.data = parameter.data.to(weight_dtype).float()
-    inner = reference.model
+    if adapter_dir is not None:
+        from peft import PeftModel  # a test dependency: golden runs of adapters only
+
+        reference = PeftModel.from_pretrained(reference, str(adapter_dir)).eval()
+    inner = reference.get_base_model().model if adapter_dir is not None else reference.model
     modules = {"embed_tokens": inner.embed_tokens, "norm": inner.norm}
     modules.update({f"layers.{i}": layer for i, layer in enumerate(inner.layers)})
     store: dict[str, list[torch.Tensor]] = {}
@@ -177,12 +189,19 @@ def run_golden(
     block_size: int = 16,
     chunk_size: int | None = None,
     kv_cache_dtype: torch.dtype | None = None,
+    lora: tuple[int, Path] | None = None,
 ) -> GoldenReport:
     """Compare ``model`` (the engine's, in its own dtype, over a KV cache of ``kv_cache_dtype``,
-    default the same) with the FP32 reference on ``token_ids``."""
+    default the same) with the FP32 reference on ``token_ids``; ``lora``: (the slot holding an
+    adapter, its checkpoint directory), the reference running it through PEFT."""
     dtype, weight_dtype = model.activation_dtype, model.weight_matrix.dtype
     ours = capture_engine(
-        model, token_ids, block_size=block_size, chunk_size=chunk_size, kv_cache_dtype=kv_cache_dtype
+        model,
+        token_ids,
+        block_size=block_size,
+        chunk_size=chunk_size,
+        kv_cache_dtype=kv_cache_dtype,
+        lora_slot=None if lora is None else lora[0],
     )
     return report_against_reference(
         ours,
@@ -193,6 +212,7 @@ def run_golden(
         tolerance,
         weight_dtype=None if weight_dtype == dtype else weight_dtype,
         kv_cache_dtype=None if kv_cache_dtype == dtype else kv_cache_dtype,
+        adapter_dir=None if lora is None else lora[1],
     )
 
 
@@ -217,6 +237,7 @@ def report_against_reference(
     weight_dtype: torch.dtype | None = None,
     pipeline_parallel_size: int = 1,
     kv_cache_dtype: torch.dtype | None = None,
+    adapter_dir: Path | None = None,
 ) -> GoldenReport:
     """Compare already captured engine layer outputs (from ``tensor_parallel_size`` ranks in each
     of ``pipeline_parallel_size`` stages) with the FP32 reference (over weights rounded to
@@ -225,7 +246,7 @@ def report_against_reference(
     if tolerance is None:
         tolerance = default_tolerance(dtype, weight_dtype, kv_cache_dtype)
     names = layer_names(num_layers)
-    reference = capture_reference(model_dir, token_ids, weight_dtype)
+    reference = capture_reference(model_dir, token_ids, weight_dtype, adapter_dir)
     layers = compare(ours, reference, names, tolerance)
     first = next((layer.name for layer in layers if not layer.passed), None)
     return GoldenReport(

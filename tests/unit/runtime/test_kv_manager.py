@@ -17,6 +17,7 @@ class FakeRequest:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    lora_key: tuple[int, str] | None = None
     wants_prompt_logprobs: bool = False
 
 
