@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 
 API_DIR = Path(__file__).resolve().parent
-PROTOS = ("deviceplugin_v1beta1.proto", "podresources_v1.proto")
+PROTOS = (
+    "deviceplugin_v1beta1.proto",
+    "podresources_v1.proto",
+    "pluginregistration_v1.proto",
+    "dra_v1.proto",
+    "dra_v1beta1.proto",
+    "drahealth_v1alpha1.proto",
+)
 
 
 def regenerate(output_dir: Path) -> None:
