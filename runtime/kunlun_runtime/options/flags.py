@@ -28,6 +28,7 @@ from kunlun_runtime.config import (
     parse_memory,
 )
 from kunlun_runtime.errors import ConfigError
+from kunlun_runtime.options.lora import add_lora_engine_args, lora_engine_options
 
 # What LeaderWorkerSet sets in every container of a group.
 LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
@@ -75,6 +76,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     add_distributed_args(group)
     group.add_argument("--quantization", default=None, choices=get_args(QuantizationName))
     add_kernel_args(group)
+    add_lora_engine_args(group)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
         "--config",
@@ -282,6 +284,7 @@ def _config_from_flags(args: argparse.Namespace, *, validate: bool = True) -> En
             if args.require_native_kernels is None
             else args.require_native_kernels
         ),
+        **lora_engine_options(args),
         seed=args.seed,
     )
     return config.validate() if validate else config

@@ -28,6 +28,7 @@ from kunlun_runtime.server.door import DEFAULT_MAX_REQUEST_BODY_BYTES, Door
 from kunlun_runtime.server.errors import install_error_handlers, unavailable
 from kunlun_runtime.server.fair_share import DEFAULT_MAX_WAITING_SHARE
 from kunlun_runtime.server.lifecycle import Lifecycle, ServerState
+from kunlun_runtime.server.lora_routes import install_lora_routes
 from kunlun_runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,11 +68,13 @@ def create_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     enable_prompt_tokens_details: bool = False,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The application. ``tenants`` (else the one ``api_key``, else an open server) says who may
     call; ``max_waiting_share`` bounds each tenant's part of the waiting queue when there are
     several; ``tool_call_parser`` and ``enable_auto_tool_choice`` are vLLM's tool-calling flags,
     ``enable_prompt_tokens_details`` its flag for counting cached prompt tokens in ``usage``;
+    ``allow_runtime_lora_updating`` adds vLLM's routes that load and unload LoRA adapters;
     ``lifecycle`` (built from the other arguments when omitted) owns the engine."""
     tenants = tenants or Tenants({DEFAULT_TENANT: api_key} if api_key else None)
     life = lifecycle or Lifecycle(
@@ -127,11 +130,14 @@ def create_app(
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(model: Model) -> ModelList:
-        # `root` is the served name, never the weights' path on the server's disk.
-        card = ModelCard(
-            id=model.name, created=now_seconds(), root=model.name, max_model_len=model.max_model_len
-        )
-        return ModelList(data=[card])
+        # The base's `root` is its served name, never the weights' path on the server's disk; an
+        # adapter's is its path, as vLLM lists it (the path the operator or the loader gave).
+        created = now_seconds()
+        card = ModelCard(id=model.name, created=created, root=model.name, max_model_len=model.max_model_len)
+        return ModelList(data=[card, *model.adapters.cards(created)])
+
+    if allow_runtime_lora_updating:  # else the routes do not exist (404), as in vLLM
+        install_lora_routes(app, served)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request, model: Model) -> Response:

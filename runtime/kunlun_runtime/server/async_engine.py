@@ -20,7 +20,9 @@ turn, and ``fail`` ends every open stream from the event loop when the thread ca
 
 The one door: the server reaches the engine only through this class. What it knows of the engine
 is read once (``facts``); what it asks later (the tokenizer, a constraint's compile, telemetry,
-counters, a failing rank) has a method here; nothing else holds the ``LLMEngine``.
+counters, a failing rank, an adapter's read) has a method here; nothing else holds the
+``LLMEngine``, and quick work on it between steps (registering an adapter) is a command in the
+inbox like the others (``run_on_engine_thread``).
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.outputs import EngineCounters, RequestOutput
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.errors import EngineDeadError, KunlunRuntimeError
+from kunlun_runtime.lora.checkpoint import LoRAAdapter
+from kunlun_runtime.lora.request import LoRARequest
 from kunlun_runtime.models.tokenizer import Tokenizer
 from kunlun_runtime.platforms.base import Telemetry
 from kunlun_runtime.server.engine_facts import read_facts
@@ -52,12 +57,19 @@ logger = logging.getLogger(__name__)
 
 NUM_RECENT_STEPS = 64  # how many step durations the watchdog's bound is derived from
 WARMUP_MAX_TOKENS = 2
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class _Add:
     requests: list[EngineRequest]
     queue: asyncio.Queue
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(slots=True)
+class _Call:  # work(engine) on the engine thread between two steps (run_on_engine_thread)
+    work: Callable[[LLMEngine], Any]
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -76,7 +88,7 @@ class AsyncEngine:
         self._shares = WaitingShares(max_waiting_share, max_queue_len)  # guarded by _cond
         self._stats: StatsRecorder | None = None  # set by start()
         self._cond = threading.Condition()
-        self._inbox: list[_Add | list[str]] = []  # guarded by _cond
+        self._inbox: list[_Add | _Call | list[str]] = []  # guarded by _cond
         self._num_pending = 0  # requests in the inbox, guarded by _cond
         self._num_waiting = 0  # scheduler's waiting requests after the last step, guarded by _cond
         self._queues: dict[str, asyncio.Queue] = {}  # engine thread only
@@ -104,6 +116,23 @@ class AsyncEngine:
         thread-safe and caches it: the engine thread's own compile is then a hit). Raises
         InvalidRequestError naming the constraint's field when the grammar engine refuses it."""
         self._engine.structured.compile(params)
+
+    def read_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """``lora``'s checkpoint read and checked on the calling thread (thread-safe, slow: off the
+        event loop and the engine thread). Raises InvalidRequestError."""
+        return self._engine.read_lora(lora)
+
+    def lora_activity(self) -> tuple[int, list[str], list[str]]:
+        """(max_loras, running requests' adapters, waiting requests' adapters); engine thread."""
+        return self._engine.lora_activity()
+
+    async def run_on_engine_thread(self, work: Callable[[LLMEngine], T]) -> T:
+        """``work(engine)``'s result (or error), run on the engine thread between two steps (so
+        quick work only: an adapter's registration, never its read)."""
+        call = _Call(work)
+        self._submit(call)
+        result: T = await asyncio.wrap_future(call.done)
+        return result
 
     def telemetry(self) -> Telemetry:
         """What the device reports now: utilisation, memory, temperature, power."""
@@ -181,7 +210,7 @@ class AsyncEngine:
                 return
             self._dead = error
             for command in self._inbox:
-                if isinstance(command, _Add):
+                if not isinstance(command, list):
                     command.done.set_exception(dead)
             self._inbox = []
             self._cond.notify()
@@ -268,10 +297,10 @@ class AsyncEngine:
             self._shares.admit(tenant, count)
             self._num_pending += count
 
-    def _submit(self, command: _Add | list[str]) -> None:
+    def _submit(self, command: _Add | _Call | list[str]) -> None:
         with self._cond:
             if self._dead is not None:  # nobody will read the inbox again
-                if isinstance(command, _Add):
+                if not isinstance(command, list):
                     command.done.set_exception(EngineDeadError(f"the engine has failed: {self._dead}"))
                 return
             self._inbox.append(command)
@@ -314,7 +343,7 @@ class AsyncEngine:
             with self._cond:
                 self._dead = error
                 for command in self._inbox:
-                    if isinstance(command, _Add):
+                    if not isinstance(command, list):
                         command.done.set_exception(dead)
                 self._inbox = []
             self._deliver([(queue, dead) for queue in self._queues.values()])
@@ -332,8 +361,14 @@ class AsyncEngine:
         self._busy_since = now
         return outputs
 
-    def _apply(self, command: _Add | list[str]) -> list[RequestOutput]:
+    def _apply(self, command: _Add | _Call | list[str]) -> list[RequestOutput]:
         """Apply one inbox command; returns the outputs of requests it aborted."""
+        if isinstance(command, _Call):
+            try:
+                command.done.set_result(command.work(self._engine))
+            except Exception as error:  # the caller's to answer (a refused adapter: 400)
+                command.done.set_exception(error)
+            return []
         if isinstance(command, list):
             aborted = [self._engine.abort_request(request_id) for request_id in command]
             for request_id in command:
@@ -357,6 +392,7 @@ class AsyncEngine:
                     request.params,
                     priority=request.priority,
                     cache_salt=request.cache_salt,
+                    lora_request=request.lora_request,
                 )
                 added.append(request.request_id)
                 self._queues[request.request_id] = command.queue

@@ -92,7 +92,8 @@ def chat_prompt(
 async def create_chat_completion(
     body: ChatCompletionRequest, served: ServedModel, request: Request
 ) -> Response:
-    served.check_model(body.model)
+    lora = served.check_model(body.model)
+    model_name = served.name if lora is None else lora.lora_name  # what the answer says it ran
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs: requires logprobs to be true", field="top_logprobs")
     params = sampling_params(
@@ -114,14 +115,22 @@ async def create_chat_completion(
 
     async def prepare() -> list[EngineRequest]:
         prompt_ids.extend(await served.encode_chat(conversation, body.add_generation_prompt, **kwargs))
-        return children(request_id, {"prompt_token_ids": prompt_ids}, params, body, tenant)
+        return children(request_id, {"prompt_token_ids": prompt_ids}, params, body, tenant, lora)
 
     stream = await add_prepared(served, params.n, tenant, prepare)
     index_of = {f"{request_id}-{i}": i for i in range(params.n)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream_events(
-            stream, served, request_id, index_of, len(prompt_ids), body.logprobs, include_usage, plan
+            stream,
+            served,
+            request_id,
+            index_of,
+            len(prompt_ids),
+            body.logprobs,
+            include_usage,
+            plan,
+            model_name,
         )
         return EngineStreamingResponse(guard_stream(events), stream)
     finals = await collect(stream, request)
@@ -144,7 +153,7 @@ async def create_chat_completion(
     response = ChatCompletionResponse(
         id=request_id,
         created=now_seconds(),
-        model=served.name,
+        model=model_name,
         choices=choices,
         usage=UsageInfo.of(len(prompt_ids), num_generated, cached),
     )
@@ -194,13 +203,14 @@ async def _stream_events(
     want_logprobs: bool,
     include_usage: bool,
     plan: ToolPlan,
+    model_name: str,
 ) -> AsyncIterator[str]:
     created = now_seconds()
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         return sse(
             ChatCompletionChunk(
-                id=request_id, created=created, model=served.name, choices=choices, usage=usage
+                id=request_id, created=created, model=model_name, choices=choices, usage=usage
             )
         )
 

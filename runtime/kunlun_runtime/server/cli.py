@@ -21,6 +21,7 @@ import uvicorn
 
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.options.flags import Command, add_engine_args, engine_config_from_args
+from kunlun_runtime.options.lora import add_lora_serve_args, lora_serve_options
 from kunlun_runtime.server.auth import build_tenants
 from kunlun_runtime.server.door import DEFAULT_MAX_REQUEST_BODY_BYTES
 from kunlun_runtime.server.fair_share import DEFAULT_MAX_WAITING_SHARE
@@ -160,6 +161,7 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache",
     )
+    add_lora_serve_args(group)
     group.add_argument("--uvicorn-log-level", default="info")
 
 
@@ -194,6 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
         validate_tool_flags(args.tool_call_parser, args.enable_auto_tool_choice)
         tenants = build_tenants(args.api_key, args.api_keys_file)
         max_waiting_share = tenants.queue_share(args.max_waiting_share)
+        lora = lora_serve_options(args, config, os.environ)
     except ConfigError as error:
         raise SystemExit(f"kunlun-runtime serve: error: {error}") from error
     lifecycle = Lifecycle(
@@ -207,6 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        lora_modules=lora.modules,
     )
     app = create_app(
         lambda: LLMEngine(config),
@@ -214,6 +218,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         metrics_token=args.metrics_token,
         lifecycle=lifecycle,
+        allow_runtime_lora_updating=lora.allow_runtime_updating,
     )
     uvicorn_config = uvicorn.Config(
         app,

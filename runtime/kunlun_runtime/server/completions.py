@@ -74,7 +74,8 @@ def completion_logprobs(
 
 
 async def create_completion(body: CompletionRequest, served: ServedModel, request: Request) -> Response:
-    served.check_model(body.model)
+    lora = served.check_model(body.model)
+    model_name = served.name if lora is None else lora.lora_name  # what the answer says it ran
     if body.suffix is not None:  # vLLM's message, word for word
         raise InvalidRequestError("suffix is not currently supported", field="suffix")
     prompts = _prompts(body.prompt)
@@ -91,14 +92,16 @@ async def create_completion(body: CompletionRequest, served: ServedModel, reques
     async def prepare() -> list[EngineRequest]:
         for number, prompt in enumerate(prompts):
             engine_prompt = await _engine_prompt(served, prompt)
-            engine_requests.extend(children(f"{request_id}-{number}", engine_prompt, params, body, tenant))
+            engine_requests.extend(
+                children(f"{request_id}-{number}", engine_prompt, params, body, tenant, lora)
+            )
         return engine_requests
 
     stream = await add_prepared(served, len(prompts) * params.n, tenant, prepare)
     index_of = {r.request_id: i for i, r in enumerate(engine_requests)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream_events(stream, served, body, request_id, index_of, include_usage)
+        events = _stream_events(stream, served, body, request_id, index_of, include_usage, model_name)
         return EngineStreamingResponse(guard_stream(events), stream)
     finals = await collect(stream, request)
     choices = [_choice(finals[engine_id], index, served, body) for engine_id, index in index_of.items()]
@@ -109,7 +112,7 @@ async def create_completion(body: CompletionRequest, served: ServedModel, reques
     response = CompletionResponse(
         id=request_id,
         created=now_seconds(),
-        model=served.name,
+        model=model_name,
         choices=choices,
         usage=UsageInfo.of(
             num_prompt, num_generated, num_cached if served.enable_prompt_tokens_details else None
@@ -152,6 +155,7 @@ async def _stream_events(
     request_id: str,
     index_of: dict[str, int],
     include_usage: bool,
+    model_name: str,
 ) -> AsyncIterator[str]:
     created = now_seconds()
     sent_text = dict.fromkeys(index_of.values(), 0)
@@ -160,9 +164,7 @@ async def _stream_events(
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
         return sse(
-            CompletionResponse(
-                id=request_id, created=created, model=served.name, choices=choices, usage=usage
-            )
+            CompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage)
         )
 
     async for output in stream:

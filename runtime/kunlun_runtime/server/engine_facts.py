@@ -26,6 +26,7 @@ class EngineFacts:
     model_dir: Path  # where the weights were loaded from: never shown to clients
     runtime_info: RuntimeInfo  # backend, kernels, dtypes, KV capacity (/version, runtime_info)
     cache_config: CacheConfigInfo  # vllm:cache_config_info's labels
+    enable_lora: bool = False  # --enable-lora: requests may name adapters
 
 
 def read_facts(engine: LLMEngine) -> EngineFacts:
@@ -44,4 +45,5 @@ def read_facts(engine: LLMEngine) -> EngineFacts:
             cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         ),
+        enable_lora=config.enable_lora,
     )

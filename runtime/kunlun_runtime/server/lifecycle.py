@@ -26,10 +26,14 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from kunlun_runtime.engine.llm_engine import LLMEngine
+from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.layers.kernel_build import current_build
 from kunlun_runtime.layers.runtime_info import RuntimeInfo
+from kunlun_runtime.options.lora import LoRAModule
 from kunlun_runtime.server.async_engine import AsyncEngine
 from kunlun_runtime.server.errors import unavailable
+from kunlun_runtime.server.lora_metrics import LoRARequestsInfo
+from kunlun_runtime.server.lora_routes import load_startup_adapters
 from kunlun_runtime.server.metrics import EngineMetrics, build_metrics
 from kunlun_runtime.server.served_model import DEFAULT_MAX_PROMPT_CHARS, ServedModel
 from kunlun_runtime.server.stats import StatsRecorder
@@ -79,6 +83,7 @@ class Lifecycle:
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         enable_prompt_tokens_details: bool = False,
+        lora_modules: tuple[LoRAModule, ...] = (),
     ) -> None:
         validate_tool_flags(tool_call_parser, enable_auto_tool_choice)
         self._factory = engine_factory
@@ -93,6 +98,7 @@ class Lifecycle:
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: reads tool_choice "auto" output
         self.enable_auto_tool_choice = enable_auto_tool_choice  # --enable-auto-tool-choice
         self.enable_prompt_tokens_details = enable_prompt_tokens_details  # usage.prompt_tokens_details
+        self.lora_modules = lora_modules  # --lora-modules: read and served before the server is ready
         self._watchdog: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.state = ServerState.LOADING
@@ -127,10 +133,7 @@ class Lifecycle:
         try:
             async_engine: AsyncEngine = await asyncio.wrap_future(done)
         except Exception as error:
-            logger.error("model failed to load: %s", error)
-            self.state, self.error = ServerState.FAILED, error
-            if self.on_fatal is not None:
-                self.on_fatal(error)
+            self._load_failed(error)
             return
         facts = async_engine.facts
         self.metrics = build_metrics(
@@ -139,7 +142,10 @@ class Lifecycle:
         self.metrics.set_cache_config(facts.cache_config)
         self.runtime_info = facts.runtime_info
         self.metrics.set_runtime_info(**facts.runtime_info.labels())
-        stats = StatsRecorder(self.metrics, async_engine)
+        lora_info = None
+        if facts.enable_lora:
+            lora_info = LoRARequestsInfo(self.registry, async_engine.lora_activity()[0])
+        stats = StatsRecorder(self.metrics, async_engine, lora_info)
         stats.record(async_engine, [], ran_step=False)  # publish the idle gauges before the first request
         loop = asyncio.get_running_loop()
         async_engine.start(loop, stats)
@@ -152,12 +158,23 @@ class Lifecycle:
         self.served.tool_call_parser = self.tool_call_parser
         self.served.enable_auto_tool_choice = self.enable_auto_tool_choice
         self.served.enable_prompt_tokens_details = self.enable_prompt_tokens_details
+        try:
+            await load_startup_adapters(self.served, self.lora_modules)
+        except ConfigError as error:  # a --lora-modules adapter that cannot be served
+            self._load_failed(error)
+            return
         self._watchdog = asyncio.ensure_future(
             watch_engine(async_engine, self.engine_stall_timeout_seconds, self._engine_stalled)
         )
         if self.state is ServerState.LOADING:
             self.state = ServerState.READY
         logger.info("ready: serving %s", facts.served_model_name)
+
+    def _load_failed(self, error: BaseException) -> None:
+        logger.error("model failed to load: %s", error)
+        self.state, self.error = ServerState.FAILED, error
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def not_ready_message(self) -> str:
         """Why the server cannot serve now (the 503s of /health and the API): shutting down,

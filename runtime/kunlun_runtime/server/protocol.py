@@ -217,3 +217,20 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: TokenIds
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter``, vLLM's body; ``load_inplace`` replaces a served adapter of
+    that name (requests already running on the old one finish on it)."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter``, vLLM's body; ``lora_int_id``, where given, must be the
+    adapter's id."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -20,6 +20,7 @@ from typing import Any
 
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.lora.request import LoRARequest
 from kunlun_runtime.server.auth import scoped_cache_salt
 from kunlun_runtime.server.protocol import SamplingFields
 from kunlun_runtime.server.request_stream import EngineRequest, RequestStream
@@ -83,15 +84,17 @@ def children(
     params: SamplingParams,
     body: SamplingFields,
     tenant: str | None = None,
+    lora: LoRARequest | None = None,
 ) -> list[EngineRequest]:
-    """n engine requests for one prompt, seeded ``seed + i``, in ``tenant``'s cache namespace."""
+    """n engine requests for one prompt, seeded ``seed + i``, in ``tenant``'s cache namespace, on
+    adapter ``lora`` (None: the base model)."""
     salt = scoped_cache_salt(tenant, body.cache_salt)
     out = []
     for index in range(params.n):
         child = replace(params, n=1)
         if params.seed is not None:
             child.seed = params.seed + index
-        out.append(EngineRequest(f"{base_id}-{index}", prompt, child, body.priority, salt, tenant))
+        out.append(EngineRequest(f"{base_id}-{index}", prompt, child, body.priority, salt, tenant, lora))
     return out
 
 

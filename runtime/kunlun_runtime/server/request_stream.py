@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.engine.sampling_params import SamplingParams
+from kunlun_runtime.lora.request import LoRARequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str | None = None
     tenant: str | None = None  # who asked (the API key's tenant): queue shares are per tenant
+    lora_request: LoRARequest | None = None  # the adapter the request's model names; None: the base
 
 
 class RequestStream:

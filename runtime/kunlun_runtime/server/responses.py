@@ -160,6 +160,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kunlun-inference"
     root: str | None = None
+    parent: str | None = None  # an adapter's base model (vLLM's field); None for the base itself
     max_model_len: int | None = None
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kunlun_runtime.errors import InvalidRequestError
+from kunlun_runtime.lora.request import LoRARequest
 from kunlun_runtime.models.tokenizer import Tokenizer
+from kunlun_runtime.server.adapters import ServedAdapters
 from kunlun_runtime.server.async_engine import AsyncEngine
-from kunlun_runtime.server.errors import APIError
 
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000
 NUM_TOKENIZER_THREADS = 2  # tokenization is CPU work: more threads would only take cores from steps
@@ -41,6 +42,12 @@ class ServedModel:
     tool_call_parser: str | None = None  # --tool-call-parser: how tool calls are read from output
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is served
     enable_prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage counts cached tokens
+    # The LoRA adapters requests may name; omitted: none (built for ``name`` in __post_init__).
+    adapters: ServedAdapters = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.adapters is None:
+            self.adapters = ServedAdapters(self.name)
 
     @classmethod
     def of(
@@ -57,15 +64,17 @@ class ServedModel:
             tokenizer_pool=concurrent.futures.ThreadPoolExecutor(
                 NUM_TOKENIZER_THREADS, thread_name_prefix="tokenizer"
             ),
+            adapters=ServedAdapters(facts.served_model_name, enabled=facts.enable_lora),
         )
 
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model). Raises APIError 404
+        for a name that is neither the base model's nor a served adapter's."""
+        return self.adapters.resolve(model)
 
     def check_prompt_chars(self, num_chars: int, field: str) -> None:
         """Raise InvalidRequestError naming ``field`` when a prompt has too many characters."""

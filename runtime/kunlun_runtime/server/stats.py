@@ -9,7 +9,8 @@ A finished request also reports its parameters, as vLLM observes them: its effec
 ``max_tokens`` (as asked, or what the context leaves: ``RequestOutput.max_tokens``), and, once per
 prompt, its ``n``. The n engine requests of one prompt are named ``<parent>-<index>``
 (``request_building.children``) and the engine thread announces each group it adds (``expect``); the last
-of a parent's requests to finish reports their number.
+of a parent's requests to finish reports their number. With LoRA on, every turn also stamps which
+adapters the running and waiting requests use (``vllm:lora_requests_info``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kunlun_runtime.engine.outputs import EngineCounters, RequestOutput, RequestTimes
+from kunlun_runtime.server.lora_metrics import LoRARequestsInfo
 from kunlun_runtime.server.metrics import EngineMetrics, FinishedRequestStats, StepStats
 
 
 class CountingEngine(Protocol):
-    """What the recorder reads: the engine's counters (``LLMEngine``, ``AsyncEngine``)."""
+    """What the recorder reads: the engine's counters and, with LoRA, which adapters its
+    requests use (``LLMEngine``, ``AsyncEngine``)."""
 
     def counters(self) -> EngineCounters: ...
+
+    def lora_activity(self) -> tuple[int, list[str], list[str]]: ...
 
 
 def _totals(counters: EngineCounters) -> tuple[int, int, int, int, int, int]:
@@ -83,8 +88,11 @@ def finished_stats(
 
 
 class StatsRecorder:
-    def __init__(self, metrics: EngineMetrics, engine: CountingEngine) -> None:
+    def __init__(
+        self, metrics: EngineMetrics, engine: CountingEngine, lora_info: LoRARequestsInfo | None = None
+    ) -> None:
         self.metrics = metrics
+        self.lora_info = lora_info  # None: LoRA is off, and vLLM shows no such gauge then
         counters = engine.counters()
         self._last_totals = _totals(counters)
         self._last_structured = _structured_totals(counters)
@@ -138,6 +146,8 @@ class StatsRecorder:
         for output in outputs:
             if output.finished:
                 self.metrics.record_finished(self._finished(output))
+        if self.lora_info is not None:
+            self.lora_info.update(*engine.lora_activity())
 
     def _structured_delta(self, counters: EngineCounters) -> tuple[float, dict[str, int]]:
         """What the engine's structured-output counters gained since the previous record."""
