@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kunlun_device.labels import (
+    DRA_DRIVER,
     LABEL_COUNT,
     LABEL_DRIVER_VERSION,
     LABEL_FIRMWARE_VERSION,
@@ -21,6 +22,7 @@ from kunlun_device.labels import (
 )
 
 __all__ = [
+    "DRA_DRIVER",
     "LABEL_COUNT",
     "LABEL_DRIVER_VERSION",
     "LABEL_FIRMWARE_VERSION",
@@ -58,6 +60,11 @@ RENDEZVOUS_PORT_NAME = "dist"
 INFERENCE_GROUP_VERSION = "inference.networking.k8s.io/v1"
 GATEWAY_GROUP_VERSION = "gateway.networking.k8s.io/v1"
 INFERENCE_X_GROUP = "inference.networking.x-k8s.io"
+
+#: Dynamic Resource Allocation (Kubernetes >= 1.34): the ResourceClaimTemplates of services with
+#: ``spec.resources.allocation: dra`` and the ResourceSlices the DRA kubelet plugin publishes (read
+#: to explain an unmatched claim); used only with ``--dra``, where the cluster serves it (discovery).
+DRA_GROUP_VERSION = "resource.k8s.io/v1"
 
 #: ``--endpoint-picker-image``: the Gateway API Inference Extension's Endpoint Picker, its last
 #: release that ships one (v1.5.0; the picker has since moved to llm-d).
@@ -176,6 +183,10 @@ PICKER_DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", PICKER_SUFFIX)
 PICKER_SERVICE = Kind("v1", "Service", "services", PICKER_SUFFIX)
 INFERENCE_POOL = Kind(INFERENCE_GROUP_VERSION, "InferencePool", "inferencepools")
 HTTP_ROUTE = Kind(GATEWAY_GROUP_VERSION, "HTTPRoute", "httproutes")
+#: A DRA service's claim template: named ``<service>-xpus-<hash of its spec>`` (a template's spec
+#: cannot change, so a new spec is a new template), the stale ones pruned by label.
+RESOURCE_CLAIM_TEMPLATE = Kind(DRA_GROUP_VERSION, "ResourceClaimTemplate", "resourceclaimtemplates", "-xpus")
+RESOURCE_SLICE = Kind(DRA_GROUP_VERSION, "ResourceSlice", "resourceslices")  # read, never owned
 #: The Endpoint Picker's own objects (core and RBAC kinds), in apply order.
 PICKER_KINDS = (
     PICKER_SERVICE_ACCOUNT,
@@ -200,8 +211,12 @@ OWNED_KINDS: tuple[Kind, ...] = (
     SERVICE_MONITOR,
     PROMETHEUS_RULE,
     *ROUTING_KINDS,
+    RESOURCE_CLAIM_TEMPLATE,
 )
 MONITORING_KINDS = frozenset({SERVICE_MONITOR, PROMETHEUS_RULE})
+#: Kinds whose objects are named by their content: the controller lists the service's objects of
+#: the kind (by its labels) and deletes those the plan does not name, instead of one fixed name.
+PRUNED_KINDS = frozenset({RESOURCE_CLAIM_TEMPLATE})
 
 
 def owned_name(instance: str, kind: Kind) -> str:

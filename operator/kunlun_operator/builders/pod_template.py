@@ -6,7 +6,10 @@ common labels and the config hash annotation, so a changed ConfigMap rolls the p
 the preflight init container (``preflight``) re-checks them on the node before the model loads. The
 startup probe's budget grows with the model's size so a loading model is never killed; readiness
 and liveness start after it. A readiness gate on the node agent's ``kunlun.dev/xpu-healthy``
-condition takes a pod on a failed card out of the Service before any request fails. Invariant: the
+condition takes a pod on a failed card out of the Service before any request fails. With a claim
+template (``spec.resources.allocation: dra``) the pod and its preflight claim the cards through it
+(``resource_claim``) instead: no extended resource, and no node selector or affinity on the
+labeler's labels, whose place the claim's CEL selectors take. Invariant: the
 workloads differ only in what wraps this template (and, for LeaderWorkerSet roles, the runtime
 container's ports, probes and stop), so a single-node and a multi-node pod are locked alike.
 """
@@ -22,6 +25,7 @@ from kunlun_operator.builders.common import RESTRICTED_CONTAINER
 from kunlun_operator.builders.configmap import runtime_args
 from kunlun_operator.builders.kv_events import KV_EVENTS_CONTAINER_PORT, kv_events_env
 from kunlun_operator.builders.preflight import build_preflight_container, build_preflight_volumes
+from kunlun_operator.builders.resource_claim import CONTAINER_CLAIMS, pod_resource_claims
 from kunlun_operator.policy.feasibility import startup_budget_seconds
 from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
 from kunlun_operator.spec.service import ServiceRef
@@ -50,6 +54,9 @@ class PodArgs(TypedDict):
     image_volumes: bool  # --image-volumes: image model sources as image volumes
     xpu_health_gate: NotRequired[bool]  # --[no-]xpu-health-gate (default on)
     preflight_host: NotRequired[PreflightHost]  # --preflight-*: the node files the preflight mounts
+    #: The ResourceClaimTemplate the pod claims its cards through (allocation dra); None: the
+    #: device plugin's extended resource.
+    claim_template: NotRequired[str | None]
 
 
 class TemplateArgs(PodArgs):
@@ -82,10 +89,11 @@ def version_lock_terms(spec: InferenceSpec) -> list[dict[str, Any]]:
     ]
 
 
-def build_affinity(spec: InferenceSpec) -> dict[str, Any] | None:
-    """The user's affinity with the version lock ANDed into every required node-selector term."""
+def build_affinity(spec: InferenceSpec, *, claimed: bool = False) -> dict[str, Any] | None:
+    """The user's affinity with the version lock ANDed into every required node-selector term
+    (not for ``claimed`` cards: the claim's selectors lock the versions)."""
     affinity = copy.deepcopy(dict(spec.scheduling.affinity or {}))
-    if spec.versions.policy != "Strict":
+    if spec.versions.policy != "Strict" or claimed:
         return affinity or None
     lock = version_lock_terms(spec)
     required = affinity.setdefault("nodeAffinity", {}).setdefault(
@@ -98,15 +106,19 @@ def build_affinity(spec: InferenceSpec) -> dict[str, Any] | None:
     return affinity
 
 
-def _resources(spec: InferenceSpec) -> dict[str, Any]:
+def _resources(spec: InferenceSpec, *, claimed: bool) -> dict[str, Any]:
     xpus = str(spec.resources.xpus)
-    requests: dict[str, str] = {names.RESOURCE_NAME: xpus}
-    limits: dict[str, str] = {names.RESOURCE_NAME: xpus}
+    requests: dict[str, str] = {} if claimed else {names.RESOURCE_NAME: xpus}
+    limits: dict[str, str] = {} if claimed else {names.RESOURCE_NAME: xpus}
     if spec.resources.cpu is not None:
         requests["cpu"] = spec.resources.cpu
     if spec.resources.memory is not None:
         requests["memory"] = limits["memory"] = spec.resources.memory
-    return {"requests": requests, "limits": limits}
+    resources: dict[str, Any] = {"requests": requests, "limits": limits}
+    if claimed:
+        resources = {k: v for k, v in resources.items() if v}
+        resources["claims"] = [dict(c) for c in CONTAINER_CLAIMS]
+    return resources
 
 
 def _probe(period: int, failures: int) -> dict[str, Any]:
@@ -132,7 +144,9 @@ def _secret_env(spec: InferenceSpec) -> list[dict[str, Any]]:
     return env
 
 
-def _runtime_container(ref: ServiceRef, spec: InferenceSpec, image: str, path: str) -> dict[str, Any]:
+def _runtime_container(
+    ref: ServiceRef, spec: InferenceSpec, image: str, path: str, *, claimed: bool
+) -> dict[str, Any]:
     mounts = [
         {
             "name": MODEL_VOLUME,
@@ -160,7 +174,7 @@ def _runtime_container(ref: ServiceRef, spec: InferenceSpec, image: str, path: s
         "args": runtime_args(spec, path),
         "ports": ports,
         "env": env,
-        "resources": _resources(spec),
+        "resources": _resources(spec, claimed=claimed),
         "startupProbe": _probe(
             STARTUP_PERIOD_SECONDS, math.ceil(startup_budget_seconds(spec) / STARTUP_PERIOD_SECONDS)
         ),
@@ -173,7 +187,7 @@ def _runtime_container(ref: ServiceRef, spec: InferenceSpec, image: str, path: s
 
 
 def _init_containers(
-    spec: InferenceSpec, image: str, host: PreflightHost, *, image_volumes: bool
+    spec: InferenceSpec, image: str, host: PreflightHost, *, image_volumes: bool, claimed: bool
 ) -> list[dict[str, Any]]:
     inits: list[dict[str, Any]] = []
     source = spec.model.source
@@ -192,7 +206,7 @@ def _init_containers(
             }
         )
     if spec.versions.policy == "Strict":
-        inits.append(build_preflight_container(spec, image, host))
+        inits.append(build_preflight_container(spec, image, host, claimed=claimed))
     return inits
 
 
@@ -223,14 +237,19 @@ def build_pod_spec(
     image_volumes: bool,
     xpu_health_gate: bool = True,
     preflight_host: PreflightHost = DEFAULT_PREFLIGHT_HOST,
+    claim_template: str | None = None,
 ) -> dict[str, Any]:
     """The runtime pod; ``xpu_health_gate``: the readiness gate on the node agent's condition (off
     only where no node agent sets it: a gate nobody sets keeps the pod NotReady forever);
-    ``preflight_host``: the node's files the Strict preflight mounts."""
+    ``preflight_host``: the node's files the Strict preflight mounts; ``claim_template``: the
+    ResourceClaimTemplate its cards come from (None: the extended resource)."""
     path = model_path(spec, image_volumes=image_volumes)
-    node_selector = {names.LABEL_PRESENT: "true", **spec.scheduling.node_selector}
-    if spec.resources.xpu_product:
-        node_selector[names.LABEL_PRODUCT] = spec.resources.xpu_product
+    claimed = claim_template is not None
+    node_selector = dict(spec.scheduling.node_selector)
+    if not claimed:
+        node_selector = {names.LABEL_PRESENT: "true", **node_selector}
+        if spec.resources.xpu_product:
+            node_selector[names.LABEL_PRODUCT] = spec.resources.xpu_product
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -242,7 +261,7 @@ def build_pod_spec(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-        "nodeSelector": node_selector,
+        **({"nodeSelector": node_selector} if node_selector else {}),
         "tolerations": [
             {"key": names.RESOURCE_NAME, "operator": "Exists", "effect": "NoSchedule"},
             *(dict(t) for t in spec.scheduling.tolerations),
@@ -252,15 +271,17 @@ def build_pod_spec(
         # The node agent sets this condition on every pod holding a card (False while a card is
         # unhealthy): a pod on a failed card leaves the Service's endpoints at once.
         pod["readinessGates"] = [{"conditionType": names.XPU_HEALTHY_CONDITION}]
-    affinity = build_affinity(spec)
+    affinity = build_affinity(spec, claimed=claimed)
     if affinity:
         pod["affinity"] = affinity
     if spec.scheduling.priority_class_name:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
-    inits = _init_containers(spec, image, preflight_host, image_volumes=image_volumes)
+    if claim_template is not None:
+        pod["resourceClaims"] = pod_resource_claims(claim_template)
+    inits = _init_containers(spec, image, preflight_host, image_volumes=image_volumes, claimed=claimed)
     if inits:
         pod["initContainers"] = inits
-    pod["containers"] = [_runtime_container(ref, spec, image, path)]
+    pod["containers"] = [_runtime_container(ref, spec, image, path, claimed=claimed)]
     pod["volumes"] = [
         model_volume(spec, image_volumes=image_volumes),
         {"name": "config", "configMap": {"name": names.owned_name(ref.name, names.CONFIGMAP)}},

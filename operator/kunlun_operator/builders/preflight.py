@@ -1,13 +1,15 @@
 """The Strict preflight init container and the node files it mounts.
 
-Owns: ``kunlun-runtime preflight`` as an init container of the runtime pod (policy ``Strict``
-only). It re-checks on the node that the driver, firmware and KML are the locked versions before
-the model loads. It requests the same number of cards as the runtime, so kubelet hands it the same
-device nodes (``/dev/xpuN``, ``/dev/xpuctrl``) and ``XPU_VISIBLE_DEVICES`` from the device plugin's
-``Allocate``. It mounts the directory of the node's KML version file (so a node without the file
-reaches preflight, whose error names it, instead of stopping at kubelet's mount) and, when
-configured, the node's ``xpu-smi`` (read-only ``hostPath`` volumes), and passes their paths as
-flags (``PreflightHost``, the operator's ``--preflight-*`` flags).
+Owns: ``kunlun-runtime preflight`` as an init container of the runtime pod (policy ``Strict`` only).
+It re-checks on the node that the driver, firmware and KML are the locked versions before the model
+loads. It requests the same number of cards as the runtime, so kubelet hands it the same device
+nodes (``/dev/xpuN``, ``/dev/xpuctrl``) and ``XPU_VISIBLE_DEVICES`` from the device plugin's
+``Allocate``; with ``claimed`` cards it shares the pod's ResourceClaim instead, so the DRA plugin's
+CDI spec injects the same device nodes and ``XPU_VISIBLE_DEVICES`` into it. It mounts the directory
+of the node's KML version file (so a node without the file reaches preflight, whose error names it,
+instead of stopping at kubelet's mount) and, when configured, the node's ``xpu-smi`` (read-only
+``hostPath`` volumes), and passes their paths as flags (``PreflightHost``, the operator's
+``--preflight-*`` flags).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from kunlun_operator import names
 from kunlun_operator.builders.common import RESTRICTED_CONTAINER
+from kunlun_operator.builders.resource_claim import CONTAINER_CLAIMS
 from kunlun_operator.spec.operator_config import PreflightHost
 from kunlun_operator.spec.values import InferenceSpec
 
@@ -41,8 +44,11 @@ def preflight_kml_path(host_file: str) -> str:
     return PREFLIGHT_HOST_ROOT + host_file.rstrip("/")
 
 
-def build_preflight_container(spec: InferenceSpec, image: str, host: PreflightHost) -> dict[str, Any]:
-    """``kunlun-runtime preflight`` on the cards kubelet allocates to it, with the node's files.
+def build_preflight_container(
+    spec: InferenceSpec, image: str, host: PreflightHost, *, claimed: bool = False
+) -> dict[str, Any]:
+    """``kunlun-runtime preflight`` on the cards kubelet allocates to it (``claimed``: the pod's
+    ResourceClaim's), with the node's files.
 
     Raises:
         SpecError: a version is unset (only possible under policy Off, which has no preflight).
@@ -79,7 +85,9 @@ def build_preflight_container(spec: InferenceSpec, image: str, host: PreflightHo
         "imagePullPolicy": "IfNotPresent",
         "command": ["kunlun-runtime"],
         "args": args,
-        "resources": {"requests": {names.RESOURCE_NAME: xpus}, "limits": {names.RESOURCE_NAME: xpus}},
+        "resources": {"claims": [dict(c) for c in CONTAINER_CLAIMS]}
+        if claimed
+        else {"requests": {names.RESOURCE_NAME: xpus}, "limits": {names.RESOURCE_NAME: xpus}},
         "securityContext": dict(RESTRICTED_CONTAINER),
         **({"volumeMounts": mounts} if mounts else {}),
     }

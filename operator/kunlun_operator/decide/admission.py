@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kunlun_operator.builders.leaderworkerset import leaderworkerset_name_error, require_leaderworkerset
+from kunlun_operator.decide.allocation import require_dra
 from kunlun_operator.decide.routing import require_routing_apis
 from kunlun_operator.errors import SpecError
 from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
@@ -41,13 +42,16 @@ def review(
     leaderworkerset_served: bool = False,
     inference_pool_served: bool = False,
     httproute_served: bool = False,
+    dra_served: bool = False,
     name: str | None = None,
 ) -> Review:
     """The webhook's verdict on the parsed ``spec`` (``parse_spec_or_error``): a denial naming the
     field, or warnings. ``leaderworkerset_served``: the cluster serves LeaderWorkerSet (a multi-node
     service needs it); ``inference_pool_served``, ``httproute_served``: the cluster serves
     InferencePool and HTTPRoute and the operator may use them (a routed service needs them);
-    ``name``: the service's name, when known (not with ``generateName``)."""
+    ``dra_served``: the operator may use Dynamic Resource Allocation (``--dra``) and the cluster
+    serves it (a service with ``spec.resources.allocation: dra`` needs it); ``name``: the service's
+    name, when known (not with ``generateName``)."""
     if isinstance(spec, SpecError):
         return Review(denial=spec)
     violation = check_policy(spec, policy)
@@ -61,6 +65,9 @@ def review(
     missing = require_routing_apis(
         spec, inference_pool_served=inference_pool_served, httproute_served=httproute_served
     )
+    if missing is not None:
+        return Review(denial=missing)
+    missing = require_dra(spec, dra_served)
     if missing is not None:
         return Review(denial=missing)
     strict = spec.versions.policy == "Strict"

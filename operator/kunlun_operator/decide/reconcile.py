@@ -27,11 +27,21 @@ from kunlun_operator.builders.pod_template import model_path
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service, endpoint_url
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
+from kunlun_operator.decide.allocation import (
+    DRA_RECHECK_SECONDS,
+    DeviceReport,
+    PendingClaim,
+    SliceDevice,
+    assess_devices,
+    claim_stacks,
+    claim_template,
+    require_dra,
+)
 from kunlun_operator.decide.health_gate import CONDITION_TYPE as CARD_HEALTH_REPORTED
 from kunlun_operator.decide.health_gate import GatedPod, GateOutcome, health_reported_condition
 from kunlun_operator.decide.image_pull import CONDITION_TYPE as RUNTIME_IMAGE_AVAILABLE
 from kunlun_operator.decide.image_pull import ImagePull, runtime_image_condition
-from kunlun_operator.decide.nodes import NodeFacts, assess_nodes, version_mismatches
+from kunlun_operator.decide.nodes import NodeFacts, NodeReport, assess_nodes, version_mismatches
 from kunlun_operator.decide.replicas import CONDITION_TYPE as REPLICAS_HEALTHY
 from kunlun_operator.decide.replicas import CardFault, ReplacementOutcome, replicas_condition
 from kunlun_operator.decide.routing import CONDITION_TYPE as ROUTED
@@ -47,6 +57,7 @@ from kunlun_operator.decide.status import (
     PROGRESSING,
     READY,
     Condition,
+    ConditionStatus,
     DeploymentFacts,
     bool_status,
     condition_status,
@@ -77,6 +88,8 @@ class PodFacts:
     fault: CardFault | None = None  # its card is unhealthy (``replicas.card_fault``)
     gate: GatedPod | None = None  # it carries the readiness gate (``health_gate.gated_pod``)
     pull: ImagePull | None = None  # its runtime image's pull state (``image_pull.image_pull``)
+    #: it waits for the scheduler to allocate its claim (``allocation.pending_claim``)
+    pending_claim: PendingClaim | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +129,11 @@ class ClusterFacts:
     picker: DeploymentFacts | None = None
     pool: Mapping[str, Any] | None = None
     route: Mapping[str, Any] | None = None
+    #: The operator may use Dynamic Resource Allocation (``--dra``) and the cluster serves
+    #: resource.k8s.io/v1 (discovery); the devices our driver's ResourceSlices publish (read for
+    #: ``dra`` services only; None: not read).
+    dra_served: bool = False
+    devices: tuple[SliceDevice, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +154,9 @@ class Plan:
     #: Reconcile again after this many seconds (a replica becomes due for replacement, or an
     #: eviction is retried); None: on the next event or resync.
     requeue_after_seconds: float | None = None
+    #: Owned kinds named by their content: the service's objects of these kinds that ``apply``
+    #: does not name are deleted (``names.PRUNED_KINDS``).
+    prune: tuple[names.Kind, ...] = ()
 
 
 def reconcile(
@@ -170,6 +191,10 @@ def reconcile(
         # Builds nothing; checked again soon, so installing the CRDs needs no spec change.
         plan = _failed_plan(ref, previous, missing, now)
         return dataclasses.replace(plan, requeue_after_seconds=ROUTING_RECHECK_SECONDS)
+    missing = require_dra(spec, facts.dra_served)
+    if missing is not None:
+        plan = _failed_plan(ref, previous, missing, now)
+        return dataclasses.replace(plan, requeue_after_seconds=DRA_RECHECK_SECONDS)
     image = spec.runtime.image or select_image(facts.matrix, spec.versions, facts.default_image)
     problems = [] if spec.versions.policy == "Off" else check_versions(facts.matrix, image, spec.versions)
     if problems and spec.versions.policy == "Strict":
@@ -177,7 +202,16 @@ def reconcile(
 
     desired = desired_replicas(spec, facts.deployment)
     objects, absent = desired_objects(ref, spec, facts, image, replicas=desired)
-    report = assess_nodes(facts.nodes, spec)
+    report = (
+        assess_devices(
+            facts.devices or (),
+            spec,
+            claim_stacks(spec, facts.matrix, image),
+            tuple(p.pending_claim for p in facts.pods if p.pending_claim is not None),
+        )
+        if spec.resources.dra
+        else assess_nodes(facts.nodes, spec)
+    )
     ready = facts.deployment.ready_replicas if facts.deployment else 0
     workload = names.LEADER_WORKER_SET if spec.multi_node else names.DEPLOYMENT
     phase, reason, message = decide_phase(
@@ -191,9 +225,7 @@ def reconcile(
         Condition("Ready", bool_status(phase == READY), reason, message),
         Condition("Progressing", bool_status(phase == PROGRESSING), reason, message),
         _versions_condition(spec, facts, problems),
-        Condition(
-            "DevicesAvailable", bool_status(bool(report.compatible_node_names)), report.reason, report.message
-        ),
+        Condition("DevicesAvailable", _devices_status(report), report.reason, report.message),
         _model_condition(spec, facts, ready),
         replicas_condition(facts.replacements),
         health_reported_condition(facts.gates, gate=facts.xpu_health_gate),
@@ -231,7 +263,14 @@ def reconcile(
         requeue_after_seconds=_earliest(
             facts.replacements.recheck_after_seconds, facts.gates.recheck_after_seconds
         ),
+        prune=(names.RESOURCE_CLAIM_TEMPLATE,) if facts.dra_served else (),
     )
+
+
+def _devices_status(report: NodeReport | DeviceReport) -> ConditionStatus:
+    if isinstance(report, DeviceReport):
+        return report.status
+    return bool_status(bool(report.compatible_node_names))
 
 
 def _earliest(*delays: float | None) -> float | None:
@@ -285,9 +324,11 @@ def desired_objects(
     # A multi-node service's replicas are LeaderWorkerSet groups; switching either way removes the
     # other workload (a leftover LeaderWorkerSet only where the cluster serves the kind).
     build_workload = build_leaderworkerset if spec.multi_node else build_deployment
+    template = claim_template(ref, spec, facts.matrix, image)  # before the pods that name it
     objects = [
         configmap,
         build_service(ref, spec),
+        *([template] if template is not None else []),
         build_workload(
             ref,
             spec,
@@ -297,6 +338,7 @@ def desired_objects(
             replicas=replicas,
             xpu_health_gate=facts.xpu_health_gate,
             preflight_host=facts.preflight_host,
+            **({"claim_template": template["metadata"]["name"]} if template is not None else {}),
         ),
         build_pdb(ref, spec),
     ]

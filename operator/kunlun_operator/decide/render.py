@@ -52,6 +52,7 @@ def render_service(body: Mapping[str, Any], facts: ClusterFacts, *, admission_we
             leaderworkerset_served=facts.leaderworkerset_served,
             inference_pool_served=facts.inference_pool_served,
             httproute_served=facts.httproute_served,
+            dra_served=facts.dra_served,
             name=service.ref.name,
         )
         if verdict.denial is not None:

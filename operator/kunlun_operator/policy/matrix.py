@@ -91,6 +91,37 @@ class Matrix:
         return replace(self, entries=tuple(moved(entry) for entry in self.entries))
 
 
+@dataclass(frozen=True, slots=True)
+class CertifiedStack:
+    """The node versions one matrix entry lets a service run on: per component, the versions
+    allowed (the entry's own, narrowed to the one the service locks)."""
+
+    driver: tuple[str, ...]
+    firmware: tuple[str, ...]
+    kml: tuple[str, ...]
+
+
+def certified_stacks(matrix: Matrix, image: str, versions: VersionsSpec) -> tuple[CertifiedStack, ...]:
+    """The stacks ``image`` may run on with ``versions``: one per entry of the image certifying
+    them (``Matrix.entries_for_image``), each component narrowed to the version ``versions`` sets
+    (all of the entry's when unset); duplicates dropped, matrix order kept. Empty when no entry
+    certifies them (``check_versions`` reports why)."""
+    stacks: list[CertifiedStack] = []
+    for entry in matrix.entries_for_image(image):
+        if not entry.certifies(versions):
+            continue
+        allowed = {
+            key: (wanted,)
+            if (wanted := getattr(versions, key)) is not None
+            else tuple(sorted(getattr(entry, key)))
+            for key in _COMPONENTS
+        }
+        stack = CertifiedStack(**allowed)
+        if stack not in stacks:
+            stacks.append(stack)
+    return tuple(stacks)
+
+
 def select_image(matrix: Matrix, versions: VersionsSpec, fallback: str) -> str:
     """The runtime image for a spec without ``spec.runtime.image``.
 

@@ -128,6 +128,16 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
         "them), such services are rejected",
     )
     run.add_argument(
+        "--dra",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve services with spec.resources.allocation dra: their pods claim their cards through a "
+        f"ResourceClaimTemplate of DeviceClass {names.DRA_DRIVER} (Dynamic Resource Allocation) where the "
+        f"cluster serves {names.DRA_GROUP_VERSION} (discovery); off (the default, until the nodes run the DRA "
+        "kubelet plugin): such services are rejected naming spec.resources.allocation, and the operator "
+        "makes no call on that API",
+    )
+    run.add_argument(
         "--endpoint-picker-image",
         default=names.DEFAULT_ENDPOINT_PICKER_IMAGE,
         metavar="IMAGE",
@@ -240,6 +250,7 @@ def controller_config(args: argparse.Namespace) -> ControllerConfig:
         leaderworkerset=args.leaderworkerset,
         health_gate_grace_seconds=args.xpu_health_gate_grace_seconds,
         inference_pool=args.inference_pool,
+        dra=args.dra,
         picker_images=PickerImages(
             args.endpoint_picker_image, args.precise_endpoint_picker_image, args.precise_tokenizer_image
         ),

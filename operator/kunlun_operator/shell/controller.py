@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kunlun_operator import names
+from kunlun_operator.decide.allocation import SliceDevice, parse_slice_devices, pending_claim
 from kunlun_operator.decide.health_gate import gated_pod
 from kunlun_operator.decide.image_pull import image_pull
 from kunlun_operator.decide.nodes import NodeFacts
@@ -101,6 +102,9 @@ class ControllerConfig:
     inference_pool: bool = True
     #: --endpoint-picker-image, --precise-endpoint-picker-image
     picker_images: PickerImages = DEFAULT_PICKER_IMAGES
+    #: --dra: services may claim their cards through Dynamic Resource Allocation where the
+    #: cluster serves resource.k8s.io/v1 (off: such services are refused; no rights on its API)
+    dra: bool = False
 
 
 class Controller:
@@ -176,6 +180,23 @@ class Controller:
             return False, False
         return True, names.HTTP_ROUTE.plural in self.client.served_plurals(names.GATEWAY_GROUP_VERSION)
 
+    def dra_served(self) -> bool:
+        """Whether ``dra`` services can be served: allowed (``--dra``) and the cluster serves
+        ``resourceclaimtemplates`` in ``resource.k8s.io/v1`` (discovery).
+
+        Raises:
+            ApiError: discovery failed (other than "not served").
+        """
+        if not self.config.dra:
+            return False
+        return names.RESOURCE_CLAIM_TEMPLATE.plural in self.client.served_plurals(names.DRA_GROUP_VERSION)
+
+    def read_devices(self, spec: InferenceSpec | None, dra_served: bool) -> tuple[SliceDevice, ...] | None:
+        """The devices our driver's ResourceSlices publish, for a ``dra`` service (None otherwise)."""
+        if spec is None or not spec.resources.dra or not dra_served:
+            return None
+        return parse_slice_devices(self.client.list(names.RESOURCE_SLICE, None))
+
     def read_routing(
         self, ref: ServiceRef, spec: InferenceSpec | None, pool_served: bool, route_served: bool
     ) -> tuple[DeploymentFacts | None, dict[str, Any] | None, dict[str, Any] | None]:
@@ -217,6 +238,7 @@ class Controller:
             workload = DeploymentFacts.from_object(deployment) if deployment else None
         pool_served, route_served = self.routing_served()
         picker, pool, route = self.read_routing(ref, parsed, pool_served, route_served)
+        dra_served = self.dra_served()
         claim = None if parsed is None else parsed.model.source.claim_name  # set for a pvc source only
         pvc_exists = None if claim is None else self.client.get(PVC, ref.namespace, claim) is not None
         # The pods: where they run (Warn policy) and whether their cards are healthy.
@@ -230,6 +252,7 @@ class Controller:
                 fault=card_fault(p),
                 gate=gated_pod(p),
                 pull=image_pull(p),
+                pending_claim=pending_claim(p),
             )
             for p in items  # filtered here too: not every API honours labelSelector
             if all(((p["metadata"].get("labels") or {}).get(k) == v) for k, v in selector.items())
@@ -253,6 +276,8 @@ class Controller:
             picker=picker,
             pool=pool,
             route=route,
+            dra_served=dra_served,
+            devices=self.read_devices(parsed, dra_served),
         )
 
     def reconcile(self, body: Mapping[str, Any], nodes: Iterable[NodeFacts]) -> Plan:
@@ -310,6 +335,9 @@ class Controller:
             )
             if deleted is not None:
                 changes.append(self._report(ref, deleted))
+        keep = {(o["kind"], o["metadata"]["name"]) for o in plan.apply}
+        for kind in plan.prune:
+            changes += self._prune(ref, kind, keep)
         if plan.status != previous:
             self.client.patch(
                 names.KIS,
@@ -436,6 +464,10 @@ class Controller:
                     continue  # no rights on them without --inference-pool (nor anything built)
                 if kind == names.HTTP_ROUTE and not route_served:
                     continue
+                if kind in names.PRUNED_KINDS:
+                    if self.config.dra:  # no rights on claim templates without --dra
+                        changes += self._prune(ref, kind, set())
+                    continue
                 name = names.owned_name(ref.name, kind)
                 change = delete_object(
                     self.client, kind, ref.namespace, name, owner_name=ref.name, owner_uid=ref.uid
@@ -453,6 +485,20 @@ class Controller:
             ref.name,
             ", ".join(f"{c.kind} {c.action}" for c in changes) or "nothing to delete",
         )
+        return changes
+
+    def _prune(self, ref: ServiceRef, kind: names.Kind, keep: set[tuple[str, str]]) -> list[Change]:
+        """Delete the service's objects of ``kind`` (found by its labels) that ``keep`` does not name."""
+        changes = []
+        for obj in self.client.list(kind, ref.namespace, label_selector=names.selector_string(ref.name)):
+            name = obj["metadata"]["name"]
+            if (kind.kind, name) in keep:
+                continue
+            change = delete_object(
+                self.client, kind, ref.namespace, name, owner_name=ref.name, owner_uid=ref.uid
+            )
+            if change is not None:
+                changes.append(self._report(ref, change))
         return changes
 
     def _report(self, ref: ServiceRef, change: Change) -> Change:

@@ -22,6 +22,7 @@ import kopf
 
 from kunlun_operator import names
 from kunlun_operator.decide import admission
+from kunlun_operator.decide.allocation import pending_claim
 from kunlun_operator.decide.health_gate import gated_pod
 from kunlun_operator.decide.image_pull import image_pull
 from kunlun_operator.decide.nodes import NodeFacts
@@ -94,10 +95,12 @@ def _pod_fingerprint(pod: Mapping[str, Any]) -> tuple[Any, ...]:
     """What of a runtime pod its service depends on: its node, whether it is terminating, its card
     health (``replicas.card_fault``), its readiness gate's facts (containers ready, who reported:
     ``health_gate.gated_pod``) and whether its runtime image pulls (``image_pull``); container
-    restarts, probe results and kubelet's back-off messages are not."""
+    restarts, probe results and kubelet's back-off messages are not; a claim the scheduler cannot
+    allocate (``allocation.pending_claim``) is."""
     fault = card_fault(pod)
     gate = gated_pod(pod)
     pull = image_pull(pod)
+    claim = pending_claim(pod)
     meta = pod.get("metadata") or {}
     health = None if fault is None else (fault.card, fault.reason, fault.since)
     gate_facts = None if gate is None else (gate.containers_ready, gate.health)
@@ -107,6 +110,7 @@ def _pod_fingerprint(pod: Mapping[str, Any]) -> tuple[Any, ...]:
         health,
         gate_facts,
         None if pull is None else pull.state,
+        None if claim is None else (claim.claim, claim.message),
     )
 
 
@@ -306,6 +310,13 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
             except ApiError as error:  # likewise: the reconcile reports a missing API
                 pool_served = route_served = True
                 warnings.append(f"InferencePool/HTTPRoute discovery failed ({error}); routing not checked")
+            try:
+                dra_served = controller.dra_served()
+            except ApiError as error:  # likewise: the reconcile reports a missing API
+                dra_served = controller.config.dra
+                warnings.append(
+                    f"{names.DRA_GROUP_VERSION} discovery failed ({error}); allocation not checked"
+                )
             verdict = admission.review(
                 parse_spec_or_error(dict(spec)),
                 matrix,
@@ -314,6 +325,7 @@ def build_registry(controller: Controller, config: LoopConfig) -> kopf.OperatorR
                 leaderworkerset_served=lws_served,
                 inference_pool_served=pool_served,
                 httproute_served=route_served,
+                dra_served=dra_served,
                 name=name,
             )
             warnings.extend(verdict.warnings)

@@ -32,6 +32,7 @@ OPTIONAL_API_VERSIONS = (
     names.MONITORING_GROUP_VERSION,
     names.INFERENCE_GROUP_VERSION,
     names.GATEWAY_GROUP_VERSION,
+    names.DRA_GROUP_VERSION,
 )
 DESCRIPTION = """\
 Print, as YAML documents, exactly the objects the operator creates for each KunlunInferenceService
@@ -41,7 +42,8 @@ labelled yet, none of the service's objects there, the packaged compatibility ma
 --compatibility-configmap ConfigMap is absent) unless --compatibility-matrix gives one, and only
 the built-in API groups served unless --api-versions names more (LeaderWorkerSet for multi-node
 services, the Prometheus Operator for ServiceMonitor and PrometheusRule, the Gateway API Inference
-Extension's InferencePool and Gateway API's HTTPRoute for routed services). The operator is
+Extension's InferencePool and Gateway API's HTTPRoute for routed services, resource.k8s.io/v1 for
+services with allocation dra, which also need --dra among the flags). The operator is
 configured by --config: a YAML list of its `run` flags (the args of its container)."""
 
 
@@ -79,7 +81,8 @@ def add_render_flags(render: argparse.ArgumentParser) -> None:
         choices=OPTIONAL_API_VERSIONS,
         help="an API group version the cluster serves besides the built-in ones (repeatable): "
         f"{names.LWS_GROUP_VERSION} (LeaderWorkerSet), {names.MONITORING_GROUP_VERSION} (Prometheus Operator), "
-        f"{names.INFERENCE_GROUP_VERSION} (InferencePool), {names.GATEWAY_GROUP_VERSION} (HTTPRoute)",
+        f"{names.INFERENCE_GROUP_VERSION} (InferencePool), {names.GATEWAY_GROUP_VERSION} (HTTPRoute), "
+        f"{names.DRA_GROUP_VERSION} (Dynamic Resource Allocation)",
     )
     render.add_argument(
         "-n", "--namespace", default=None, help="the namespace of services that name none (default: default)"
@@ -207,6 +210,7 @@ def fresh_cluster_facts(config: ControllerConfig, cluster: FreshCluster) -> Clus
         inference_pool_served=pools,
         httproute_served=pools and names.GATEWAY_GROUP_VERSION in cluster.api_versions,
         picker_images=config.picker_images,
+        dra_served=config.dra and names.DRA_GROUP_VERSION in cluster.api_versions,
     )
 
 

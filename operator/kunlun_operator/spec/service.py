@@ -26,6 +26,7 @@ from kunlun_operator.spec.fields import (
 from kunlun_operator.spec.quantity import parse_bytes, parse_duration_seconds, parse_parameters
 from kunlun_operator.spec.routing import check_routing, parse_routing
 from kunlun_operator.spec.values import (
+    ALLOCATIONS,
     BLOCK_SIZES,
     DEFAULT_REPLACE_AFTER,
     DTYPES,
@@ -309,6 +310,7 @@ def _parse_resources(r: Mapping[str, Any]) -> ResourcesSpec:
         cpu=quantities["cpu"],
         memory=quantities["memory"],
         xpu_product=read_str(r, "xpuProduct", p, pattern=_VERSION),
+        allocation=read_choice(r, "allocation", p, ALLOCATIONS, default="devicePlugin"),
     )
 
 

@@ -23,6 +23,8 @@ ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 RoutingType = Literal["Service", "InferencePool"]
 FailureMode = Literal["FailOpen", "FailClose"]  # the InferencePool's endpointPickerRef.failureMode
+#: How the pods get their cards: the device plugin's extended resource, or a DRA ResourceClaim.
+Allocation = Literal["devicePlugin", "dra"]
 
 SOURCE_KINDS: tuple[SourceKind, ...] = get_args(SourceKind)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
@@ -34,6 +36,7 @@ SERVICE_TYPES: tuple[ServiceType, ...] = get_args(ServiceType)
 PULL_POLICIES: tuple[PullPolicy, ...] = get_args(PullPolicy)
 ROUTING_TYPES: tuple[RoutingType, ...] = get_args(RoutingType)
 FAILURE_MODES: tuple[FailureMode, ...] = get_args(FailureMode)
+ALLOCATIONS: tuple[Allocation, ...] = get_args(Allocation)
 #: The most Endpoint Picker replicas ``spec.routing.picker.replicas`` allows.
 MAX_PICKER_REPLICAS = 10
 #: The autoscaling target used when ``spec.autoscaling.target`` is not set, per metric.
@@ -116,6 +119,14 @@ class ResourcesSpec:
     cpu: str | None = None
     memory: str | None = None
     xpu_product: str | None = None
+    #: ``dra``: the cards are asked for through a ResourceClaimTemplate (driver ``xpu.kunlun.dev``)
+    #: instead of the ``kunlunxin.com/xpu`` extended resource (docs/operator.md "Allocation").
+    allocation: Allocation = "devicePlugin"
+
+    @property
+    def dra(self) -> bool:
+        """The pods claim their cards through Dynamic Resource Allocation."""
+        return self.allocation == "dra"
 
 
 @dataclass(frozen=True, slots=True)

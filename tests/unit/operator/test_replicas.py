@@ -285,12 +285,13 @@ def test_the_pod_watch_wakes_a_service_only_for_what_it_depends_on() -> None:
     pod = make_pod()
     restarted = make_pod()
     restarted["status"]["containerStatuses"] = [{"name": "runtime", "restartCount": 3, "ready": False}]
-    assert _pod_fingerprint(pod) == _pod_fingerprint(restarted) == ("xpu-1", False, None, None, None)
+    assert _pod_fingerprint(pod) == _pod_fingerprint(restarted) == ("xpu-1", False, None, None, None, None)
     assert _pod_fingerprint(make_pod(condition=ECC)) == (
         "xpu-1",
         False,
         ("5", "XpuUnhealthy", T0),
         None,
         None,
+        None,
     )
-    assert _pod_fingerprint(make_pod(terminating=True)) == ("xpu-1", True, None, None, None)
+    assert _pod_fingerprint(make_pod(terminating=True)) == ("xpu-1", True, None, None, None, None)
