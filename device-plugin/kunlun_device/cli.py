@@ -1,4 +1,4 @@
-"""Console entry point `kunlun-device-plugin plugin|labeler|exporter` (see docs/device-plugin.md).
+"""Console entry point `kunlun-device-plugin plugin|dra|labeler|exporter` (see docs/device-plugin.md).
 
 Parses flags, builds the source (`XpuSource`, or for the labeler and the exporter with
 `--source snapshot:PATH` a `SnapshotSource` over the plugin's node snapshot) and the component, runs
@@ -151,6 +151,26 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="PATH",
         help="write the node snapshot here every round (read by labeler/exporter --source snapshot:PATH)",
+    )
+    dra = commands.add_parser("dra", parents=[_common(True)], help="DRA kubelet plugin (xpu.kunlun.dev)")
+    dra.add_argument(
+        "--plugins-dir", default="/var/lib/kubelet/plugins", metavar="DIR", help="the DRA socket's parent"
+    )
+    dra.add_argument(
+        "--registry-dir",
+        default="/var/lib/kubelet/plugins_registry",
+        metavar="DIR",
+        help="kubelet's plugin watcher directory",
+    )
+    dra.add_argument("--cdi-dir", default="/var/run/cdi", metavar="DIR", help="where CDI specs are written")
+    dra.add_argument(
+        "--checkpoint-file",
+        default=None,
+        metavar="PATH",
+        help="prepared claims (default: <plugins-dir>/xpu.kunlun.dev/checkpoint.json)",
+    )
+    dra.add_argument(
+        "--kubeconfig", default=None, metavar="PATH", help="default: in-cluster, else KUBECONFIG"
     )
     labeler = commands.add_parser("labeler", parents=[_common(False), _reading()], help="node labeler")
     labeler.add_argument(
@@ -306,6 +326,35 @@ def run_plugin(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_dra(args: argparse.Namespace) -> int:
+    from kubernetes import client
+
+    from kunlun_device.dra.kube import KubeClaims
+    from kunlun_device.dra.server import DraServer
+
+    if not args.node_name:
+        raise ConfigError("--node-name", "required (or set NODE_NAME)")
+    api = _api_client(args.kubeconfig, retries=False)  # prepare and the health loop must not stall
+    custom = client.CustomObjectsApi(api)
+    server = DraServer(
+        _source(args),
+        args.node_name,
+        args.plugins_dir,
+        args.registry_dir,
+        args.cdi_dir,
+        KubeClaims(custom),
+        checkpoint_file=args.checkpoint_file,
+        policy=_policy(args),
+        health_interval_seconds=args.health_interval,
+        slices_api=(custom, client.CoreV1Api(api)),
+    )
+    with _stop_on_signals() as stop:
+        server.start()
+        stop.wait()
+        server.stop()
+    return 0
+
+
 def run_exporter(args: argparse.Namespace) -> int:
     from kunlun_device.exporter import Exporter
 
@@ -356,7 +405,7 @@ def run_labeler(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runners = {"plugin": run_plugin, "labeler": run_labeler, "exporter": run_exporter}
+    runners = {"plugin": run_plugin, "dra": run_dra, "labeler": run_labeler, "exporter": run_exporter}
     try:
         return runners[args.command](args)
     except ConfigError as exc:

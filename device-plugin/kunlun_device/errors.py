@@ -106,3 +106,21 @@ class FaultStateError(XpuError):
         super().__init__(f"{source}: {reason}")
         self.source = source
         self.reason = reason
+
+
+class CheckpointError(XpuError):
+    """The DRA plugin's checkpoint file cannot be used (see `kunlun_device.dra.checkpoint`).
+
+    Attributes:
+        path: the checkpoint file.
+        reason: what is wrong with it, naming the field.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"DRA checkpoint {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class ClaimError(XpuError):
+    """A ResourceClaim this node cannot prepare (answered to kubelet for that claim alone)."""

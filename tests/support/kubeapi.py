@@ -122,6 +122,13 @@ BUILT_IN_KINDS = (
         subresources=("status", "scale"),
     ),
 )
+#: Dynamic Resource Allocation (``resource.k8s.io/v1``): stored objects only, no scheduler or allocator.
+DRA_KINDS = (
+    Kind("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", namespaced=False),
+    Kind("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", subresources=("status",)),
+    Kind("resource.k8s.io", "v1", "resourceclaimtemplates", "ResourceClaimTemplate"),
+    Kind("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", namespaced=False),
+)
 PEERING_KINDS = (
     Kind("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False),
     Kind("kopf.dev", "v1", "kopfpeerings", "KopfPeering"),
@@ -277,6 +284,7 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
             (k.group, k.version, k.plural): k
             for k in (
                 *BUILT_IN_KINDS,
+                *DRA_KINDS,
                 *PEERING_KINDS,
                 *(MONITORING_KINDS if monitoring else ()),
                 *(LEADERWORKERSET_KINDS if leaderworkerset else ()),

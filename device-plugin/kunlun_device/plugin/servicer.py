@@ -50,7 +50,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):
         self,
         devices: tuple[XpuDevice, ...],
         placement: Placement,
-        states: DeviceStates,
+        states: DeviceStates[HealthState],
         control_device_present: bool,
     ) -> None:
         self._devices = {device.uuid: device for device in devices}
