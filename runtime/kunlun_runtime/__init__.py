@@ -10,7 +10,7 @@ from kunlun_runtime.engine.logprobs import Logprob
 from kunlun_runtime.lora.request import LoRARequest
 from kunlun_runtime.version import __version__
 
-__all__ = ["LLM", "Logprob", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "Logprob", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: importing the package must not import torch

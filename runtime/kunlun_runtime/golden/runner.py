@@ -149,8 +149,9 @@ def capture_reference(
     if adapter_dir is not None:
         from peft import PeftModel  # a test dependency: golden runs of adapters only
 
-        reference = PeftModel.from_pretrained(reference, str(adapter_dir)).eval()
-    inner = reference.get_base_model().model if adapter_dir is not None else reference.model
+        # PEFT wraps the projections of ``reference`` in place: calling it runs the adapter.
+        PeftModel.from_pretrained(reference, str(adapter_dir)).eval()
+    inner = reference.model
     modules = {"embed_tokens": inner.embed_tokens, "norm": inner.norm}
     modules.update({f"layers.{i}": layer for i, layer in enumerate(inner.layers)})
     store: dict[str, list[torch.Tensor]] = {}
