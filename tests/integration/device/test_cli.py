@@ -94,6 +94,7 @@ def test_exporter_process_serves_metrics() -> None:
             "kunlun-device-plugin plugin: --health-policy: unknown check",
         ),
         (["labeler", "--once", "--node-name", ""], "kunlun-device-plugin labeler: --node-name: required"),
+        (["dra", "--node-name", ""], "kunlun-device-plugin dra: --node-name: required"),
         (
             ["plugin", "--respond-to-faults", "--node-name", ""],
             "kunlun-device-plugin plugin: --node-name: required with --respond-to-faults",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -123,3 +125,12 @@ def test_unknown_values_are_left_out_not_filled_in() -> None:
 def test_slices_are_valid_kubernetes(version: str) -> None:
     for manifest in (_p800_slice(), _p800_slice(unhealthy=set(range(8)), generation=9, node_uid="u")):
         kubernetes_validate.validate(manifest, version, strict=True)
+
+
+def test_the_documented_kubectl_output_is_the_builders() -> None:
+    """docs/device-plugin.md shows the fixture node's slice; it must be what the plugin publishes."""
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "device-plugin.md").read_text()
+    section = doc.split("<code>kubectl get resourceslice node-a-xpu.kunlun.dev -o yaml</code>", 1)[1]
+    shown = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    uid = shown["metadata"]["ownerReferences"][0]["uid"]
+    assert shown == _p800_slice(generation=1, node_uid=uid)
