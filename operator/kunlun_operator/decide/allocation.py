@@ -37,6 +37,8 @@ from kunlun_operator.spec.values import InferenceSpec
 #: spec change).
 DRA_RECHECK_SECONDS = 60.0
 FIELD = "spec.resources.allocation"
+#: DevicesAvailable reasons worth a Warning event whenever they are entered, also from another False.
+WARNING_REASONS = frozenset({"NoMatchingDevices", "ClaimsUnschedulable"})
 _TYPED = ("string", "version", "int", "bool")
 
 
@@ -158,8 +160,8 @@ def assess_devices(
             "NoResourceSlices",
             f"no node publishes devices of {names.DRA_DRIVER} (is the DRA kubelet plugin running?)",
         )
-    misses = {d: mismatch(d, spec, stacks) for d in devices}
-    fitting = _fitting_nodes([d for d, miss in misses.items() if miss is None], spec)
+    misses = [(d, mismatch(d, spec, stacks)) for d in devices]
+    fitting = _fitting_nodes([d for d, miss in misses if miss is None], spec)
     why = _why_none_fit(misses, spec) if not fitting else None
     if pending:
         named = "; ".join(
@@ -191,16 +193,16 @@ def _fitting_nodes(matching: Sequence[SliceDevice], spec: InferenceSpec) -> tupl
     return tuple(sorted({node for (node, _), count in groups.items() if count >= spec.resources.xpus}))
 
 
-def _why_none_fit(misses: Mapping[SliceDevice, str | None], spec: InferenceSpec) -> str:
+def _why_none_fit(misses: Sequence[tuple[SliceDevice, str | None]], spec: InferenceSpec) -> str:
     """No device matches: the most common reason and what the devices publish instead; else too
     few match on any one node (or link group)."""
-    reasons = Counter(miss for miss in misses.values() if miss is not None)
+    reasons = Counter(miss for _, miss in misses if miss is not None)
     if reasons and sum(reasons.values()) == len(misses):
         miss, _ = reasons.most_common(1)[0]
         attr = miss.split(" ", 1)[0]
-        seen = Counter(str(d.attributes.get(attr, "unset")) for d in misses)
+        seen = Counter(str(d.attributes.get(attr, "unset")) for d, _ in misses)
         have = ", ".join(f"{value} ({count})" for value, count in sorted(seen.items()))
-        num_nodes = len({d.node for d in misses})
+        num_nodes = len({d.node for d, _ in misses})
         return f"no device matches {miss}: the {len(misses)} device(s) on {num_nodes} node(s) publish {attr} {have}"
     group = " in one link group" if spec.runtime.tensor_parallel_size > 1 else ""
     matching = len(misses) - sum(reasons.values())

@@ -29,6 +29,7 @@ from kunlun_operator.builders.service import build_service, endpoint_url
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
 from kunlun_operator.decide.allocation import (
     DRA_RECHECK_SECONDS,
+    WARNING_REASONS,
     DeviceReport,
     PendingClaim,
     SliceDevice,
@@ -252,7 +253,11 @@ def reconcile(
     if previous.get("lastFailure"):
         status["lastFailure"] = previous["lastFailure"]
     status.update(_replacement_status(facts.replacements, previous, now))
-    events = (*_transition_events(previous, status), *_replacement_events(facts.replacements, previous))
+    events = (
+        *_transition_events(previous, status),
+        *_reason_events(previous, status),
+        *_replacement_events(facts.replacements, previous),
+    )
     live = {workload.kind: (("spec", "replicas"),)} if spec.autoscaling.enabled else {}
     return Plan(
         apply=tuple(objects),
@@ -475,6 +480,24 @@ _TRANSITIONS: Mapping[tuple[str, str], tuple[EventType, str | None]] = {
     (RUNTIME_IMAGE_AVAILABLE, "False"): ("Warning", None),
     (ROUTED, "True"): ("Normal", None),
 }
+
+
+def _reason_events(previous: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[Event, ...]:
+    """A Warning when a False condition turns to one of ``WARNING_REASONS`` (a claim the scheduler
+    cannot allocate after no slice was published, say): no status change, so no transition event."""
+    before = {c["type"]: c for c in previous.get("conditions") or []}
+    events = []
+    for cond in status["conditions"]:
+        old = before.get(cond["type"])
+        if (
+            cond["status"] == "False"
+            and cond["reason"] in WARNING_REASONS
+            and old is not None
+            and old.get("status") == "False"
+            and old.get("reason") != cond["reason"]
+        ):
+            events.append(Event("Warning", cond["reason"], cond["message"]))
+    return tuple(events)
 
 
 def _transition_events(previous: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[Event, ...]:

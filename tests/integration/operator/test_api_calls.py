@@ -9,7 +9,9 @@ run standalone), the LeaderWorkerSet rules, which a second run (a multi-node ser
 serving LeaderWorkerSet: create, scale, autoscaling, drift, deletion) must make exactly, and the
 routing rules, which a third run (a routed service on a cluster serving InferencePool and HTTPRoute:
 create, drift put back after a restart, switching back to the Service, deletion) must make exactly,
-but for the rights the operator holds only to grant them to the Endpoint Picker.
+but for the rights the operator holds only to grant them to the Endpoint Picker, and the DRA rules,
+which a fourth run (with --dra: a service with allocation dra created, its claim changed, switched
+back to the device plugin, dra again, deleted) must make exactly.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ def add_unreported_pod(cluster: Cluster) -> None:
     kubelet_ready(cluster, "qwen-unreported", since=ago(600))
 
 
-def documented(*, leaderworkerset: bool = False, routing: bool = False) -> set[tuple[str, str, str]]:
+def documented(
+    *, leaderworkerset: bool = False, routing: bool = False, dra: bool = False
+) -> set[tuple[str, str, str]]:
     """The table's calls, without the peering rules and the rights held only to grant them (``grant``);
-    only the ``leaderworkerset`` or the ``routing`` rules when asked."""
+    only the ``leaderworkerset``, the ``routing`` or the ``dra`` rules when asked."""
     text = resources.files("kunlun_operator").joinpath("api_calls.yaml").read_text()
     return {
         (rule["group"], res, verb)
@@ -57,6 +61,7 @@ def documented(*, leaderworkerset: bool = False, routing: bool = False) -> set[t
         and not rule.get("grant")
         and bool(rule.get("leaderworkerset")) == leaderworkerset
         and bool(rule.get("routing")) == routing
+        and bool(rule.get("dra")) == dra
         for res in rule["resources"]
         for verb in rule["verbs"]
     }
@@ -221,3 +226,48 @@ def test_a_routed_service_makes_exactly_the_documented_routing_calls(cluster: Cl
         if resource in ROUTING_RESOURCES
     }
     assert observed == documented(routing=True)
+
+
+DRA = {**MULTI_NODE, "runtime": {}, "resources": {"allocation": "dra"}}
+
+
+def test_a_dra_service_makes_exactly_the_documented_dra_calls(cluster: Cluster) -> None:
+    group = "resource.k8s.io"
+    cluster.add_node("xpu-1")
+    cluster.start_operator("--dra")
+
+    def templates() -> list[str]:
+        return sorted(o["metadata"]["name"] for o in cluster.kube.objects("resourceclaimtemplates", group))
+
+    cluster.create_service(copy.deepcopy(DRA))
+    wait_for(lambda: len(templates()) == 1, message="the claim template")
+    first = templates()
+    # drift on the template, put back by the next pass (woken here by a change of replicas)
+    labels = {"app.kubernetes.io/component": "changed"}
+    cluster.custom.patch_namespaced_custom_object(
+        group, "v1", NAMESPACE, "resourceclaimtemplates", first[0], {"metadata": {"labels": labels}}
+    )
+    cluster.patch_service({"spec": {"replicas": 2}})
+    wait_for(
+        lambda: (
+            cluster.kube.objects("resourceclaimtemplates", group)[0]["metadata"]["labels"][
+                "app.kubernetes.io/component"
+            ]
+            == "inference"
+        ),
+        message="the drift put back",
+    )
+    cluster.patch_service({"spec": {"resources": {"xpus": 2}}})
+    wait_for(lambda: len(templates()) == 1 and templates() != first, message="a new template, the old pruned")
+    pods = cluster.deployment()["spec"]["template"]["spec"]  # type: ignore[index]
+    assert pods["resourceClaims"] == [{"name": "xpus", "resourceClaimTemplateName": templates()[0]}]
+    cluster.patch_service({"spec": {"resources": {"allocation": "devicePlugin"}}})
+    wait_for(lambda: templates() == [], message="the template pruned when back on the device plugin")
+    cluster.patch_service({"spec": {"resources": {"allocation": "dra"}}})
+    wait_for(lambda: len(templates()) == 1, message="the claim template again")
+    cluster.custom.delete_namespaced_custom_object(
+        "serving.kunlun.dev", "v1alpha1", NAMESPACE, "kunluninferenceservices", "qwen"
+    )
+    wait_for(lambda: templates() == [], message="the template deleted with the service")
+    observed = {(g, resource, verb) for verb, g, resource, _ in cluster.kube.calls() if g == group}
+    assert observed == documented(dra=True)

@@ -32,6 +32,7 @@ API_VERSIONS = (
     names.MONITORING_GROUP_VERSION,
     names.INFERENCE_GROUP_VERSION,
     names.GATEWAY_GROUP_VERSION,
+    names.DRA_GROUP_VERSION,
 )
 #: What the API server adds to an object: not part of what the operator asks for.
 SERVER_SET = ("uid", "resourceVersion", "generation", "creationTimestamp", "managedFields")
@@ -40,7 +41,8 @@ SERVER_SET = ("uid", "resourceVersion", "generation", "creationTimestamp", "mana
 def operator_flags(tmp_path: Path) -> list[str]:
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
-    return ["--admission-policy", str(policy), "--preflight-xpu-smi", "/usr/local/bin/xpu-smi"]
+    # --dra: kis-dra.yaml claims its cards through Dynamic Resource Allocation
+    return ["--admission-policy", str(policy), "--preflight-xpu-smi", "/usr/local/bin/xpu-smi", "--dra"]
 
 
 def render(tmp_path: Path, path: Path, flags: list[str], *extra: str) -> subprocess.CompletedProcess[str]:

@@ -4,6 +4,7 @@ compares its output with what the operator creates)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from tests.unit.operator.factories import EXAMPLES, VERSIONS, example_names, mak
 EVERY_API = [
     *("-a", names.LWS_GROUP_VERSION, "-a", names.MONITORING_GROUP_VERSION),
     *("-a", names.INFERENCE_GROUP_VERSION, "-a", names.GATEWAY_GROUP_VERSION),
+    *("-a", names.DRA_GROUP_VERSION),
 ]
 #: The other projects' kinds the examples create, and their real CRDs (tests/fixtures/external).
 EXTERNAL_CRDS = {"InferencePool": load_inferencepool_crd, "HTTPRoute": load_httproute_crd}
@@ -57,10 +59,12 @@ def write_service(tmp_path: Path, spec: dict[str, Any], **metadata: str) -> str:
 def test_every_example_renders_objects_valid_for_kubernetes(
     example: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = write_config(tmp_path, [])
+    config = write_config(tmp_path, ["--dra"])
     code, out, err = run(capsys, "-f", str(EXAMPLES / example), "--config", config, *EVERY_API)
     assert (code, err) == (0, "")
     objects = list(yaml.safe_load_all(out))
+    # resource.k8s.io/v1 (a DRA service's claims) is Kubernetes >= 1.34
+    k8s = "1.34.0" if "ResourceClaimTemplate" in {o["kind"] for o in objects} else "1.31.0"
     for obj in objects:
         if obj["kind"] == "LeaderWorkerSet":
             assert validate_cr(obj, load_lws_crd())[1] == []
@@ -72,11 +76,11 @@ def test_every_example_renders_objects_valid_for_kubernetes(
                     "metadata": {"name": "t"},
                     "template": template,
                 }
-                kubernetes_validate.validate(pod, "1.31.0", strict=True)
+                kubernetes_validate.validate(pod, k8s, strict=True)
         elif obj["kind"] in EXTERNAL_CRDS:
             assert validate_cr(obj, EXTERNAL_CRDS[obj["kind"]]())[1] == []
         elif obj["kind"] not in NO_SCHEMA:
-            kubernetes_validate.validate(obj, "1.31.0", strict=True)
+            kubernetes_validate.validate(obj, k8s, strict=True)
     # the same bytes every time, objects in apply order, the runtime's config file as a block
     assert run(capsys, "-f", str(EXAMPLES / example), "--config", config, *EVERY_API)[1] == out
     assert [o["kind"] for o in objects][:2] == ["ConfigMap", "Service"]
@@ -213,3 +217,22 @@ def test_files_that_are_not_what_render_reads_are_refused_by_name(
     code, out, err = run(capsys, "-f", str(EXAMPLES / "kis-minimal.yaml"), "--config", str(flags))
     assert (code, out) == (1, "")  # a bad value in the flags file is said as coming from it
     assert err.startswith(f"kunlun-operator render --config {flags}: --admission-policy: [Errno 2]")
+
+
+def test_the_dra_example_renders_pods_with_claims_and_no_extended_resource(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = str(EXAMPLES / "kis-dra.yaml")
+    code, out, err = run(capsys, "-f", example, "--config", write_config(tmp_path, ["--dra"]), *EVERY_API)
+    assert (code, err) == (0, "")
+    objects = {o["kind"]: o for o in yaml.safe_load_all(out)}
+    pod = objects["Deployment"]["spec"]["template"]["spec"]
+    template = objects["ResourceClaimTemplate"]["metadata"]["name"]
+    assert pod["resourceClaims"] == [{"name": "xpus", "resourceClaimTemplateName": template}]
+    assert names.RESOURCE_NAME not in json.dumps(pod["containers"] + pod["initContainers"])
+    # without --dra (the default) the webhook refuses it, naming the field
+    code, out, err = run(capsys, "-f", example, "--config", write_config(tmp_path, []), *EVERY_API)
+    assert (code, out) == (1, "")
+    assert (
+        "is refused (DRANotEnabled): spec.resources.allocation: dra needs Dynamic Resource Allocation" in err
+    )
