@@ -121,3 +121,45 @@ def test_qk_norm_and_ablations_keep_the_per_layer_path(tiny_model_dirs, tier):
     model = _load(tiny_model_dirs["llama-gqa"], tier)
     convert_linears(model, backend="plain", quantization=None, compute_dtype=tier.compute_dtype)
     assert model.enable_native_kernels() and model.decode_weights is None  # not our linears
+
+
+@pytest.mark.parametrize("mix", ["one-adapter", "two-adapters-and-base"])
+def test_one_call_layer_stack_with_lora_is_bit_identical_to_the_per_layer_path(
+    tiny_model_dirs, tier, mix, tmp_path, monkeypatch
+):
+    """With LoRA adapters in the step, the one-call decode step applies the same updates
+    (cpu_kernels.lora_update) as the per-layer path, which the LoRA golden tests check against
+    HF + PEFT: the same logprobs."""
+    from kunlun_runtime import LLM, LoRARequest, SamplingParams
+    from tests.support.lora_adapters import make_adapter
+
+    model_dir = tiny_model_dirs["llama-gqa"]
+    adapters = [
+        LoRARequest(
+            f"a{i}", i + 1, str(make_adapter(model_dir, tmp_path / f"a{i}", rank=4 + 4 * i, seed=i + 1))
+        )
+        for i in range(2)
+    ]
+    loras = [adapters[0]] * 3 if mix == "one-adapter" else [adapters[0], None, adapters[1]]
+    llm = LLM(str(model_dir), dtype="auto", kv_cache_memory="8MiB", enable_lora=True, max_loras=2)
+    model = llm.engine.model
+    assert model.decode_weights is not None and model.decode_lora is not None
+    prompts = [{"prompt_token_ids": [(11 * i + 7 * b) % 300 + 3 for i in range(5 + 9 * b)]} for b in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def run():
+        llm.engine.block_pool.reset_prefix_cache()
+        outputs = llm.generate(prompts, params, lora_request=loras)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    calls = []
+    real = cpu_kernels.decode_layers
+    monkeypatch.setattr(
+        cpu_kernels, "decode_layers", lambda x, *a: calls.append(a[-2] is not None) or real(x, *a)
+    )
+    fused = run()
+    assert calls and all(calls)  # every decode step ran in one call, with the adapters
+    weights, model.decode_weights = model.decode_weights, None
+    per_layer = run()
+    model.decode_weights = weights
+    assert fused == per_layer

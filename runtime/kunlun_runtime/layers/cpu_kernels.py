@@ -300,12 +300,44 @@ def decode_layers(
     eps: float,
     scale: float,
     window: int,
+    lora: list[torch.Tensor] | None = None,
+    lora_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every decoder layer of a decode step in one call (see decode_layers.cpp for ``weights``);
-    ``shape`` is (num_heads, num_kv_heads, head_dim)."""
+    ``shape`` is (num_heads, num_kv_heads, head_dim); ``lora``: the LoRA slots' tensors, with each
+    sequence's slot in ``lora_slots`` (None: no adapter in the step)."""
+    slots = _NO_SLOTS if lora_slots is None else lora_slots
     return _ops(x).decode_layers(
-        x, cos, sin, weights, k_caches, v_caches, block_tables, context_lens, *shape, eps, scale, window
+        x,
+        cos,
+        sin,
+        weights,
+        k_caches,
+        v_caches,
+        block_tables,
+        context_lens,
+        *shape,
+        eps,
+        scale,
+        window,
+        lora or [],
+        slots,
     )
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
+
+
+def lora_update(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_stacked: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """``y`` plus each row's LoRA update (``layers.lora``; the decode step's own operator)."""
+    return _ops(x).lora_update(x, y, a, b, b_stacked, slots)
 
 
 def main(argv: list[str] | None = None) -> int:

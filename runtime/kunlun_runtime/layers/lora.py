@@ -2,18 +2,22 @@
 
 A projection with LoRA keeps ``max_loras`` slots of its adapters' low-rank weights, each slot
 ``parts`` pieces of ``max_rank`` (q/k/v are three pieces of ``qkv_proj``, gate/up two of
-``gate_up_proj``): A as [slots, parts·max_rank, in] and B as [out, slots, parts·max_rank], a
-smaller rank zero-padded, the scaling folded into B (``lora.checkpoint``). The base projection
-runs once for all rows; then its output gains the adapters' updates:
+``gate_up_proj``): A as [slots, W, in] (W = parts·max_rank) and B as [slots, out, W], plus B's
+slots side by side as [out, slots·W]; a smaller rank is zero-padded, the scaling folded into B
+(``lora.checkpoint``). The base projection runs once for all rows; then its output gains the
+adapters' updates:
 
 - every row on one adapter (a batch of one, or of one fine-tune): ``x·Aₛᵀ·Bₛᵀ`` with that slot's
   matrices, two small matmuls;
-- rows on several adapters and on the base: one shrink over every slot's A, a mask keeping each
-  row's own slot's columns (none for a base row), one expand over every slot's B. Two matmuls and
-  a multiply whatever the mix, where a loop over adapters would gather and scatter per adapter;
-  the extra columns cost ``slots·parts·rank`` multiply-adds per input and output feature, small
-  beside the base projection while ``slots·rank`` is small beside its width.
+- rows on several adapters and on the base: one shrink over every slot's A, each row keeping its
+  own slot's columns (none for a base row), one expand over the side-by-side B. Two matmuls
+  whatever the mix, where a loop over adapters would gather and scatter per adapter; the extra
+  columns cost ``slots·W`` multiply-adds per input and output feature, small beside the base
+  projection while ``slots·rank`` is small beside its width.
 
+Decode-sized batches on our CPU kernels run both as one operator (``cpu_kernels.lora_update``),
+the same one the one-call decode step runs, so the two paths agree bit for bit; the matmuls are
+our small-batch kernels, where PyTorch's BF16 matmul costs several times more at these shapes.
 Rows of no adapter in the whole batch: nothing runs (the model keeps its LoRA-free fast paths).
 """
 
@@ -24,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kunlun_runtime.layers import cpu_kernels
+
 BASE_SLOT = -1  # a sequence on the base model
 
 
@@ -33,7 +39,7 @@ class LoRABatch:
 
     row_slots: torch.Tensor  # [T] each row's slot (BASE_SLOT: the base model)
     single_slot: int | None  # every row on this slot: the two-matmul path
-    _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -49,12 +55,12 @@ class LoRABatch:
         lens = torch.tensor(query_lens, dtype=torch.long, device=device)
         return cls(torch.repeat_interleave(slots, lens), single)
 
-    def mask(self, num_slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[T, num_slots·width]: 1 on the columns of each row's slot (``width`` per slot)."""
-        key = (num_slots, width, dtype)
+    def other_columns(self, num_slots: int, width: int) -> torch.Tensor:
+        """[T, num_slots·width] True on the columns of slots other than each row's own."""
+        key = (num_slots, width)
         if key not in self._masks:
             column_slot = torch.arange(num_slots * width, device=self.row_slots.device) // width
-            self._masks[key] = (column_slot[None, :] == self.row_slots[:, None]).to(dtype)
+            self._masks[key] = column_slot[None, :] != self.row_slots[:, None]
         return self._masks[key]
 
 
@@ -74,29 +80,39 @@ class LoRAProjection:
         self.num_slots, self.parts, self.max_rank = num_slots, parts, max_rank
         self.width = parts * max_rank  # a slot's columns
         self.a = torch.zeros(num_slots, self.width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(out_features, num_slots, self.width, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_features, self.width, dtype=dtype, device=device)
+        self.b_stacked = torch.zeros(out_features, num_slots * self.width, dtype=dtype, device=device)
+        self.native = False  # decode-sized batches through cpu_kernels.lora_update (set with the kernels)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """What ``cpu_kernels.lora_update`` and the one-call decode step take."""
+        return [self.a, self.b, self.b_stacked]
 
     @property
     def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes
+        return sum(t.nbytes for t in self.tensors)
 
     def install(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put an adapter's pieces (A [parts, r, in], B [out, parts, r], this rank's share) in
         ``slot``; None: the adapter leaves this projection alone (zeros)."""
         slot_a = self.a[slot].view(self.parts, self.max_rank, -1)
-        slot_b = self.b[:, slot].view(-1, self.parts, self.max_rank)
+        slot_b = self.b[slot].view(-1, self.parts, self.max_rank)
         slot_a.zero_()
         slot_b.zero_()
         if a is not None and b is not None:
             rank = a.shape[1]
             slot_a[:, :rank].copy_(a)
             slot_b[:, :, :rank].copy_(b)
+        self.b_stacked[:, slot * self.width : (slot + 1) * self.width].copy_(self.b[slot])
 
     def add_update(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-        """``out`` (the base projection of ``x``) plus each row's adapter update, in place."""
+        """``out`` (the base projection of ``x``) plus each row's adapter update."""
+        if self.native and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.lora_update(x.contiguous(), out, self.a, self.b, self.b_stacked, batch.row_slots)
         if batch.single_slot is not None:
             slot = batch.single_slot
-            return out.add_(F.linear(F.linear(x, self.a[slot]), self.b[:, slot]))
+            return out + F.linear(F.linear(x, self.a[slot]), self.b[slot])
         shrunk = F.linear(x, self.a.view(-1, self.a.shape[-1]))
-        shrunk.mul_(batch.mask(self.num_slots, self.width, shrunk.dtype))
-        return out.add_(F.linear(shrunk, self.b.view(self.b.shape[0], -1)))
+        shrunk.masked_fill_(batch.other_columns(self.num_slots, self.width), 0)
+        return out + F.linear(shrunk, self.b_stacked)

@@ -42,8 +42,16 @@ def enable_lora_slots(model: DecoderModel, max_loras: int, max_rank: int) -> int
             projection = LoRAProjection(
                 max_loras, NUM_PIECES[fused], max_rank, linear.in_features, linear.out_features, dtype, device
             )
+            projection.native = model.native_kernels
             owner.lora[attr] = projection
             total += projection.nbytes
+    if model.decode_weights is not None:  # the one-call decode step applies them too
+        model.decode_lora = [
+            tensor
+            for layer in model.layers
+            for _, owner, attr in _projections(layer)  # type: ignore[arg-type]
+            for tensor in owner.lora[attr].tensors
+        ]
     return total
 
 

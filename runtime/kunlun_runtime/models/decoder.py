@@ -75,7 +75,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         if lora is not None:
-            self.lora["qkv_proj"].add_update(x, qkv, lora)
+            qkv = self.lora["qkv_proj"].add_update(x, qkv, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -87,7 +87,7 @@ class Attention(nn.Module):
         attended = self.attn.forward(q, k, v, cos_sin, k_blocks, v_blocks, meta)
         out = self.o_proj(attended)
         if lora is not None:  # before the all-reduce: the partial updates sum like the outputs
-            self.lora["o_proj"].add_update(attended, out, lora)
+            out = self.lora["o_proj"].add_update(attended, out, lora)
         if self.tp_world > 1:  # row-parallel: sum the ranks' partial outputs
             dist.all_reduce(out, group=self.tp_group)
         return out
@@ -107,7 +107,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if lora is not None:
-            self.lora["gate_up_proj"].add_update(x, gate_up, lora)
+            gate_up = self.lora["gate_up_proj"].add_update(x, gate_up, lora)
         if self.native and gate_up.dim() == 2:
             hidden = cpu_kernels.silu_mul(gate_up.contiguous())
         else:
@@ -115,7 +115,7 @@ class MLP(nn.Module):
             hidden = F.silu(gate) * up
         out = self.down_proj(hidden)
         if lora is not None:
-            self.lora["down_proj"].add_update(hidden, out, lora)
+            out = self.lora["down_proj"].add_update(hidden, out, lora)
         if self.tp_world > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
@@ -166,8 +166,9 @@ class DecoderModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.lm_head.weight.requires_grad_(False)
         # Set by enable_native_kernels where one C++ call can run every layer of a decode step of
-        # up to decode_max_rows sequences.
+        # up to decode_max_rows sequences; decode_lora by lora.slots where LoRA is enabled.
         self.decode_weights: list[torch.Tensor] | None = None
+        self.decode_lora: list[torch.Tensor] | None = None
         self.decode_max_rows = cpu_kernels.MAX_ROWS
         self.native_kernels = False  # set by enable_native_kernels
         # The activations' dtype where it differs from the weights' (FP32 over BF16 weights on CPUs
@@ -268,7 +269,7 @@ class DecoderModel(nn.Module):
             assert hidden is not None, "a later pipeline stage starts from the previous stage's output"
             x = hidden
         cos_sin = self.rotary.lookup(positions, x.dtype)
-        if lora is None and self._runs_fused_decode(meta, kv_cache):
+        if (lora is None or self.decode_lora is not None) and self._runs_fused_decode(meta, kv_cache):
             assert self.decode_weights is not None  # _runs_fused_decode checked it
             cos, sin = cos_sin
             x = cpu_kernels.decode_layers(
@@ -284,6 +285,8 @@ class DecoderModel(nn.Module):
                 self.config.rms_norm_eps,
                 self.config.head_dim**-0.5,
                 meta.sliding_window,
+                None if lora is None else self.decode_lora,
+                None if lora is None else lora.row_slots,
             )
             return x if self.norm is None else self.norm(x)
         for layer in self.layers:

@@ -31,9 +31,15 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
                                                    const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                                                    const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets);
 at::Tensor argmax_rows(const at::Tensor& logits);
+// y + each row's LoRA update (layers/lora.py): a [S, W, K] every slot's A, b [S, N, W] every
+// slot's B, b_stacked [N, S·W] the same B side by side, slots [rows] each row's slot (-1: none).
+at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
+                       const at::Tensor& b_stacked, const at::Tensor& slots);
+// `lora`: empty, or 12 tensors per layer (a, b, b_stacked of qkv, o, gate_up, down) with
+// `lora_slots` each sequence's slot.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_tables,
                          const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         double eps, double scale, int64_t window);
+                         double eps, double scale, int64_t window, at::TensorList lora, const at::Tensor& lora_slots);
 
 }  // namespace kunlun_cpu

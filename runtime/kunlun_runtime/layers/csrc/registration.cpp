@@ -29,7 +29,8 @@ KUNLUN_LIBRARY(KUNLUN_OPS, m) {
   m.def(
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float eps, float scale, int window) -> Tensor");
+      "int head_dim, float eps, float scale, int window, Tensor[] lora, Tensor lora_slots) -> Tensor");
+  m.def("lora_update(Tensor x, Tensor y, Tensor a, Tensor b, Tensor b_stacked, Tensor slots) -> Tensor");
 }
 
 KUNLUN_LIBRARY_IMPL(KUNLUN_OPS, m) {
@@ -42,4 +43,5 @@ KUNLUN_LIBRARY_IMPL(KUNLUN_OPS, m) {
   m.impl("rotary_kv_write", &kunlun_cpu::rotary_kv_write);
   m.impl("argmax_rows", &kunlun_cpu::argmax_rows);
   m.impl("decode_layers", &kunlun_cpu::decode_layers);
+  m.impl("lora_update", &kunlun_cpu::lora_update);
 }
