@@ -109,7 +109,9 @@ class LoRAProjection:
     def add_update(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """``out`` (the base projection of ``x``) plus each row's adapter update."""
         if self.native and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
-            return cpu_kernels.lora_update(x.contiguous(), out, self.a, self.b, self.b_stacked, batch.row_slots)
+            return cpu_kernels.lora_update(
+                x.contiguous(), out, self.a, self.b, self.b_stacked, batch.row_slots
+            )
         if batch.single_slot is not None:
             slot = batch.single_slot
             return out + F.linear(F.linear(x, self.a[slot]), self.b[slot])
