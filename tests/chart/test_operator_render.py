@@ -25,10 +25,12 @@ def test_the_charts_operator_flags_configure_render(
             "admissionPolicy": {"hostPaths": ["/data/models"]},
             "leaderWorkerSet": {"installed": True},
             "routing": {"enabled": True},
+            "devicePlugin": {"nodePools": {"dra": "dra"}},  # so the operator runs with --dra
         }
     )
     [operator] = chart.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"]
     assert f"--admission-policy={POLICY_PATH}" in operator["args"]
+    assert "--dra" in operator["args"]
     policy = tmp_path / "policy.yaml"
     policy.write_text(chart.one("ConfigMap", "-admission-policy")["data"]["policy.yaml"])
     matrix = tmp_path / "matrix.yaml"
@@ -42,7 +44,7 @@ def test_the_charts_operator_flags_configure_render(
         path = REPO / "examples" / example
         argv = ["render", "-f", str(path), "--config", str(config), "--compatibility-matrix", str(matrix)]
         routing = ["-a", names.INFERENCE_GROUP_VERSION, "-a", names.GATEWAY_GROUP_VERSION]
-        code = main([*argv, "-a", names.LWS_GROUP_VERSION, *routing])
+        code = main([*argv, "-a", names.LWS_GROUP_VERSION, *routing, "-a", names.DRA_GROUP_VERSION])
         out, err = capsys.readouterr()
         assert (code, err) == (0, ""), example
         [workload] = [

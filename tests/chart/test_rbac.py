@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.chart.tools import REPO, Rendered, render
@@ -55,18 +56,21 @@ def table_after(text: str, heading: str) -> list[dict[str, str]]:
     return [dict(zip(header, _cells(ln), strict=True)) for ln in block[2:]]
 
 
-def operator_calls(*, leaderworkerset: bool = False, routing: bool = False) -> set[Grant]:
+def operator_calls(*, leaderworkerset: bool = False, routing: bool = False, dra: bool = False) -> set[Grant]:
     """The operator's calls; those on LeaderWorkerSet (rules marked `leaderworkerset`) only when
     ``leaderworkerset`` (the chart's leaderWorkerSet.installed), those of routed services (rules
     marked `routing`, with the rights it holds to grant its pickers) only when ``routing`` (the
-    chart's routing.enabled)."""
+    chart's routing.enabled), those of services claiming cards through DRA (rules marked `dra`) only
+    when ``dra`` (a device-plugin node pool with allocation dra or both)."""
     assert OPERATOR_API_CALLS.is_file(), f"{OPERATOR_API_CALLS} is missing: no record of the operator's calls"
     rules = yaml.safe_load(OPERATOR_API_CALLS.read_text())
     return calls_from_api_calls_yaml(
         [
             r
             for r in rules
-            if (leaderworkerset or not r.get("leaderworkerset")) and (routing or not r.get("routing"))
+            if (leaderworkerset or not r.get("leaderworkerset"))
+            and (routing or not r.get("routing"))
+            and (dra or not r.get("dra"))
         ]
     )
 
@@ -210,3 +214,34 @@ def test_rbac_table_in_docs_chart_md_lists_the_rendered_operator_rules(default_r
         grants_of_rules(installed["rules"])
         - grants_of_rules(default_render.one("ClusterRole", "-operator")["rules"])
     )
+
+
+def dra_plugin_calls() -> set[Grant]:
+    """The DRA kubelet plugin's calls: its own table in docs/device-plugin.md."""
+    rows = table_after(DEVICE_DOC.read_text(), "DRA API calls")
+    out = set()
+    for row in rows:
+        path = row["call"].split("`")[1].split()[1]
+        group = "" if path.startswith("/api/v1/") else path.split("/")[2]
+        out |= {(group, r, v) for r in _names(row["resource"]) for v in _names(row["verb"])}
+    return out
+
+
+@pytest.mark.parametrize("allocation", ["devicePlugin", "dra", "both"])
+def test_dra_rights_and_the_operators_dra_flag_only_where_a_pool_uses_dra(allocation: str) -> None:
+    from kunlun_operator.shell import cli as operator_cli
+
+    rendered = render(overrides={"devicePlugin": {"nodePools": {"pool-a": allocation}}})
+    dra = allocation != "devicePlugin"
+    assert grants_of_rules(rendered.one("ClusterRole", "-operator")["rules"]) == operator_calls(dra=dra)
+    plugin = labeler_calls() | fault_response_calls() | (dra_plugin_calls() if dra else set())
+    assert grants_of_rules(rendered.one("ClusterRole", "-device-plugin")["rules"]) == plugin
+    container = rendered.one("Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert operator_cli.build_parser().parse_args(container["args"]).dra is dra
+    assert dra_plugin_calls() == {
+        ("", "nodes", "get"),
+        ("resource.k8s.io", "resourceslices", "get"),
+        ("resource.k8s.io", "resourceslices", "create"),
+        ("resource.k8s.io", "resourceslices", "patch"),
+        ("resource.k8s.io", "resourceclaims", "get"),
+    }

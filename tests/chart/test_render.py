@@ -1,7 +1,9 @@
 """The chart lints strictly and renders valid Kubernetes objects for every ci values set.
 
 `helm lint --strict` per values set; every rendered built-in object (CRDs included) validated with
-`kubernetes-validate --strict` for Kubernetes 1.28 and 1.31, batched into one call per version.
+`kubernetes-validate --strict` for Kubernetes 1.28, 1.31, 1.34 and 1.37, batched into one call per
+version; a set with Dynamic Resource Allocation (resource.k8s.io/v1) only for 1.34 and 1.37, and
+the chart refuses it for older clusters.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import pytest
 
 from tests.chart.tools import CHART, Rendered, ci_values_files, helm
 
-KUBERNETES_VERSIONS = ("1.28.0", "1.31.0")
+KUBERNETES_VERSIONS = ("1.28.0", "1.31.0", "1.34.0", "1.37.0")
+#: Values sets that hand out cards through DRA: resource.k8s.io/v1 is Kubernetes >= 1.34.
+DRA_SETS = {"dra-values"}
+DRA_VERSIONS = ("1.34.0", "1.37.0")
 # Kinds whose schemas ship with their operators, not with Kubernetes: checked elsewhere
 # (PrometheusRule by promtool, the rest by the assertions in test_templates.py).
 NON_CORE_KINDS = {"ClusterKopfPeering", "KopfPeering", "PrometheusRule", "ServiceMonitor"}
@@ -24,6 +29,12 @@ NON_CORE_KINDS = {"ClusterKopfPeering", "KopfPeering", "PrometheusRule", "Servic
 @pytest.mark.parametrize("values_file", ci_values_files(), ids=lambda p: p.stem)
 @pytest.mark.parametrize("kube_version", KUBERNETES_VERSIONS)
 def test_helm_lint_strict_passes(values_file: Path, kube_version: str) -> None:
+    if values_file.stem in DRA_SETS and kube_version not in DRA_VERSIONS:
+        proc = helm(
+            "template", "kis", str(CHART), "--kube-version", kube_version, "-f", str(values_file), check=False
+        )
+        assert proc.returncode != 0 and "needs Kubernetes >= 1.34" in proc.stderr
+        return
     proc = helm(
         "lint",
         "--strict",
@@ -44,6 +55,7 @@ def test_ci_values_sets_cover_monitoring_ha_and_node_selectors() -> None:
         "monitoring-values",
         "ha-values",
         "nodeselector-values",
+        "dra-values",
     }
 
 
@@ -53,6 +65,8 @@ def test_rendered_objects_pass_kubernetes_validate_strict(
 ) -> None:
     files, expected = [], 0
     for stem, rendered in rendered_sets.items():
+        if stem in DRA_SETS and kube_version not in DRA_VERSIONS:
+            continue  # refused by the chart (test_helm_lint_strict_passes)
         path = tmp_path / f"{stem}.yaml"
         path.write_text(rendered.text)
         files.append(str(path))

@@ -133,6 +133,9 @@ seccompProfile:
 {{- if not .Values.leaderWorkerSet.installed }}
 - --no-leaderworkerset
 {{- end }}
+{{- if include "kunlun-inference.dra.enabled" . }}
+- --dra
+{{- end }}
 {{- if .Values.routing.enabled }}
 - --endpoint-picker-image={{ include "kunlun-inference.routing.image" .Values.routing.picker.image }}
 - --precise-endpoint-picker-image={{ include "kunlun-inference.routing.image" .Values.routing.precisePicker.image }}
@@ -246,10 +249,52 @@ KopfPeering objects in the served namespaces otherwise (peering.yaml renders the
 /run/kunlun-snapshot/node.json
 {{- end -}}
 
-{{/* "true" when this container runs xpu-smi itself (the plugin always; the labeler and the exporter
-only with devicePlugin.<name>.privileged), else "" (it reads the plugin's node snapshot). */}}
+{{/* "true" when this container runs xpu-smi itself (the plugin and the DRA plugin always; the
+labeler and the exporter with devicePlugin.<name>.privileged, or in a pool whose allocation is dra,
+where no classic plugin writes the node snapshot), else "" (it reads the plugin's node snapshot).
+Called with (dict "ctx" $ "command" NAME "allocation" devicePlugin|dra|both). */}}
 {{- define "kunlun-inference.devicePlugin.readsHardware" -}}
-{{- if or (eq .command "plugin") (index .ctx.Values.devicePlugin .command).privileged }}true{{ end -}}
+{{- if or (has .command (list "plugin" "dra")) (index .ctx.Values.devicePlugin .command).privileged (eq (.allocation | default "devicePlugin") "dra") }}true{{ end -}}
+{{- end -}}
+
+{{/* "true" when any node pool (devicePlugin.allocation, devicePlugin.nodePools) hands out cards
+through DRA: the DeviceClass, the DRA plugin's rights and the operator's --dra follow it. */}}
+{{- define "kunlun-inference.dra.enabled" -}}
+{{- $all := append (values .Values.devicePlugin.nodePools) .Values.devicePlugin.allocation -}}
+{{- if or (has "dra" $all) (has "both" $all) }}true{{ end -}}
+{{- end -}}
+
+{{/* The containers of the device-plugin DaemonSet of a pool with allocation .allocation. */}}
+{{- define "kunlun-inference.devicePlugin.containers" -}}
+{{- $v := .ctx.Values.devicePlugin -}}
+{{- $containers := list -}}
+{{- if ne .allocation "dra" }}{{ $containers = append $containers "plugin" }}{{ end -}}
+{{- if ne .allocation "devicePlugin" }}{{ $containers = append $containers "dra" }}{{ end -}}
+{{- if $v.labeler.enabled }}{{ $containers = append $containers "labeler" }}{{ end -}}
+{{- if $v.exporter.enabled }}{{ $containers = append $containers "exporter" }}{{ end -}}
+{{- join " " $containers -}}
+{{- end -}}
+
+{{/* The DaemonSet affinity of one pool: devicePlugin.affinity with, where pools are defined, the
+pool's own nodes (In) or, for the default DaemonSet, every node of no pool (NotIn) ANDed into each
+required node-selector term. Call with (dict "ctx" $ "pool" NAME) ("" for the default). */}}
+{{- define "kunlun-inference.devicePlugin.affinity" -}}
+{{- $v := .ctx.Values.devicePlugin -}}
+{{- $affinity := deepCopy ($v.affinity | default dict) -}}
+{{- if $v.nodePools -}}
+{{- $expr := dict "key" $v.nodePoolLabel "operator" "NotIn" "values" (keys $v.nodePools | sortAlpha) -}}
+{{- if .pool }}{{ $expr = dict "key" $v.nodePoolLabel "operator" "In" "values" (list .pool) }}{{ end -}}
+{{- $node := $affinity.nodeAffinity | default dict -}}
+{{- $required := $node.requiredDuringSchedulingIgnoredDuringExecution | default dict -}}
+{{- $terms := list -}}
+{{- range ($required.nodeSelectorTerms | default (list dict)) -}}
+{{- $terms = append $terms (merge (dict "matchExpressions" (append (.matchExpressions | default list) $expr)) .) -}}
+{{- end -}}
+{{- $_ := set $required "nodeSelectorTerms" $terms -}}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" $required -}}
+{{- $_ := set $affinity "nodeAffinity" $node -}}
+{{- end -}}
+{{- if $affinity }}{{ toYaml $affinity }}{{ end -}}
 {{- end -}}
 
 {{/* Arguments of one device-plugin container: (dict "ctx" $ "command" "plugin|labeler|exporter"). Flags: docs/device-plugin.md. */}}
@@ -269,7 +314,11 @@ only with devicePlugin.<name>.privileged), else "" (it reads the plugin's node s
 - --temperature-warn-celsius={{ $v.health.temperatureWarnCelsius }}
 - --temperature-critical-celsius={{ $v.health.temperatureCriticalCelsius }}
 {{- end }}
-{{- if eq .command "plugin" }}
+{{- if eq .command "dra" }}
+- --plugins-dir=/var/lib/kubelet/plugins
+- --registry-dir=/var/lib/kubelet/plugins_registry
+- --cdi-dir=/var/run/cdi
+{{- else if eq .command "plugin" }}
 - --kubelet-dir=/var/lib/kubelet/device-plugins
 - --snapshot-file={{ include "kunlun-inference.devicePlugin.snapshotFile" . }}
 {{- if $v.faults.enabled }}
@@ -289,7 +338,7 @@ only with devicePlugin.<name>.privileged), else "" (it reads the plugin's node s
 {{- else if eq .command "exporter" }}
 - --port={{ $v.exporter.port }}
 - --pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock
-{{- if $v.faults.enabled }}
+{{- if and $v.faults.enabled (ne (.allocation | default "devicePlugin") "dra") }}
 - --quarantine-file=/run/kunlun/quarantine.json
 {{- end }}
 {{- end }}
@@ -300,7 +349,7 @@ container that runs xpu-smi mounts the host's /dev, /sys and Kunlun home; the ot
 node snapshot, read-only. */}}
 {{- define "kunlun-inference.devicePlugin.mounts" -}}
 {{- if include "kunlun-inference.devicePlugin.readsHardware" . }}
-{{- if eq .command "plugin" }}
+{{- if has .command (list "plugin" "dra") }}
 - {name: host-dev, mountPath: /host/dev}
 {{- else }}
 - {name: host-dev, mountPath: /host/dev, readOnly: true}
@@ -323,9 +372,13 @@ node snapshot, read-only. */}}
 - {name: fault-state, mountPath: /run/kunlun}
 - {name: plugin-state, mountPath: /var/lib/kunlun-device-plugin}
 {{- end }}
+{{- else if eq .command "dra" }}
+- {name: kubelet-plugins-registry, mountPath: /var/lib/kubelet/plugins_registry}
+- {name: dra-plugin, mountPath: /var/lib/kubelet/plugins/xpu.kunlun.dev}
+- {name: cdi, mountPath: /var/run/cdi}
 {{- else if eq .command "exporter" }}
 - {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
-{{- if .ctx.Values.devicePlugin.faults.enabled }}
+{{- if and .ctx.Values.devicePlugin.faults.enabled (ne (.allocation | default "devicePlugin") "dra") }}
 - {name: fault-state, mountPath: /run/kunlun, readOnly: true}
 {{- end }}
 {{- end }}
@@ -386,6 +439,16 @@ annotation and taint (docs/device-plugin.md lists each call). */}}
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["get", "patch"]
+{{- if include "kunlun-inference.dra.enabled" . }}
+{{- /* the DRA plugin (docs/device-plugin.md "DRA API calls"): its node's ResourceSlice (narrowed to
+its own pool by devicePlugin.dra.nodeRestrictionPolicy) and the claims it prepares */}}
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceslices"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceclaims"]
+  verbs: ["get"]
+{{- end }}
 {{- if .Values.devicePlugin.faults.enabled }}
 - apiGroups: [""]
   resources: ["pods/status"]

@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from kunlun_operator.decide.reconcile import reconcile
 from kunlun_operator.decide.status import DeploymentFacts
 from kunlun_operator.spec.service import ServiceRef, parse_spec_or_error
@@ -60,3 +62,23 @@ def test_the_documented_multi_node_rejection_is_the_operators_message() -> None:
     for doc in (DOC, DOC.parent / "chart.md"):
         quoted = re.findall(r"```text\n(spec\.runtime\.pipelineParallelSize: .+)\n```", doc.read_text())
         assert quoted == [str(error)], doc.name
+
+
+def test_the_documented_claim_template_and_dra_denial_are_what_the_operator_makes() -> None:
+    """docs/operator.md "Allocation": the worked template is the builder's for examples/kis-dra.yaml,
+    and the quoted denial is the one a dra service gets without --dra."""
+    from kunlun_operator.decide.allocation import claim_template, require_dra
+    from kunlun_operator.policy.matrix import load_default_matrix, select_image
+    from kunlun_operator.spec.service import parse_service_ref, parse_spec
+
+    body = load_example("kis-dra.yaml")
+    body["metadata"]["namespace"] = "default"
+    spec = parse_spec(body["spec"])
+    matrix = load_default_matrix()
+    image = select_image(matrix, spec.versions, "unused")
+    built = claim_template(parse_service_ref(body), spec, matrix, image)
+    section = DOC.read_text().split("## Allocation", 1)[1].split("\n## ", 1)[0]
+    documented = yaml.safe_load(re.findall(r"```yaml\n(.+?)```", section, re.S)[0])
+    assert documented == built
+    error = require_dra(spec, dra_served=False)
+    assert re.findall(r"```text\n(spec\.resources\.allocation: .+)\n```", section) == [str(error)]
