@@ -329,15 +329,10 @@ _NO_SLOTS = torch.empty(0, dtype=torch.long)
 
 
 def lora_update(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    b_stacked: torch.Tensor,
-    slots: torch.Tensor,
+    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
     """``y`` plus each row's LoRA update (``layers.lora``; the decode step's own operator)."""
-    return _ops(x).lora_update(x, y, a, b, b_stacked, slots)
+    return _ops(x).lora_update(x, y, a, b, slots)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,8 +38,8 @@ class LoRABatch:
     """One step's adapter of each row, as the projections read it."""
 
     row_slots: torch.Tensor  # [T] each row's slot (BASE_SLOT: the base model)
-    single_slot: int | None  # every row on this slot: the two-matmul path
-    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    single_slot: int | None  # every row on this slot
+    _groups: list[tuple[int, torch.Tensor]] | None = None
 
     @classmethod
     def build(
@@ -55,13 +55,14 @@ class LoRABatch:
         lens = torch.tensor(query_lens, dtype=torch.long, device=device)
         return cls(torch.repeat_interleave(slots, lens), single)
 
-    def other_columns(self, num_slots: int, width: int) -> torch.Tensor:
-        """[T, num_slots·width] True on the columns of slots other than each row's own."""
-        key = (num_slots, width)
-        if key not in self._masks:
-            column_slot = torch.arange(num_slots * width, device=self.row_slots.device) // width
-            self._masks[key] = column_slot[None, :] != self.row_slots[:, None]
-        return self._masks[key]
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """Each slot in use and the rows on it."""
+        if self._groups is None:
+            self._groups = [
+                (slot, (self.row_slots == slot).nonzero().flatten())
+                for slot in sorted(set(self.row_slots.tolist()) - {BASE_SLOT})
+            ]
+        return self._groups
 
 
 class LoRAProjection:
@@ -81,17 +82,16 @@ class LoRAProjection:
         self.width = parts * max_rank  # a slot's columns
         self.a = torch.zeros(num_slots, self.width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out_features, self.width, dtype=dtype, device=device)
-        self.b_stacked = torch.zeros(out_features, num_slots * self.width, dtype=dtype, device=device)
         self.native = False  # decode-sized batches through cpu_kernels.lora_update (set with the kernels)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         """What ``cpu_kernels.lora_update`` and the one-call decode step take."""
-        return [self.a, self.b, self.b_stacked]
+        return [self.a, self.b]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        return self.a.nbytes + self.b.nbytes
 
     def install(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put an adapter's pieces (A [parts, r, in], B [out, parts, r], this rank's share) in
@@ -104,17 +104,16 @@ class LoRAProjection:
             rank = a.shape[1]
             slot_a[:, :rank].copy_(a)
             slot_b[:, :, :rank].copy_(b)
-        self.b_stacked[:, slot * self.width : (slot + 1) * self.width].copy_(self.b[slot])
 
     def add_update(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """``out`` (the base projection of ``x``) plus each row's adapter update."""
         if self.native and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
-            return cpu_kernels.lora_update(
-                x.contiguous(), out, self.a, self.b, self.b_stacked, batch.row_slots
-            )
+            return cpu_kernels.lora_update(x.contiguous(), out.contiguous(), self.a, self.b, batch.row_slots)
         if batch.single_slot is not None:
             slot = batch.single_slot
             return out + F.linear(F.linear(x, self.a[slot]), self.b[slot])
-        shrunk = F.linear(x, self.a.view(-1, self.a.shape[-1]))
-        shrunk.masked_fill_(batch.other_columns(self.num_slots, self.width), 0)
-        return out + F.linear(shrunk, self.b_stacked)
+        out = out.clone()
+        for slot, rows in batch.groups():
+            update = F.linear(F.linear(x.index_select(0, rows), self.a[slot]), self.b[slot])
+            out.index_add_(0, rows, update)
+        return out

@@ -14,7 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/linear.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <optional>
@@ -25,7 +25,7 @@
 namespace {
 
 constexpr int64_t kTensorsPerLayer = 11;
-constexpr int64_t kLoRAPerLayer = 12;  // (a, b, b_stacked) of qkv, o, gate_up, down
+constexpr int64_t kLoRAPerLayer = 8;  // (a, b) of qkv, o, gate_up, down
 
 std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
   return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
@@ -54,21 +54,60 @@ at::Tensor add(const at::Tensor& x, const at::Tensor& delta) {  // x + delta rou
   return out;
 }
 
-at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w) {
-  // BF16 slots (BF16 weights): our kernel; FP32 slots (FP32 activations): ATen's, as the per-layer path.
-  if (w.scalar_type() == at::kBFloat16) return kunlun_cpu::linear_bf16(x, w, std::nullopt);
-  return at::linear(x, w);
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// sum(w[i] · x[i]) over n values in a fixed order: 16 running sums (one vector register's worth,
+// which the compiler keeps in one without reassociating), then the remainder, then the 16 summed.
+template <typename T>
+inline float dot(const T* w, const float* x, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] += to_float(w[i + l]) * x[i + l];
+  }
+  for (int64_t l = 0; i + l < n; ++l) acc[l] += to_float(w[i + l]) * x[i + l];
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  return sum;
 }
 
+// y + each row's update B_s·(A_s·x) in one pass, per slot in use: its A and B are read once for
+// all its rows. The shrink (W dot products of length K per row) and the expand (N dot products of
+// length W per row) accumulate in FP32, and each output is rounded once when added to y: no
+// intermediate rounding to BF16, so a row's result does not depend on its batch.
 template <typename T>
-void keep_own_slot(at::Tensor& h, const int64_t* slots, int64_t width) {  // zero the other slots' columns
-  T* hp = h.mutable_data_ptr<T>();
-  const int64_t rows = h.size(0), cols = h.size(1);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      if (c / width != slots[r]) hp[r * cols + c] = T(0);
+at::Tensor lora_apply(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
+                      const int64_t* slots) {
+  const int64_t rows = x.size(0), K = x.size(1), W = a.size(1), N = b.size(1);
+  const T* xp = x.const_data_ptr<T>();
+  const T* ap = a.const_data_ptr<T>();
+  const T* bp = b.const_data_ptr<T>();
+  std::vector<float> xf(rows * K);
+  for (int64_t i = 0; i < rows * K; ++i) xf[i] = to_float(xp[i]);
+  std::vector<float> h(rows * W, 0.0f);
+  // Shrink: one task per (row, column of A); each reads one of A's rows.
+  at::parallel_for(0, rows * W, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / W, j = task % W;
+      if (slots[r] < 0) continue;
+      h[r * W + j] = dot(ap + (slots[r] * W + j) * K, xf.data() + r * K, K);
     }
-  }
+  });
+  at::Tensor out = at::empty_like(y);
+  const T* yp = y.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  // Expand: output channels split across threads; each reads its row of B once per slot in use.
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float delta = slots[r] < 0 ? 0.0f : dot(bp + (slots[r] * N + n) * W, h.data() + r * W, W);
+        op[r * N + n] = T(to_float(yp[r * N + n]) + delta);
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -76,26 +115,25 @@ void keep_own_slot(at::Tensor& h, const int64_t* slots, int64_t width) {  // zer
 namespace kunlun_cpu {
 
 at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& b_stacked, const at::Tensor& slots) {
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && slots.scalar_type() == at::kLong && slots.size(0) == x.size(0),
-              "lora_update: expected a [S, W, K], b [S, N, W] and one int64 slot per row");
+                       const at::Tensor& slots) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(1) == b.size(2),
+              "lora_update: expected a [S, W, K] and b [S, N, W]");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.size(1) == a.size(2) &&
+                  y.size(1) == b.size(1),
+              "lora_update: x [rows, K] and y [rows, N] do not fit a and b");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0), "lora_update: one int64 slot per row");
+  TORCH_CHECK(x.scalar_type() == a.scalar_type() && y.scalar_type() == a.scalar_type() &&
+                  b.scalar_type() == a.scalar_type(),
+              "lora_update: x, y and the slots must share one dtype");
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && a.is_contiguous() && b.is_contiguous() && slots.is_contiguous(),
+              "lora_update: tensors must be contiguous");
   const int64_t* sp = slots.const_data_ptr<int64_t>();
-  const int64_t rows = x.size(0), width = a.size(1);
-  bool single = true;
-  for (int64_t r = 1; r < rows; ++r) single = single && sp[r] == sp[0];
-  at::Tensor delta;
-  if (single && sp[0] >= 0) {
-    delta = lora_linear(lora_linear(x, a.select(0, sp[0])), b.select(0, sp[0]));
-  } else {
-    at::Tensor h = lora_linear(x, a.view({-1, a.size(2)}));
-    if (h.scalar_type() == at::kFloat) {
-      keep_own_slot<float>(h, sp, width);
-    } else {
-      keep_own_slot<c10::BFloat16>(h, sp, width);
-    }
-    delta = lora_linear(h, b_stacked);
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    TORCH_CHECK(sp[r] >= -1 && sp[r] < a.size(0), "lora_update: slot ", sp[r], " out of range");
   }
-  return add(y, delta);
+  if (a.scalar_type() == at::kFloat) return lora_apply<float>(x, y, a, b, sp);
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16, "lora_update: float32 or bfloat16 tensors");
+  return lora_apply<c10::BFloat16>(x, y, a, b, sp);
 }
 
 at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -113,8 +151,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   // The projection's output plus its rows' adapter updates (none without LoRA).
   const auto with_lora = [&](const at::Tensor& in, const at::Tensor& out, int64_t layer, int64_t projection) {
     if (lora.empty()) return out;
-    const at::Tensor* t = lora.data() + layer * kLoRAPerLayer + 3 * projection;
-    return lora_update(in, out, t[0], t[1], t[2], lora_slots);
+    const at::Tensor* t = lora.data() + layer * kLoRAPerLayer + 2 * projection;
+    return lora_update(in.contiguous(), out, t[0], t[1], lora_slots);
   };
   const int64_t B = x_in.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;

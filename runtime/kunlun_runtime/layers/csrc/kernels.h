@@ -32,10 +32,10 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
                                                    const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets);
 at::Tensor argmax_rows(const at::Tensor& logits);
 // y + each row's LoRA update (layers/lora.py): a [S, W, K] every slot's A, b [S, N, W] every
-// slot's B, b_stacked [N, S·W] the same B side by side, slots [rows] each row's slot (-1: none).
+// slot's B, slots [rows] each row's slot (-1: none); all but slots in one dtype, FP32 or BF16.
 at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& b_stacked, const at::Tensor& slots);
-// `lora`: empty, or 12 tensors per layer (a, b, b_stacked of qkv, o, gate_up, down) with
+                       const at::Tensor& slots);
+// `lora`: empty, or 8 tensors per layer (a, b of qkv, o, gate_up, down) with
 // `lora_slots` each sequence's slot.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& block_tables,

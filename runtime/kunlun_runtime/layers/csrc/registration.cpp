@@ -30,7 +30,7 @@ KUNLUN_LIBRARY(KUNLUN_OPS, m) {
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
       "int head_dim, float eps, float scale, int window, Tensor[] lora, Tensor lora_slots) -> Tensor");
-  m.def("lora_update(Tensor x, Tensor y, Tensor a, Tensor b, Tensor b_stacked, Tensor slots) -> Tensor");
+  m.def("lora_update(Tensor x, Tensor y, Tensor a, Tensor b, Tensor slots) -> Tensor");
 }
 
 KUNLUN_LIBRARY_IMPL(KUNLUN_OPS, m) {
