@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         enable_lora=True,
         max_loras=args.adapters,
-        max_lora_rank=max(64, args.rank),
+        max_lora_rank=args.rank,
         max_cpu_loras=args.adapters + 1,
         max_model_len=args.prompt_tokens + args.max_tokens + 16,
         enable_prefix_caching=False,  # every repetition computes its prompts again
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(target >= {TARGETS[batch]}: {'met' if met else 'MISSED'}); TTFT base {base_ttft * 1000:.1f} ms, "
             f"lora {lora_ttft * 1000:.1f} ms"
         )
+    llm.close()
+    llm = LLM(str(base_dir), dtype=args.dtype, enable_lora=True, max_lora_rank=64, max_model_len=64)
     load = measure_load(llm, base_dir, scratch, 64)
     report["load_rank64"] = load
     print(

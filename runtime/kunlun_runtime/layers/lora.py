@@ -2,28 +2,22 @@
 
 A projection with LoRA keeps ``max_loras`` slots of its adapters' low-rank weights, each slot
 ``parts`` pieces of ``max_rank`` (q/k/v are three pieces of ``qkv_proj``, gate/up two of
-``gate_up_proj``): A as [slots, W, in] (W = parts·max_rank) and B as [slots, out, W], plus B's
-slots side by side as [out, slots·W]; a smaller rank is zero-padded, the scaling folded into B
-(``lora.checkpoint``). The base projection runs once for all rows; then its output gains the
-adapters' updates:
+``gate_up_proj``): A as [slots, W, in] (W = parts·max_rank) and B transposed as [slots, W, out];
+a smaller rank is zero-padded, the scaling folded into B (``lora.checkpoint``). The base
+projection runs once for all rows; then each row gains its adapter's update ``(x·Aₛᵀ)·Bₛᵀ``.
 
-- every row on one adapter (a batch of one, or of one fine-tune): ``x·Aₛᵀ·Bₛᵀ`` with that slot's
-  matrices, two small matmuls;
-- rows on several adapters and on the base: one shrink over every slot's A, each row keeping its
-  own slot's columns (none for a base row), one expand over the side-by-side B. Two matmuls
-  whatever the mix, where a loop over adapters would gather and scatter per adapter; the extra
-  columns cost ``slots·W`` multiply-adds per input and output feature, small beside the base
-  projection while ``slots·rank`` is small beside its width.
-
-Decode-sized batches on our CPU kernels run both as one operator (``cpu_kernels.lora_update``),
-the same one the one-call decode step runs, so the two paths agree bit for bit; the matmuls are
-our small-batch kernels, where PyTorch's BF16 matmul costs several times more at these shapes.
-Rows of no adapter in the whole batch: nothing runs (the model keeps its LoRA-free fast paths).
+Decode-sized batches on our CPU kernels do that in one operator (``cpu_kernels.lora_update``),
+the same one the one-call decode step runs, so the two paths agree bit for bit: per slot in use
+its A and B are read once for all its rows, the shrink and the expand accumulate in FP32 and
+each output is rounded once; a base row costs nothing. PyTorch's BF16 matmul costs several times
+more at these shapes. Larger batches (prefill) and CPUs without our kernels take PyTorch: two
+matmuls when every row is on one adapter, else the rows grouped by slot. Rows of no adapter in
+the whole batch: nothing runs (the model keeps its LoRA-free fast paths).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +75,8 @@ class LoRAProjection:
         self.num_slots, self.parts, self.max_rank = num_slots, parts, max_rank
         self.width = parts * max_rank  # a slot's columns
         self.a = torch.zeros(num_slots, self.width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, out_features, self.width, dtype=dtype, device=device)
+        # B transposed, [slots, W, out]: the kernel's expand is then vector multiply-adds along out.
+        self.b = torch.zeros(num_slots, self.width, out_features, dtype=dtype, device=device)
         self.native = False  # decode-sized batches through cpu_kernels.lora_update (set with the kernels)
 
     @property
@@ -97,13 +92,13 @@ class LoRAProjection:
         """Put an adapter's pieces (A [parts, r, in], B [out, parts, r], this rank's share) in
         ``slot``; None: the adapter leaves this projection alone (zeros)."""
         slot_a = self.a[slot].view(self.parts, self.max_rank, -1)
-        slot_b = self.b[slot].view(-1, self.parts, self.max_rank)
+        slot_b = self.b[slot].view(self.parts, self.max_rank, -1)
         slot_a.zero_()
         slot_b.zero_()
         if a is not None and b is not None:
             rank = a.shape[1]
             slot_a[:, :rank].copy_(a)
-            slot_b[:, :, :rank].copy_(b)
+            slot_b[:, :rank].copy_(b.permute(1, 2, 0))
 
     def add_update(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """``out`` (the base projection of ``x``) plus each row's adapter update."""
@@ -111,9 +106,9 @@ class LoRAProjection:
             return cpu_kernels.lora_update(x.contiguous(), out.contiguous(), self.a, self.b, batch.row_slots)
         if batch.single_slot is not None:
             slot = batch.single_slot
-            return out + F.linear(F.linear(x, self.a[slot]), self.b[slot])
+            return out + F.linear(x, self.a[slot]) @ self.b[slot]
         out = out.clone()
         for slot, rows in batch.groups():
-            update = F.linear(F.linear(x.index_select(0, rows), self.a[slot]), self.b[slot])
+            update = F.linear(x.index_select(0, rows), self.a[slot]) @ self.b[slot]
             out.index_add_(0, rows, update)
         return out

@@ -15,8 +15,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -57,53 +59,151 @@ at::Tensor add(const at::Tensor& x, const at::Tensor& delta) {  // x + delta rou
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
-// sum(w[i] · x[i]) over n values in a fixed order: 16 running sums (one vector register's worth,
-// which the compiler keeps in one without reassociating), then the remainder, then the 16 summed.
+// LoRA's vector helpers: one vector of FP32 lanes (16 on the AVX-512 tier, 8 on AVX2). BF16
+// values widen in registers (a BF16 is the top half of an FP32), so A and B stay half the bytes,
+// and narrow back rounding to nearest even, as c10::BFloat16(float).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Lanes = __m512;
+inline Lanes zero_lanes() { return _mm512_setzero_ps(); }
+inline Lanes broadcast(float v) { return _mm512_set1_ps(v); }
+inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline Lanes add_lanes(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline float sum_lanes(Lanes v) { return _mm512_reduce_add_ps(v); }
+inline Lanes load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes load_lanes(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline void store_lanes(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
+inline void store_lanes(c10::BFloat16* p, Lanes v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#else
+constexpr int64_t kLanes = 8;
+using Lanes = __m256;
+inline Lanes zero_lanes() { return _mm256_setzero_ps(); }
+inline Lanes broadcast(float v) { return _mm256_set1_ps(v); }
+inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+inline Lanes add_lanes(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
+inline float sum_lanes(Lanes v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float sum = 0.0f;
+  for (float lane : lanes) sum += lane;
+  return sum;
+}
+inline Lanes load_lanes(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes load_lanes(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline void store_lanes(float* p, Lanes v) { _mm256_storeu_ps(p, v); }
+inline void store_lanes(c10::BFloat16* p, Lanes v) {  // the AVX2 tier computes in FP32; kept for completeness
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (int64_t l = 0; l < 8; ++l) p[l] = c10::BFloat16(lanes[l]);
+}
+#endif
+
+// sum(w[i] · x[i]), n values, in a fixed order: four vectors of running sums (independent FMA
+// chains: one chain waits on each FMA's latency), the remainder lane by lane, then the lanes.
 template <typename T>
 inline float dot(const T* w, const float* x, int64_t n) {
-  constexpr int64_t kLanes = 16;
-  float acc[kLanes] = {};
+  Lanes a0 = zero_lanes(), a1 = zero_lanes(), a2 = zero_lanes(), a3 = zero_lanes();
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) acc[l] += to_float(w[i + l]) * x[i + l];
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    a0 = fma_lanes(load_lanes(w + i), load_lanes(x + i), a0);
+    a1 = fma_lanes(load_lanes(w + i + kLanes), load_lanes(x + i + kLanes), a1);
+    a2 = fma_lanes(load_lanes(w + i + 2 * kLanes), load_lanes(x + i + 2 * kLanes), a2);
+    a3 = fma_lanes(load_lanes(w + i + 3 * kLanes), load_lanes(x + i + 3 * kLanes), a3);
   }
-  for (int64_t l = 0; i + l < n; ++l) acc[l] += to_float(w[i + l]) * x[i + l];
-  float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  for (; i + kLanes <= n; i += kLanes) a0 = fma_lanes(load_lanes(w + i), load_lanes(x + i), a0);
+  float sum = sum_lanes(add_lanes(add_lanes(a0, a1), add_lanes(a2, a3)));
+  for (; i < n; ++i) sum += to_float(w[i]) * x[i];
   return sum;
 }
 
-// y + each row's update B_s·(A_s·x) in one pass, per slot in use: its A and B are read once for
-// all its rows. The shrink (W dot products of length K per row) and the expand (N dot products of
-// length W per row) accumulate in FP32, and each output is rounded once when added to y: no
-// intermediate rounding to BF16, so a row's result does not depend on its batch.
+// Work below this many multiply-adds runs on the calling thread: a decode step's LoRA update
+// is a few microseconds, less than waking the other threads costs.
+constexpr int64_t kInlineWork = 1 << 17;
+
+// y + each row's update (A_s·x)·B_sᵀ in one pass, with a [S, W, K] and bt [S, W, N] (B transposed,
+// so the expand is W vector multiply-adds per output vector with no horizontal sums). The shrink
+// and the expand accumulate in FP32 in a fixed order and each output is rounded once when added
+// to y, so a row's result depends on neither its batch nor the threads.
 template <typename T>
-at::Tensor lora_apply(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
+at::Tensor lora_apply(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& bt,
                       const int64_t* slots) {
-  const int64_t rows = x.size(0), K = x.size(1), W = a.size(1), N = b.size(1);
+  const int64_t rows = x.size(0), K = x.size(1), W = a.size(1), N = bt.size(2);
   const T* xp = x.const_data_ptr<T>();
   const T* ap = a.const_data_ptr<T>();
-  const T* bp = b.const_data_ptr<T>();
+  const T* bp = bt.const_data_ptr<T>();
   std::vector<float> xf(rows * K);
   for (int64_t i = 0; i < rows * K; ++i) xf[i] = to_float(xp[i]);
   std::vector<float> h(rows * W, 0.0f);
-  // Shrink: one task per (row, column of A); each reads one of A's rows.
-  at::parallel_for(0, rows * W, 16, [&](int64_t begin, int64_t end) {
+  // The slots in use and their rows: each slot's A is read once, for all its rows.
+  std::vector<int64_t> used;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (slots[r] >= 0 && std::find(used.begin(), used.end(), slots[r]) == used.end()) used.push_back(slots[r]);
+  }
+  const int64_t tasks = static_cast<int64_t>(used.size()) * W;
+  at::parallel_for(0, tasks, std::max<int64_t>(1, kInlineWork / (K * rows)), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / W, j = task % W;
-      if (slots[r] < 0) continue;
-      h[r * W + j] = dot(ap + (slots[r] * W + j) * K, xf.data() + r * K, K);
+      const int64_t slot = used[task / W], j = task % W;
+      const T* arow = ap + (slot * W + j) * K;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (slots[r] == slot) h[r * W + j] = dot(arow, xf.data() + r * K, K);
+      }
     }
   });
   at::Tensor out = at::empty_like(y);
   const T* yp = y.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
-  // Expand: output channels split across threads; each reads its row of B once per slot in use.
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+  // Expand over blocks of kBlock output channels (threads split the blocks): for each row, its
+  // slot's B rows j = 0..W-1 are read kBlock channels at a time (contiguous runs the prefetcher
+  // follows) and multiply-added into the row's FP32 sums, j in order; then y is added, rounded once.
+  constexpr int64_t kBlock = 8 * kLanes;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, kInlineWork / (rows * W * kBlock));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kBlock];
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * kBlock, width = std::min(kBlock, N - n0);
       for (int64_t r = 0; r < rows; ++r) {
-        const float delta = slots[r] < 0 ? 0.0f : dot(bp + (slots[r] * N + n) * W, h.data() + r * W, W);
-        op[r * N + n] = T(to_float(yp[r * N + n]) + delta);
+        std::fill(acc, acc + width, 0.0f);
+        if (slots[r] >= 0) {
+          const T* rows_of_b = bp + slots[r] * W * N + n0;
+          const float* hr = h.data() + r * W;
+          if (width == kBlock) {  // a whole block: its sums stay in registers across j
+            Lanes sums[8];
+            for (int v = 0; v < 8; ++v) sums[v] = zero_lanes();
+            for (int64_t j = 0; j < W; ++j) {
+              const T* bj = rows_of_b + j * N;
+              const Lanes hj = broadcast(hr[j]);
+              for (int v = 0; v < 8; ++v) sums[v] = fma_lanes(hj, load_lanes(bj + v * kLanes), sums[v]);
+            }
+            for (int v = 0; v < 8; ++v) store_lanes(acc + v * kLanes, sums[v]);
+          } else {
+            for (int64_t j = 0; j < W; ++j) {
+              const T* bj = rows_of_b + j * N;
+              const Lanes hj = broadcast(hr[j]);
+              int64_t n = 0;
+              for (; n + kLanes <= width; n += kLanes) {
+                store_lanes(acc + n, fma_lanes(hj, load_lanes(bj + n), load_lanes(acc + n)));
+              }
+              for (; n < width; ++n) acc[n] += hr[j] * to_float(bj[n]);
+            }
+          }
+        }
+        const T* yr = yp + r * N + n0;
+        T* outr = op + r * N + n0;
+        int64_t n = 0;
+        for (; n + kLanes <= width; n += kLanes) store_lanes(outr + n, add_lanes(load_lanes(yr + n), load_lanes(acc + n)));
+        for (; n < width; ++n) outr[n] = T(to_float(yr[n]) + acc[n]);
       }
     }
   });
@@ -116,10 +216,10 @@ namespace kunlun_cpu {
 
 at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
                        const at::Tensor& slots) {
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(1) == b.size(2),
-              "lora_update: expected a [S, W, K] and b [S, N, W]");
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(1) == b.size(1),
+              "lora_update: expected a [S, W, K] and b [S, W, N] (B transposed)");
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.size(1) == a.size(2) &&
-                  y.size(1) == b.size(1),
+                  y.size(1) == b.size(2),
               "lora_update: x [rows, K] and y [rows, N] do not fit a and b");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0), "lora_update: one int64 slot per row");
   TORCH_CHECK(x.scalar_type() == a.scalar_type() && y.scalar_type() == a.scalar_type() &&

@@ -31,8 +31,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
                                                    const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                                                    const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets);
 at::Tensor argmax_rows(const at::Tensor& logits);
-// y + each row's LoRA update (layers/lora.py): a [S, W, K] every slot's A, b [S, N, W] every
-// slot's B, slots [rows] each row's slot (-1: none); all but slots in one dtype, FP32 or BF16.
+// y + each row's LoRA update (layers/lora.py): a [S, W, K] every slot's A, b [S, W, N] every
+// slot's B transposed, slots [rows] each row's slot (-1: none); all but slots in one dtype.
 at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tensor& a, const at::Tensor& b,
                        const at::Tensor& slots);
 // `lora`: empty, or 8 tensors per layer (a, b of qkv, o, gate_up, down) with
