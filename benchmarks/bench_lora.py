@@ -66,7 +66,7 @@ def measure_load(llm: LLM, base_dir: Path, scratch: Path, rank: int) -> dict:
     read = time.perf_counter()
     llm.engine.add_lora(lora, adapter)
     registered = time.perf_counter()
-    prompt = [[100 + i for i in range(8)]]
+    prompt = [[10 + i for i in range(8)]]
     run_batch(llm, prompt, [lora], 1)  # the step that installs it into a slot
     installed = time.perf_counter()
     llm.engine.remove_lora(lora.lora_name)
@@ -119,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     for lora in loras:
         llm.engine.add_lora(lora)
+    vocab = min(5000, llm.engine.model_config.vocab_size)
     runs: dict[tuple[int, str], list[dict]] = {}
     for repeat in range(args.repeats + 1):  # the first round warms up (kernels, slots) and is dropped
         for batch in (8, 1):
             prompts = [
-                [(31 * i + 7 * k + repeat) % 5000 + 100 for i in range(args.prompt_tokens)]
+                [(31 * i + 7 * k + repeat) % (vocab - 20) + 10 for i in range(args.prompt_tokens)]
                 for k in range(batch)
             ]
             sides = {
