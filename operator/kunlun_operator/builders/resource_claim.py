@@ -7,7 +7,9 @@ publishes (``kunlun_device.dra.slices``): the certified version stacks (an OR ov
 version compared as the plugin maps it to semver, ``kunlun_device.dra.semver``), the product
 (``spec.resources.xpuProduct`` against the label-safe form of ``model``, as the classic node
 selector compares the labeler's ``kunlun.dev/xpu.product``), and for ``tensorParallelSize > 1`` a
-``matchAttribute`` on ``linkGroup`` so one pod's cards share an XPU Link group.
+``matchAttribute`` on ``linkGroup`` so one pod's cards share an XPU Link group — unless the pod
+asks for more cards than any link group holds (``MAX_LINK_GROUP_CARDS``), where the constraint
+could never be met.
 
 A template's spec cannot change (the API server refuses updates), so its name carries a hash of
 its spec: a changed request is a new template, the pods roll to it, and the controller prunes the
@@ -37,6 +39,11 @@ CLAIM_NAME = "xpus"
 DEVICE_CLASS = DRA_DRIVER  # the chart's DeviceClass, named like the driver
 #: The attribute one pod's cards must share when the engine is split over them.
 LINK_GROUP_ATTRIBUTE = "linkGroup"
+#: The most cards one XPU Link group holds on any Kunlun node: an 8-card P800 node is two fully
+#: linked quads (``kunlun_device.dra.links``); no product we serve has a larger all-to-all group.
+#: A pod of more cards spans groups on every node, so it gets no ``linkGroup`` constraint (a claim
+#: for 8 cards in one group would never be allocated); its cards still come from one node.
+MAX_LINK_GROUP_CARDS = 4
 #: Spec fields → the device attributes that hold them.
 VERSION_ATTRIBUTES = (("driver", "driverVersion"), ("firmware", "firmwareVersion"), ("kml", "kmlVersion"))
 _HASH_LENGTH = 10
@@ -96,9 +103,15 @@ def device_selectors(spec: InferenceSpec, stacks: Sequence[CertifiedStack]) -> l
     return selectors
 
 
+def needs_link_group(spec: InferenceSpec) -> bool:
+    """One pod's cards must share a link group: its engine is split over them
+    (``tensorParallelSize > 1``) and they fit in one (``MAX_LINK_GROUP_CARDS``)."""
+    return spec.runtime.tensor_parallel_size > 1 and spec.resources.xpus <= MAX_LINK_GROUP_CARDS
+
+
 def build_claim_spec(spec: InferenceSpec, stacks: Sequence[CertifiedStack]) -> dict[str, Any]:
     """The ResourceClaimSpec every pod's claim gets: ``resources.xpus`` cards of the class, the
-    selectors, and one link group when ``tensorParallelSize > 1``."""
+    selectors, and one link group when ``needs_link_group``."""
     exactly: dict[str, Any] = {
         "deviceClassName": DEVICE_CLASS,
         "allocationMode": "ExactCount",
@@ -108,7 +121,7 @@ def build_claim_spec(spec: InferenceSpec, stacks: Sequence[CertifiedStack]) -> d
     if selectors:
         exactly["selectors"] = [{"cel": {"expression": s}} for s in selectors]
     devices: dict[str, Any] = {"requests": [{"name": CLAIM_NAME, "exactly": exactly}]}
-    if spec.runtime.tensor_parallel_size > 1:
+    if needs_link_group(spec):
         devices["constraints"] = [
             {"requests": [CLAIM_NAME], "matchAttribute": f"{DRA_DRIVER}/{LINK_GROUP_ATTRIBUTE}"}
         ]

@@ -4,8 +4,8 @@ Owns: whether a service with ``spec.resources.allocation: dra`` can be served (t
 ``--dra`` and a cluster serving ``resource.k8s.io/v1``), its ResourceClaimTemplate (the certified
 stacks of its runtime image narrowed to its versions, ``policy.matrix.certified_stacks``), and its
 ``DevicesAvailable`` condition read from the ResourceSlices of ``xpu.kunlun.dev`` instead of node
-labels: which nodes publish enough matching cards (in one link group when the engine is split over
-them), and, for pods the scheduler left Pending on their claim, a message naming the claim and the
+labels: which nodes publish enough matching cards (in one link group when the claim asks for
+one), and, for pods the scheduler left Pending on their claim, a message naming the claim and the
 attribute no card matches ("no device matches driverVersion 5.0.21.26 …"). Pure: slices and pods
 come in as facts. The matching here mirrors the claim's CEL (``builders.resource_claim``); a test
 evaluates both on the DRA plugin's own slices.
@@ -26,6 +26,7 @@ from kunlun_operator.builders.resource_claim import (
     VERSION_ATTRIBUTES,
     build_resource_claim_template,
     model_pattern,
+    needs_link_group,
 )
 from kunlun_operator.decide.status import ConditionStatus
 from kunlun_operator.errors import SpecError
@@ -182,8 +183,8 @@ def assess_devices(
 
 
 def _fitting_nodes(matching: Sequence[SliceDevice], spec: InferenceSpec) -> tuple[str, ...]:
-    """Nodes with ``resources.xpus`` matching cards (in one link group when the pod splits its engine)."""
-    split = spec.runtime.tensor_parallel_size > 1
+    """Nodes with ``resources.xpus`` matching cards (in one link group when ``needs_link_group``)."""
+    split = needs_link_group(spec)
     groups: dict[tuple[str, Any], int] = defaultdict(int)
     for device in matching:
         group = device.attributes.get(LINK_GROUP_ATTRIBUTE) if split else None
@@ -204,7 +205,7 @@ def _why_none_fit(misses: Sequence[tuple[SliceDevice, str | None]], spec: Infere
         have = ", ".join(f"{value} ({count})" for value, count in sorted(seen.items()))
         num_nodes = len({d.node for d, _ in misses})
         return f"no device matches {miss}: the {len(misses)} device(s) on {num_nodes} node(s) publish {attr} {have}"
-    group = " in one link group" if spec.runtime.tensor_parallel_size > 1 else ""
+    group = " in one link group" if needs_link_group(spec) else ""
     matching = len(misses) - sum(reasons.values())
     return (
         f"no node publishes {spec.resources.xpus} matching devices{group} "

@@ -226,6 +226,15 @@ def test_devices_available_counts_the_nodes_publishing_enough_matching_cards() -
     assert found["message"] == "1 node(s) publish enough matching devices: node-a"
 
 
+def test_a_pod_of_all_eight_cards_with_tp_8_fits_the_fixture_node() -> None:
+    raw = dra_raw(xpus=8)
+    raw["runtime"]["tensorParallelSize"] = 8
+    found = devices_condition(raw, [node_slice()])
+    assert (found["status"], found["reason"], found["compatibleNodes"]) == ("True", "MatchingDevicesFound", 1)
+    template = plan_objects(raw)["ResourceClaimTemplate"]
+    assert "constraints" not in template["spec"]["spec"]["devices"]
+
+
 def test_no_slices_at_all_asks_whether_the_dra_plugin_runs() -> None:
     found = devices_condition(dra_raw(), [])
     assert (found["status"], found["reason"]) == ("False", "NoResourceSlices")

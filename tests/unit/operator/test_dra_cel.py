@@ -138,6 +138,14 @@ def test_a_four_card_claim_fits_one_quad_of_a_mixed_node_only_where_it_is_certif
     assert allocatable_sets(spec, mixed) == [["xpu-0", "xpu-1", "xpu-2", "xpu-3"]]
 
 
+@pytest.mark.parametrize(("xpus", "tp"), [(8, 8), (8, 4), (6, 2)])
+def test_a_pod_of_more_cards_than_any_link_group_holds_takes_them_across_groups(xpus: int, tp: int) -> None:
+    # an 8-card P800 node is two quads: a linkGroup constraint could never be met by 5+ cards
+    spec = claim_spec(dra_spec(xpus=xpus, tp=tp))
+    assert "constraints" not in spec["devices"]
+    assert allocatable_sets(spec, node_slice()) == [[f"xpu-{i}" for i in range(8)]]
+
+
 @pytest.mark.parametrize(
     "resources",
     [{}, {"xpuProduct": "P800-OAM"}, {"xpuProduct": "R300"}, {"xpus": 2, "tp": 2}],
