@@ -2,7 +2,9 @@
 
 Owns: the mapping from the spec to the runtime's vLLM-named flags (``runtime_flags``), used both
 for the ConfigMap and for the container's arguments, so the two can never disagree. The hash of the
-ConfigMap's data goes on the pod template: a configuration change rolls the pods.
+ConfigMap's data goes on the pod template: a configuration change rolls the pods; the one key it
+leaves out is the adapter list of a service that updates its adapters at run time
+(``adapters.LORA_MODULES_KEY``), so a change of it reaches the pods through their API instead.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import yaml
 
 from kunlun_operator import names
+from kunlun_operator.builders.adapters import LORA_MODULES_KEY, lora_flags, lora_modules_file
 from kunlun_operator.builders.common import build_metadata, header
 from kunlun_operator.builders.kv_events import kv_events_args, kv_events_flags
 from kunlun_operator.policy.feasibility import startup_budget_seconds
@@ -23,8 +26,11 @@ from kunlun_operator.spec.values import InferenceSpec
 CONFIG_KEY = "config.yaml"
 
 
-def runtime_flags(spec: InferenceSpec, model_path: str) -> list[tuple[str, Any]]:
-    """``(flag, value)`` pairs of ``kunlun-runtime serve``; value None means a bare switch."""
+def runtime_flags(
+    spec: InferenceSpec, model_path: str, *, image_volumes: bool = False
+) -> list[tuple[str, Any]]:
+    """``(flag, value)`` pairs of ``kunlun-runtime serve``; value None means a bare switch, a list
+    several values; ``image_volumes``: where image adapters are mounted."""
     rt = spec.runtime
     flags: list[tuple[str, Any]] = [
         ("--model", model_path),
@@ -49,7 +55,7 @@ def runtime_flags(spec: InferenceSpec, model_path: str) -> list[tuple[str, Any]]
         flags.append(
             ("--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching", None)
         )
-    return flags
+    return flags + lora_flags(spec, image_volumes=image_volumes)
 
 
 def rendezvous_args(spec: InferenceSpec) -> list[str]:
@@ -78,33 +84,42 @@ def rendezvous_args(spec: InferenceSpec) -> list[str]:
     ]
 
 
-def runtime_args(spec: InferenceSpec, model_path: str) -> list[str]:
+def runtime_args(spec: InferenceSpec, model_path: str, *, image_volumes: bool = False) -> list[str]:
     """The container arguments: ``serve``, the flags, the rendezvous (multi-node), the KV events
     (precise routing), then ``spec.runtime.extraArgs``."""
     args = ["serve"]
-    for flag, value in runtime_flags(spec, model_path):
-        args += [flag] if value is None else [flag, str(value)]
+    for flag, value in runtime_flags(spec, model_path, image_volumes=image_volumes):
+        if value is None:
+            args.append(flag)
+        else:
+            args += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
     return args + rendezvous_args(spec) + kv_events_args(spec) + list(spec.runtime.extra_args)
 
 
-def build_config_data(spec: InferenceSpec, model_path: str) -> dict[str, str]:
+def build_config_data(spec: InferenceSpec, model_path: str, *, image_volumes: bool = False) -> dict[str, str]:
     config: dict[str, Any] = {
         flag.removeprefix("--"): (True if value is None else value)
-        for flag, value in runtime_flags(spec, model_path)
+        for flag, value in runtime_flags(spec, model_path, image_volumes=image_volumes)
     }
     if spec.runtime.extra_args:
         config["extra-args"] = list(spec.runtime.extra_args)
-    return {CONFIG_KEY: yaml.safe_dump(config, sort_keys=False)}
+    return {
+        CONFIG_KEY: yaml.safe_dump(config, sort_keys=False),
+        **lora_modules_file(spec, image_volumes=image_volumes),
+    }
 
 
 def config_hash(data: dict[str, str]) -> str:
-    """A short stable hash of the ConfigMap's data."""
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    """A short stable hash of the ConfigMap's data, but for the run-time adapter list."""
+    hashed = {key: value for key, value in data.items() if key != LORA_MODULES_KEY}
+    return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_configmap(ref: ServiceRef, spec: InferenceSpec, model_path: str) -> dict[str, Any]:
+def build_configmap(
+    ref: ServiceRef, spec: InferenceSpec, model_path: str, *, image_volumes: bool = False
+) -> dict[str, Any]:
     return {
         **header(names.CONFIGMAP),
         "metadata": build_metadata(ref, names.CONFIGMAP),
-        "data": build_config_data(spec, model_path),
+        "data": build_config_data(spec, model_path, image_volumes=image_volumes),
     }

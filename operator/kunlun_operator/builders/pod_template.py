@@ -21,11 +21,18 @@ import math
 from typing import Any, NotRequired, TypedDict, Unpack
 
 from kunlun_operator import names
+from kunlun_operator.builders.adapters import (
+    adapter_fetch_containers,
+    adapter_volume_mounts,
+    adapter_volumes,
+    runtime_command,
+)
 from kunlun_operator.builders.common import RESTRICTED_CONTAINER
 from kunlun_operator.builders.configmap import runtime_args
 from kunlun_operator.builders.kv_events import KV_EVENTS_CONTAINER_PORT, kv_events_env
 from kunlun_operator.builders.preflight import build_preflight_container, build_preflight_volumes
 from kunlun_operator.builders.resource_claim import CONTAINER_CLAIMS, pod_resource_claims
+from kunlun_operator.builders.sources import fetch_container, source_volume
 from kunlun_operator.policy.feasibility import startup_budget_seconds
 from kunlun_operator.spec.operator_config import DEFAULT_PREFLIGHT_HOST, PreflightHost
 from kunlun_operator.spec.service import ServiceRef
@@ -37,10 +44,6 @@ DRAIN_SECONDS = 15  # preStop: let endpoints drop the pod before the runtime get
 TERMINATION_GRACE_SECONDS = 90  # drain + finishing in-flight generations
 MODEL_VOLUME = "model"
 MODEL_IMAGE_MOUNT = "/model-image"  # image volumes: the image's root; the model is under models/
-#: An image source without image volumes: the model-fetch init container copies the image's
-#: IMAGE_MODEL_DIR into the model volume, mounted in it at FETCH_TARGET (the runtime mounts it at /models).
-IMAGE_MODEL_DIR = "/models"
-FETCH_TARGET = "/model-fetch"
 #: The runtime reads its API key and metrics token from these (``--api-key``, ``--metrics-token``
 #: default to them), so the secrets never appear in the ConfigMap, the pod's args or ``ps``.
 API_KEY_ENV = "VLLM_API_KEY"
@@ -145,7 +148,7 @@ def _secret_env(spec: InferenceSpec) -> list[dict[str, Any]]:
 
 
 def _runtime_container(
-    ref: ServiceRef, spec: InferenceSpec, image: str, path: str, *, claimed: bool
+    ref: ServiceRef, spec: InferenceSpec, image: str, path: str, *, claimed: bool, image_volumes: bool
 ) -> dict[str, Any]:
     mounts = [
         {
@@ -156,6 +159,7 @@ def _runtime_container(
         {"name": "config", "mountPath": names.CONFIG_MOUNT_PATH, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
+        *adapter_volume_mounts(spec),
     ]
     env = [
         {"name": "HOME", "value": "/tmp"},
@@ -170,8 +174,8 @@ def _runtime_container(
         "name": "runtime",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["kunlun-runtime"],
-        "args": runtime_args(spec, path),
+        "command": runtime_command(spec),
+        "args": runtime_args(spec, path, image_volumes=image_volumes),
         "ports": ports,
         "env": env,
         "resources": _resources(spec, claimed=claimed),
@@ -192,19 +196,8 @@ def _init_containers(
     inits: list[dict[str, Any]] = []
     source = spec.model.source
     if source.kind == "image" and not image_volumes:
-        inits.append(
-            {
-                "name": "model-fetch",
-                "image": source.reference,
-                "imagePullPolicy": source.pull_policy,
-                # -R, not -a: the emptyDir is root's, so keeping its times is refused to our user;
-                # symlinks are copied as links (a snapshot of blobs stays one).
-                "command": ["sh", "-c", f"cp -R {IMAGE_MODEL_DIR}/. {FETCH_TARGET}/"],
-                "securityContext": dict(RESTRICTED_CONTAINER),
-                # Not at the image's own /models: a mount there would hide what is to be copied.
-                "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": FETCH_TARGET}],
-            }
-        )
+        inits.append(fetch_container("model-fetch", source, MODEL_VOLUME))
+    inits += adapter_fetch_containers(spec, image_volumes=image_volumes)
     if spec.versions.policy == "Strict":
         inits.append(build_preflight_container(spec, image, host, claimed=claimed))
     return inits
@@ -213,20 +206,7 @@ def _init_containers(
 def model_volume(spec: InferenceSpec, *, image_volumes: bool) -> dict[str, Any]:
     """The volume ``model`` holding the model source (an ``emptyDir`` filled by ``model-fetch`` for
     an image source without image volumes)."""
-    source = spec.model.source
-    if source.kind == "pvc":
-        return {
-            "name": MODEL_VOLUME,
-            "persistentVolumeClaim": {"claimName": source.claim_name, "readOnly": True},
-        }
-    if source.kind == "hostPath":
-        return {"name": MODEL_VOLUME, "hostPath": {"path": source.path, "type": "Directory"}}
-    if image_volumes:
-        return {
-            "name": MODEL_VOLUME,
-            "image": {"reference": source.reference, "pullPolicy": source.pull_policy},
-        }
-    return {"name": MODEL_VOLUME, "emptyDir": {}}
+    return source_volume(MODEL_VOLUME, spec.model.source, image_volumes=image_volumes)
 
 
 def build_pod_spec(
@@ -281,12 +261,15 @@ def build_pod_spec(
     inits = _init_containers(spec, image, preflight_host, image_volumes=image_volumes, claimed=claimed)
     if inits:
         pod["initContainers"] = inits
-    pod["containers"] = [_runtime_container(ref, spec, image, path, claimed=claimed)]
+    pod["containers"] = [
+        _runtime_container(ref, spec, image, path, claimed=claimed, image_volumes=image_volumes)
+    ]
     pod["volumes"] = [
         model_volume(spec, image_volumes=image_volumes),
         {"name": "config", "configMap": {"name": names.owned_name(ref.name, names.CONFIGMAP)}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        *adapter_volumes(spec, image_volumes=image_volumes),
     ]
     if spec.versions.policy == "Strict":
         pod["volumes"] += build_preflight_volumes(preflight_host)

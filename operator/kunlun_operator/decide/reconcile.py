@@ -27,6 +27,8 @@ from kunlun_operator.builders.pod_template import model_path
 from kunlun_operator.builders.prometheusrule import build_prometheusrule
 from kunlun_operator.builders.service import build_service, endpoint_url
 from kunlun_operator.builders.servicemonitor import build_servicemonitor
+from kunlun_operator.decide.adapters import CONDITION_TYPE as ADAPTERS_READY
+from kunlun_operator.decide.adapters import AdapterOutcome, AdapterPod, adapters_condition, adapters_status
 from kunlun_operator.decide.allocation import (
     DRA_RECHECK_SECONDS,
     WARNING_REASONS,
@@ -91,6 +93,8 @@ class PodFacts:
     pull: ImagePull | None = None  # its runtime image's pull state (``image_pull.image_pull``)
     #: it waits for the scheduler to allocate its claim (``allocation.pending_claim``)
     pending_claim: PendingClaim | None = None
+    #: its runtime answers (containers ready, an IP): adapters can be loaded (``adapters.adapter_pod``)
+    adapter_pod: AdapterPod | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,9 @@ class ClusterFacts:
     #: ``dra`` services only; None: not read).
     dra_served: bool = False
     devices: tuple[SliceDevice, ...] | None = None
+    #: The adapters on each ready pod after this pass's load/unload calls (``runtime.lora.runtimeUpdates``
+    #: only; None: not synced).
+    adapters: AdapterOutcome | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +244,9 @@ def reconcile(
     routed = routed_condition(ref, spec, facts.picker, facts.pool, facts.route)
     if routed is not None:  # routed through an InferencePool only
         conditions.append(routed)
+    adapters = adapters_condition(spec, facts.adapters, ready)
+    if adapters is not None:  # LoRA on only
+        conditions.append(adapters)
     status: dict[str, Any] = {
         "phase": phase,
         "replicas": facts.deployment.replicas if facts.deployment else 0,
@@ -250,6 +260,8 @@ def reconcile(
             conditions, previous.get("conditions") or [], now=now, generation=ref.generation
         ),
     }
+    if facts.adapters is not None:
+        status["adapters"] = adapters_status(facts.adapters)
     if previous.get("lastFailure"):
         status["lastFailure"] = previous["lastFailure"]
     status.update(_replacement_status(facts.replacements, previous, now))
@@ -266,7 +278,9 @@ def reconcile(
         events=events,
         live_fields=live,
         requeue_after_seconds=_earliest(
-            facts.replacements.recheck_after_seconds, facts.gates.recheck_after_seconds
+            facts.replacements.recheck_after_seconds,
+            facts.gates.recheck_after_seconds,
+            facts.adapters.recheck_after_seconds if facts.adapters is not None else None,
         ),
         prune=(names.RESOURCE_CLAIM_TEMPLATE,) if facts.dra_served else (),
     )
@@ -325,7 +339,7 @@ def desired_objects(
     """The owned objects to apply (in order) and the owned kinds that must be absent; ``replicas``:
     the workload's (``status.desired_replicas``)."""
     path = model_path(spec, image_volumes=facts.image_volumes)
-    configmap = build_configmap(ref, spec, path)
+    configmap = build_configmap(ref, spec, path, image_volumes=facts.image_volumes)
     # A multi-node service's replicas are LeaderWorkerSet groups; switching either way removes the
     # other workload (a leftover LeaderWorkerSet only where the cluster serves the kind).
     build_workload = build_leaderworkerset if spec.multi_node else build_deployment
@@ -479,6 +493,7 @@ _TRANSITIONS: Mapping[tuple[str, str], tuple[EventType, str | None]] = {
     ("ModelAvailable", "False"): ("Warning", None),
     (RUNTIME_IMAGE_AVAILABLE, "False"): ("Warning", None),
     (ROUTED, "True"): ("Normal", None),
+    (ADAPTERS_READY, "False"): ("Warning", None),
 }
 
 

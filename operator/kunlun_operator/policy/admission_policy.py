@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from kunlun_operator.errors import SpecError
-from kunlun_operator.spec.values import InferenceSpec
+from kunlun_operator.spec.values import InferenceSpec, ModelSource
 
 POLICY_REASON = "PolicyViolation"
 #: Flags the operator sets itself (its ConfigMap's keys) plus the ones that carry secrets or bind
@@ -41,6 +41,14 @@ RESERVED_FLAGS = frozenset(
         "--config",
         "--api-key",
         "--metrics-token",
+        # LoRA: spec.runtime.lora and spec.model.adapters (docs/operator.md "LoRA adapters")
+        "--enable-lora",
+        "--max-loras",
+        "--max-lora-rank",
+        "--max-cpu-loras",
+        "--lora-modules",
+        "--allow-runtime-lora-updating",
+        "--no-allow-runtime-lora-updating",
     }
 )
 #: Environment the operator or the device plugin sets, and loader/interpreter hooks that would run
@@ -56,6 +64,7 @@ RESERVED_ENV = frozenset(
         "PYTHONPATH",
         "PYTHONHOME",
         "PYTHONSTARTUP",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     }
 )
 #: What the operator sets or relies on for the pods of a precisely routed service
@@ -72,8 +81,10 @@ class AdmissionPolicy:
     """What a KunlunInferenceService may ask for; the default allows nothing extra."""
 
     runtime_images: tuple[str, ...] = ()  # prefixes of `spec.runtime.image` (unset is always allowed)
-    model_images: tuple[str, ...] = ()  # prefixes of `spec.model.source.image.reference`
-    host_paths: tuple[str, ...] = ()  # directories `spec.model.source.hostPath.path` may be under
+    #: prefixes of `spec.model.source.image.reference` (and of every adapter's)
+    model_images: tuple[str, ...] = ()
+    #: directories `spec.model.source.hostPath.path` (and every adapter's) may be under
+    host_paths: tuple[str, ...] = ()
     picker_images: tuple[str, ...] = ()  # prefixes of `spec.routing.picker.image` (unset: the operator's)
     allow_flag_overrides: bool = False  # may extraArgs/env set RESERVED_FLAGS / RESERVED_ENV
 
@@ -129,13 +140,12 @@ def check_policy(spec: InferenceSpec, policy: AdmissionPolicy) -> SpecError | No
     rt = spec.runtime
     if rt.image is not None and not image_allowed(rt.image, policy.runtime_images):
         return _violation("spec.runtime.image", rt.image, policy.runtime_images, "runtimeImages")
-    source = spec.model.source
-    if source.kind == "image" and not image_allowed(source.reference or "", policy.model_images):
-        return _violation(
-            "spec.model.source.image.reference", source.reference, policy.model_images, "modelImages"
-        )
-    if source.kind == "hostPath" and not host_path_allowed(source.path, policy.host_paths):
-        return _violation("spec.model.source.hostPath.path", source.path, policy.host_paths, "hostPaths")
+    sources = [("spec.model.source", spec.model.source)]
+    sources += [(f"spec.model.adapters[{i}].source", a.source) for i, a in enumerate(spec.model.adapters)]
+    for path, source in sources:
+        violation = _source_violation(path, source, policy)
+        if violation is not None:
+            return violation
     picker = spec.routing.picker.image
     if picker is not None and not image_allowed(picker, policy.picker_images):
         return _violation("spec.routing.picker.image", picker, policy.picker_images, "pickerImages")
@@ -159,6 +169,15 @@ def check_policy(spec: InferenceSpec, policy: AdmissionPolicy) -> SpecError | No
                 f"{var['name']} is reserved (admission policy allowFlagOverrides: false)",
                 reason=POLICY_REASON,
             )
+    return None
+
+
+def _source_violation(path: str, source: ModelSource, policy: AdmissionPolicy) -> SpecError | None:
+    """How the weights' ``source`` at ``path`` (the model's or an adapter's) breaks ``policy``."""
+    if source.kind == "image" and not image_allowed(source.reference or "", policy.model_images):
+        return _violation(f"{path}.image.reference", source.reference, policy.model_images, "modelImages")
+    if source.kind == "hostPath" and not host_path_allowed(source.path, policy.host_paths):
+        return _violation(f"{path}.hostPath.path", source.path, policy.host_paths, "hostPaths")
     return None
 
 

@@ -7,7 +7,10 @@ KV cache = 2 × layers × KV heads × head dim × 2 bytes × maxModelLen; usable
 xpus × card memory (the rest is activations, the runtime and fragmentation). A multi-node replica
 (``pipelineParallelSize`` P pods of ``xpus`` cards, T = ``tensorParallelSize``) splits the layers
 into P stages and each stage T ways, so every card holds weights / (T·P) and its share of the KV
-cache: the check is the same sum against the memory of all P × xpus cards.
+cache: the check is the same sum against the memory of all P × xpus cards. With LoRA on, the
+adapters in the engine's slots count too: ``maxLoras`` slots, each the size of the largest adapter
+that declares a ``size`` (the runtime pads every slot to one rank); adapters without a size are
+not counted, and the estimate says how many those are.
 """
 
 from __future__ import annotations
@@ -29,6 +32,32 @@ STARTUP_GROUP_SECONDS = 180
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterEstimate:
+    """The LoRA slots' share: ``num_slots`` (maxLoras) × the largest declared adapter size."""
+
+    num_slots: int
+    slot_bytes: int
+    num_unsized: int  # adapters without ``size``: not counted
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def describe(self) -> str:
+        unsized = f", {self.num_unsized} adapter(s) without size not counted" if self.num_unsized else ""
+        return f"LoRA adapters {self.total_bytes / GiB:.1f} GiB ({self.num_slots} slot(s){unsized})"
+
+
+def estimate_adapters(spec: InferenceSpec) -> AdapterEstimate | None:
+    """The adapters' part of the estimate; None with LoRA off."""
+    lora = spec.runtime.lora
+    if lora is None:
+        return None
+    sizes = [a.size_bytes for a in spec.model.adapters if a.size_bytes is not None]
+    return AdapterEstimate(lora.max_loras, max(sizes, default=0), len(spec.model.adapters) - len(sizes))
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryEstimate:
     weights_bytes: int
     kv_cache_bytes: int | None  # None when the architecture or maxModelLen is unknown
@@ -36,10 +65,12 @@ class MemoryEstimate:
     card_memory_bytes: int
     num_xpus: int  # all cards of one replica: xpus per pod × pods
     num_nodes: int = 1  # pods (pipeline stages) of one replica
+    adapters: AdapterEstimate | None = None  # None: LoRA off
 
     @property
     def required_bytes(self) -> int:
-        return self.weights_bytes + (self.kv_cache_bytes or 0)
+        adapters = self.adapters.total_bytes if self.adapters is not None else 0
+        return self.weights_bytes + (self.kv_cache_bytes or 0) + adapters
 
     @property
     def fits(self) -> bool:
@@ -51,8 +82,9 @@ class MemoryEstimate:
             if self.kv_cache_bytes is None
             else f"{self.kv_cache_bytes / GiB:.1f} GiB"
         )
+        adapters = "" if self.adapters is None else f" + {self.adapters.describe()}"
         return (
-            f"weights {self.weights_bytes / GiB:.1f} GiB + KV cache {kv} = "
+            f"weights {self.weights_bytes / GiB:.1f} GiB + KV cache {kv}{adapters} = "
             f"{self.required_bytes / GiB:.1f} GiB; available {self.available_bytes / GiB:.1f} GiB "
             f"({USABLE_FRACTION:.0%} of {self.cards()} × {self.card_memory_bytes / GiB:.0f} GiB)"
         )
@@ -96,6 +128,7 @@ def estimate_memory(spec: InferenceSpec, card_memory_bytes: int) -> MemoryEstima
         card_memory_bytes,
         num_xpus,
         num_nodes,
+        estimate_adapters(spec),
     )
 
 

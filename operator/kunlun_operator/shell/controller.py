@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kunlun_operator import names
+from kunlun_operator.builders.adapters import adapter_mounts
+from kunlun_operator.decide.adapters import (
+    AdapterOutcome,
+    adapter_pod,
+)
 from kunlun_operator.decide.allocation import SliceDevice, parse_slice_devices, pending_claim
 from kunlun_operator.decide.health_gate import gated_pod
 from kunlun_operator.decide.image_pull import image_pull
@@ -34,7 +39,7 @@ from kunlun_operator.decide.replicas import (
 )
 from kunlun_operator.decide.status import DeploymentFacts
 from kunlun_operator.errors import ApiError, OwnershipError, SpecError
-from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy
+from kunlun_operator.policy.admission_policy import STRICTEST, AdmissionPolicy, check_policy
 from kunlun_operator.policy.matrix import MATRIX_KEY, Matrix, load_default_matrix, merge_cards, parse_matrix
 from kunlun_operator.shell.apply import (
     CREATED,
@@ -49,6 +54,7 @@ from kunlun_operator.shell.apply import (
 )
 from kunlun_operator.shell.kube import POD, PVC, KubeClient
 from kunlun_operator.shell.metrics import OperatorMetrics
+from kunlun_operator.shell.pod_adapters import AdapterSyncer, read_api_key, unreachable
 from kunlun_operator.shell.pod_gates import EventSink, GateOpener, service_reference
 from kunlun_operator.spec.operator_config import (
     DEFAULT_PICKER_IMAGES,
@@ -115,6 +121,7 @@ class Controller:
         metrics: OperatorMetrics,
         post_event: EventSink,
         clock: Callable[[], str] = utc_now,
+        adapters: AdapterSyncer | None = None,
     ) -> None:
         self.client = client
         self.config = config
@@ -132,6 +139,7 @@ class Controller:
         self._first_seen: dict[tuple[str, str], dict[str, datetime.datetime]] = {}
         self._evicted: dict[tuple[str, str], set[str]] = {}
         self.gates = GateOpener(client, metrics, post_event, grace_seconds=config.health_gate_grace_seconds)
+        self.adapters = adapters or AdapterSyncer()
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -253,6 +261,7 @@ class Controller:
                 gate=gated_pod(p),
                 pull=image_pull(p),
                 pending_claim=pending_claim(p),
+                adapter_pod=adapter_pod(p),
             )
             for p in items  # filtered here too: not every API honours labelSelector
             if all(((p["metadata"].get("labels") or {}).get(k) == v) for k, v in selector.items())
@@ -313,6 +322,7 @@ class Controller:
             facts,
             replacements=self.replace_replicas(ref, spec, facts.pods, now),
             gates=self.gates.open_gates(ref, (p.gate for p in facts.pods if p.gate), now),
+            adapters=self.sync_adapters(ref, spec, facts),
         )
         plan = reconcile(ref, spec, previous, facts, now=now)
         existed_before = service.reconciled_this_generation
@@ -357,6 +367,26 @@ class Controller:
             ", ".join(f"{c.kind} {c.action}" for c in changes if c.action != UNCHANGED) or "no changes",
         )
         return plan
+
+    def sync_adapters(self, ref: ServiceRef, spec: ParsedSpec, facts: ClusterFacts) -> AdapterOutcome | None:
+        """Load and unload adapters on the service's ready pods (``runtime.lora.runtimeUpdates``
+        only, and never for a spec the admission policy refuses); None: nothing synced."""
+        if (
+            not isinstance(spec, InferenceSpec)
+            or spec.runtime.lora is None
+            or not spec.runtime.lora.runtime_updates
+        ):
+            return None
+        if check_policy(spec, self.config.policy) is not None:
+            return None  # its plan is Failed; its sources are not to be read
+        pods = [p.adapter_pod for p in facts.pods if p.adapter_pod is not None]
+        desired = adapter_mounts(spec, image_volumes=self.config.image_volumes)
+        where = f"{ref.namespace}/{ref.name}"
+        try:
+            api_key = read_api_key(self.client, ref.namespace, spec.api_key_secret)
+        except ApiError as error:
+            return unreachable(pods, desired, str(error))
+        return self.adapters.sync(where, desired, pods, api_key)
 
     def replace_replicas(
         self, ref: ServiceRef, spec: ParsedSpec, pods: Iterable[PodFacts], now: str

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 POD = names.Kind("v1", "Pod", "pods")
 PVC = names.Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
+SECRET = names.Kind("v1", "Secret", "secrets")
 REQUEST_TIMEOUT_SECONDS = 30
 MERGE_PATCH = "application/merge-patch+json"
 

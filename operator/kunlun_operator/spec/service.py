@@ -25,6 +25,7 @@ from kunlun_operator.spec.fields import (
 )
 from kunlun_operator.spec.quantity import parse_bytes, parse_duration_seconds, parse_parameters
 from kunlun_operator.spec.routing import check_routing, parse_routing
+from kunlun_operator.spec.sources import parse_adapters, parse_lora, parse_source
 from kunlun_operator.spec.values import (
     ALLOCATIONS,
     BLOCK_SIZES,
@@ -33,15 +34,12 @@ from kunlun_operator.spec.values import (
     MAX_PIPELINE_PARALLEL_SIZE,
     METRICS,
     POLICIES,
-    PULL_POLICIES,
     QUANTIZATIONS,
     SERVICE_TYPES,
-    SOURCE_KINDS,
     Architecture,
     AutoscalingSpec,
     FaultToleranceSpec,
     InferenceSpec,
-    ModelSource,
     ModelSpec,
     MonitoringSpec,
     ResourcesSpec,
@@ -136,7 +134,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
         raise SpecError("spec", "is required")
     p = "spec"
     model = _parse_model(read_obj(spec, "model", p, required=True))
-    runtime = _parse_runtime(read_obj(spec, "runtime", p))
+    runtime = _parse_runtime(read_obj(spec, "runtime", p), has_adapters=bool(model.adapters))
     versions = _parse_versions(read_obj(spec, "versions", p, required=True))
     resources = _parse_resources(read_obj(spec, "resources", p))
     autoscaling = _parse_autoscaling(read_obj(spec, "autoscaling", p))
@@ -185,36 +183,13 @@ def parse_spec(spec: Mapping[str, Any] | None) -> InferenceSpec:
 
 def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
     p = "spec.model"
-    source = read_obj(model, "source", p, required=True)
-    kinds = [k for k in SOURCE_KINDS if source.get(k) is not None]
-    if len(kinds) != 1:
-        raise SpecError(
-            f"{p}.source", f"exactly one of pvc, hostPath, image must be set; got {kinds or 'none'}"
-        )
-    kind = kinds[0]
-    sp = f"{p}.source.{kind}"
-    body = read_obj(source, kind, f"{p}.source")
-    if kind == "pvc":
-        parsed = ModelSource(
-            kind,
-            claim_name=read_str(body, "claimName", sp, required=True),
-            path=read_str(body, "path", sp, default=""),
-        )
-        if parsed.path.startswith("/") or ".." in parsed.path.split("/"):
-            raise SpecError(f"{sp}.path", f"must be relative inside the claim, got {parsed.path!r}")
-    elif kind == "hostPath":
-        parsed = ModelSource(kind, path=read_str(body, "path", sp, required=True, pattern=re.compile(r"^/")))
-    else:
-        parsed = ModelSource(
-            kind,
-            reference=read_str(body, "reference", sp, required=True),
-            pull_policy=read_choice(body, "pullPolicy", sp, PULL_POLICIES, default="IfNotPresent"),
-        )
+    parsed = parse_source(read_obj(model, "source", p, required=True), f"{p}.source")
+    name = read_str(model, "name", p, required=True)
     parameters = read_str(model, "parameters", p)
     arch = read_obj(model, "architecture", p)
     ap = f"{p}.architecture"
     return ModelSpec(
-        name=read_str(model, "name", p, required=True),
+        name=name,
         source=parsed,
         num_parameters=parse_parameters(parameters, f"{p}.parameters") if parameters else None,
         architecture=Architecture(
@@ -224,6 +199,7 @@ def _parse_model(model: Mapping[str, Any]) -> ModelSpec:
         )
         if arch
         else None,
+        adapters=parse_adapters(model, name),
     )
 
 
@@ -248,7 +224,7 @@ def _missing(field: str) -> NoReturn:
     raise SpecError(field, "is required")
 
 
-def _parse_runtime(rt: Mapping[str, Any]) -> RuntimeSpec:
+def _parse_runtime(rt: Mapping[str, Any], *, has_adapters: bool) -> RuntimeSpec:
     p = "spec.runtime"
     args = read_list(rt, "extraArgs", p)
     for i, arg in enumerate(args):
@@ -282,6 +258,7 @@ def _parse_runtime(rt: Mapping[str, Any]) -> RuntimeSpec:
         extra_args=tuple(args),
         env=tuple(dict(v) for v in env),
         startup_timeout_seconds=read_int(rt, "startupTimeoutSeconds", p, minimum=30),
+        lora=parse_lora(rt, has_adapters=has_adapters),
     )
 
 

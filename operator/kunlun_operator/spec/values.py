@@ -47,6 +47,9 @@ DEFAULT_TARGETS: Mapping[Metric, float] = {
 }
 #: The most pipeline stages (nodes per replica) ``spec.runtime.pipelineParallelSize`` allows.
 MAX_PIPELINE_PARALLEL_SIZE = 16
+#: The largest ``spec.runtime.lora.maxLoraRank`` (vLLM's limit) and the most adapters one service lists.
+MAX_LORA_RANK = 512
+MAX_ADAPTERS = 64
 #: Longer than the device plugin's recovery period (60 s by default): a transient fault that clears
 #: within it readmits the pod through the readiness gate instead of costing a model load.
 DEFAULT_REPLACE_AFTER = "2m"
@@ -69,11 +72,35 @@ class Architecture:
 
 
 @dataclass(frozen=True, slots=True)
+class Adapter:
+    """One LoRA adapter (``spec.model.adapters[]``): served under ``name``, read from ``source``
+    (a PEFT directory, mounted read-only like the model)."""
+
+    name: str
+    source: ModelSource
+    size_bytes: int | None = None  # from "64Mi": what memory feasibility counts; None: not counted
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str  # the served model name
     source: ModelSource
     num_parameters: int | None = None  # from "7B" / "135M"
     architecture: Architecture | None = None
+    adapters: tuple[Adapter, ...] = ()  # served beside the base model (``--lora-modules``)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRASpec:
+    """The runtime's LoRA limits (``spec.runtime.lora``, vLLM's flags) and how adapter changes
+    reach the pods (docs/operator.md "LoRA adapters")."""
+
+    max_loras: int = 1  # --max-loras: distinct adapters in one batch
+    max_lora_rank: int = 16  # --max-lora-rank
+    max_cpu_loras: int | None = None  # --max-cpu-loras; None: the runtime's default (max_loras)
+    #: The operator loads and unloads adapters on the running pods through the runtime's API
+    #: (``--allow-runtime-lora-updating``) instead of rolling them.
+    runtime_updates: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +120,7 @@ class RuntimeSpec:
     extra_args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
     startup_timeout_seconds: int | None = None
+    lora: LoRASpec | None = None  # None: no adapters and no ``runtime.lora``; LoRA off
 
 
 @dataclass(frozen=True, slots=True)
