@@ -9,7 +9,11 @@ Invariant: a pod is evicted at most once per decision, never before its card was
 Health sources, best first:
 1. ``status.containerStatuses[].allocatedResourcesStatus`` (Kubernetes ResourceHealthStatus,
    1.31+): ``[{name: kunlunxin.com/xpu, resources: [{resourceID, health: Healthy|Unhealthy|Unknown}]}]``.
-   It carries no time, so the operator uses the time it first saw the card unhealthy.
+   A pod claiming its cards (DRA) has them under ``claim:<pod claim>[/<request>]`` instead, each
+   device's ``resourceID`` the first CDI id our DRA plugin returned for it
+   (``kunlun.dev/xpu=<claim uid>-xpu-5``) or, without one, ``xpu.kunlun.dev/<pool>/xpu-5``; the card
+   is then the device name (``xpu-5``). It carries no time, so the operator uses the time it first
+   saw the card unhealthy.
 2. Our pod condition ``kunlun.dev/xpu-healthy`` (the device plugin's node agent): ``False`` with a
    reason and a message naming node and card; its ``lastTransitionTime`` is the start of the fault.
 
@@ -38,6 +42,12 @@ EVICTION_RETRY_SECONDS = 5.0
 #: ``reason`` of a fault seen only in allocatedResourcesStatus (it has no reason of its own).
 REASON_DEVICE_UNHEALTHY = "DeviceUnhealthy"
 _REASON = re.compile(r"^[A-Za-z][A-Za-z0-9]{0,62}$")  # CamelCase: safe as a metric label value
+#: The kubelet's name of a DRA claim's entry in allocatedResourcesStatus: ``claim:<claim>[/<request>]``.
+CLAIM_STATUS_PREFIX = "claim:"
+#: The CDI kind of our DRA plugin's devices (``kunlun_device.dra.cdi.CDI_KIND``, kept equal by a test:
+#: the operator may import only ``kunlun_device.labels`` and ``.dra.semver``).
+DRA_CDI_KIND = "kunlun.dev/xpu"
+_CDI_CARD = re.compile(r"-(xpu-[0-9]+)$")  # <claim uid>-xpu-<index>
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,18 +103,41 @@ def parse_time(text: str | None) -> datetime.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.UTC)
 
 
-def unhealthy_resource_ids(pod: Mapping[str, Any]) -> list[str]:
-    """Our cards that ``allocatedResourcesStatus`` reports Unhealthy, over all containers."""
+def our_card(name: str, resource_id: str) -> str | None:
+    """The card an ``allocatedResourcesStatus`` entry ``name`` reports as ``resource_id``, if it is
+    ours: the device plugin's resource (its device id as is) or a claimed device of our DRA driver
+    (its device name, ``xpu-5``); None for anything else."""
+    if name == names.RESOURCE_NAME:
+        return resource_id
+    if not name.startswith(CLAIM_STATUS_PREFIX):
+        return None
+    if resource_id.startswith(f"{names.DRA_DRIVER}/"):  # <driver>/<pool>/<device>
+        return resource_id.rpartition("/")[2]
+    if resource_id.startswith(f"{DRA_CDI_KIND}="):
+        match = _CDI_CARD.search(resource_id)
+        return match.group(1) if match else resource_id
+    return None
+
+
+def _unhealthy(pod: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(entry name, card)`` of each of our cards ``allocatedResourcesStatus`` reports Unhealthy."""
     status = pod.get("status") or {}
     found = []
     for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
         for resource in container.get("allocatedResourcesStatus") or []:
-            if resource.get("name") != names.RESOURCE_NAME:
-                continue
+            name = str(resource.get("name") or "")
             for health in resource.get("resources") or []:
-                if health.get("health") == "Unhealthy" and health.get("resourceID"):
-                    found.append(str(health["resourceID"]))
+                if health.get("health") != "Unhealthy" or not health.get("resourceID"):
+                    continue
+                card = our_card(name, str(health["resourceID"]))
+                if card is not None:
+                    found.append((name, card))
     return found
+
+
+def unhealthy_resource_ids(pod: Mapping[str, Any]) -> list[str]:
+    """Our cards that ``allocatedResourcesStatus`` reports Unhealthy, over all containers (``our_card``)."""
+    return [card for _, card in _unhealthy(pod)]
 
 
 def card_fault(pod: Mapping[str, Any]) -> CardFault | None:
@@ -119,7 +152,8 @@ def card_fault(pod: Mapping[str, Any]) -> CardFault | None:
         (c for c in conditions if c.get("type") == names.XPU_HEALTHY_CONDITION), {}
     )
     ours_false = ours.get("status") == "False"
-    resource_ids = unhealthy_resource_ids(pod)
+    unhealthy = _unhealthy(pod)
+    resource_ids = [card for _, card in unhealthy]
     if not resource_ids and not ours_false:
         return None
     message = str(ours.get("message") or "") if ours_false else ""
@@ -127,7 +161,8 @@ def card_fault(pod: Mapping[str, Any]) -> CardFault | None:
     if resource_ids:
         source: Source = "allocatedResourcesStatus"
         card = ",".join(resource_ids)
-        message = message or f"the kubelet reports {names.RESOURCE_NAME} {card} Unhealthy"
+        what = names.RESOURCE_NAME if unhealthy[0][0] == names.RESOURCE_NAME else "claimed device"
+        message = message or f"the kubelet reports {what} {card} Unhealthy"
         reason = reason or REASON_DEVICE_UNHEALTHY
     else:
         source = "condition"

@@ -60,7 +60,18 @@ def set_budget(cluster: Cluster, **status: int) -> None:
     )
 
 
-def add_ready_pod_on_failed_card(cluster: Cluster) -> None:
+CLASSIC_CARD_5 = {"name": names.RESOURCE_NAME, "resources": [{"resourceID": "5", "health": "Unhealthy"}]}
+#: The same card claimed through DRA, as the kubelet writes it (the CDI id our DRA plugin returned).
+CLAIMED_CARD_5 = {
+    "name": "claim:xpus",
+    "resources": [
+        {"resourceID": "kunlun.dev/xpu=0b1c2d3e-xpu-4", "health": "Healthy"},
+        {"resourceID": "kunlun.dev/xpu=0b1c2d3e-xpu-5", "health": "Unhealthy"},
+    ],
+}
+
+
+def add_ready_pod_on_failed_card(cluster: Cluster, allocated: dict[str, Any] = CLASSIC_CARD_5) -> None:
     """A Ready runtime pod whose card 5 only the kubelet reports Unhealthy (allocatedResourcesStatus)."""
     pod = {
         "metadata": {"name": POD, "labels": RUNTIME_POD_LABELS},
@@ -77,9 +88,7 @@ def add_ready_pod_on_failed_card(cluster: Cluster) -> None:
                 "imageID": "",
                 "ready": True,
                 "restartCount": 0,
-                "allocatedResourcesStatus": [
-                    {"name": names.RESOURCE_NAME, "resources": [{"resourceID": "5", "health": "Unhealthy"}]}
-                ],
+                "allocatedResourcesStatus": [allocated],
             }
         ],
     }
@@ -145,3 +154,18 @@ def test_the_only_replica_held_not_ready_by_the_gate_is_evicted_at_once_though_t
     assert cluster.kube.objects("pods") == []
     assert cluster.kube.objects("poddisruptionbudgets", "policy")[0]["status"]["disruptionsAllowed"] == 0
     assert "WaitingForDisruptionBudget" not in cluster.event_reasons()
+
+
+def test_a_replica_whose_claimed_card_the_kubelet_reports_unhealthy_is_replaced_too(cluster: Cluster) -> None:
+    start(cluster)
+    set_budget(cluster, expectedPods=2, currentHealthy=2, desiredHealthy=1, disruptionsAllowed=1)
+    add_ready_pod_on_failed_card(cluster, CLAIMED_CARD_5)
+    wait_for(lambda: cluster.status().get("replicaReplacements") == 1, message="one replacement")
+    assert cluster.kube.objects("pods") == []
+    assert cluster.status()["lastReplacement"] | {"time": "t"} == {
+        "pod": POD,
+        "node": "xpu-1",
+        "card": "xpu-5",
+        "reason": "DeviceUnhealthy",
+        "time": "t",
+    }

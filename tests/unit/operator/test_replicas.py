@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
+from kunlun_device.dra.cdi import CDI_KIND, cdi_device_id
 from kunlun_operator import names
 from kunlun_operator.decide.reconcile import PodFacts, reconcile
 from kunlun_operator.decide.replicas import (
+    DRA_CDI_KIND,
     CardFault,
     ReplacementOutcome,
     card_fault,
@@ -120,6 +122,46 @@ def test_odd_condition_text_is_bounded_a_terminating_pod_is_marked() -> None:
     )
     assert fault is not None
     assert (fault.card, fault.reason, fault.since, fault.terminating) == ("unknown", "Unknown", None, True)
+
+
+def claim_pod(*resources: dict[str, str], name: str = "claim:xpus") -> dict[str, Any]:
+    """A DRA pod's status as the kubelet writes it: the claim's health under ``claim:<claim>``."""
+    pod = make_pod()
+    pod["status"]["containerStatuses"] = [
+        {"name": "runtime", "allocatedResourcesStatus": [{"name": name, "resources": list(resources)}]}
+    ]
+    return pod
+
+
+@pytest.mark.parametrize(
+    "resource_id",
+    [
+        cdi_device_id("0b1c2d3e-claim-uid", 5),  # the first CDI id the DRA plugin returned
+        "xpu.kunlun.dev/node-a/xpu-5",  # the kubelet's <driver>/<pool>/<device> without one
+    ],
+)
+@pytest.mark.parametrize("name", ["claim:xpus", "claim:xpus/xpus"])
+def test_a_claimed_card_the_kubelet_reports_unhealthy_is_a_fault(resource_id: str, name: str) -> None:
+    healthy = {"resourceID": resource_id.replace("5", "4"), "health": "Healthy"}
+    fault = card_fault(claim_pod(healthy, {"resourceID": resource_id, "health": "Unhealthy"}, name=name))
+    assert fault is not None
+    assert (fault.source, fault.card, fault.reason, fault.since) == (
+        "allocatedResourcesStatus",
+        "xpu-5",
+        "DeviceUnhealthy",
+        None,
+    )
+    assert fault.message == "the kubelet reports claimed device xpu-5 Unhealthy"
+    assert card_fault(claim_pod(healthy, {"resourceID": resource_id, "health": "Unknown"})) is None
+
+
+def test_the_operators_cdi_kind_is_the_dra_plugins() -> None:
+    assert DRA_CDI_KIND == CDI_KIND
+
+
+def test_another_drivers_claimed_device_is_not_ours() -> None:
+    for resource_id in ("gpu.nvidia.com/node-a/gpu-0", "nvidia.com/gpu=0", "xpu.kunlun.dev.evil/p/xpu-1"):
+        assert card_fault(claim_pod({"resourceID": resource_id, "health": "Unhealthy"})) is None
 
 
 # --- plan_replacements: replace now or wait --------------------------------------------------------
