@@ -103,6 +103,8 @@ def parse_checkpoint(text: str, source: str) -> dict[str, PreparedClaim]:
         result = {}
         for uid, item in claims.items():
             where = f"claims.{uid}"
+            if not isinstance(item, dict):
+                raise TypeError(f"{where} is {item!r}, expected an object")
             devices = _typed(item["devices"], list, f"{where}.devices")
             result[uid] = PreparedClaim(
                 uid=uid,

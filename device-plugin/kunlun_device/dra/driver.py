@@ -142,6 +142,12 @@ class DraDriver:
         if spec_path(self.cdi_dir, claim.uid).exists():
             return
         cards = {d.index: d for d in self.devices}
+        for prepared in claim.devices:
+            if prepared.index not in cards:
+                raise ClaimError(
+                    f"claim {claim.namespace}/{claim.name} ({claim.uid}): checkpointed device "
+                    f"{prepared.device_name} no longer exists on this node"
+                )
         spec = build_cdi_spec(claim.uid, [cards[d.index] for d in claim.devices], self.control_device)
         write_cdi_spec(self.cdi_dir, claim.uid, spec)
         logger.warning("prepare %s: CDI spec was missing, written again", claim.uid)

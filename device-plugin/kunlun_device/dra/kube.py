@@ -1,15 +1,19 @@
 """The DRA plugin's Kubernetes API calls: read ResourceClaims, create and update its ResourceSlice.
 
 Thin: plain dicts through `CustomObjectsApi` (the `resource.k8s.io/v1` paths), no decisions. The
-`SlicePublisher` owns the pool generation: it starts one above what the API holds (a restarted
-plugin never reuses a generation), bumps it whenever the slice's devices change, and writes the
-whole spec with a JSON merge patch (lists are replaced whole). A failed write is logged and
-retried at the next `publish`; the health loop that calls it never stops for the API.
+`SlicePublisher` reads the slice every round (kubelet deletes a node's slices when it starts and a
+driver's ~30 s after the driver unregisters, so a slice written once may be gone) and writes it when
+it is absent, malformed or holds other devices. It owns the pool generation: one above the highest
+it has seen in the API or written (a restarted plugin never reuses a generation while the slice
+exists), bumped on every write. The whole spec is written with a JSON merge patch (lists are
+replaced whole, other top-level spec fields set to null). A failed call is logged and retried at
+the next `publish`; the health loop that calls it never stops for the API.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,6 +51,20 @@ class KubeClaims:
         return claim
 
 
+def _pool_state(current: Any) -> tuple[int, Any]:
+    """The pool generation and the devices of a slice read from the API.
+
+    Raises:
+        ValueError: a field is missing or mistyped (named).
+    """
+    spec = current.get("spec") if isinstance(current, dict) else None
+    pool = spec.get("pool") if isinstance(spec, dict) else None
+    generation = pool.get("generation") if isinstance(pool, dict) else None
+    if isinstance(generation, bool) or not isinstance(generation, int):
+        raise ValueError(f"spec.pool.generation is {generation!r}, expected an integer")
+    return generation, spec.get("devices") if isinstance(spec, dict) else None
+
+
 class SlicePublisher:
     """Keeps the node's ResourceSlice equal to what `build(generation, node_uid)` returns."""
 
@@ -62,71 +80,84 @@ class SlicePublisher:
         self.node_name = node_name
         self.build = build
         self.name = slice_name(node_name)
-        self.generation: int | None = None  # None until the API was read
+        self.generation = 0  # the highest pool generation seen in the API or written
         self.node_uid: str | None = None
         self.writes = 0
-        self._published: Any = None  # the devices last written
-        self._existed = False  # whether the API holds the slice
+        self._node_read = False
+        self._lock = threading.Lock()  # the health thread and a registration both publish
 
     def publish(self) -> bool:
-        """Write the slice if its devices changed (or it was never written); True when written."""
-        try:
-            if self.generation is None:
-                self._read_start()
-            assert self.generation is not None
-            candidate = self.build(self.generation, self.node_uid)
-            if self._published is not None and candidate["spec"]["devices"] == self._published:
+        """Read the slice; write it when absent, malformed or its devices differ. True when written."""
+        with self._lock:
+            try:
+                return self._publish()
+            except (ApiException, HTTPError) as exc:
+                reason = f"HTTP {exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
+                logger.warning("ResourceSlice %s not written (retrying next round): %s", self.name, reason)
                 return False
-            generation = self.generation + 1
-            manifest = self.build(generation, self.node_uid)
-            self._write(manifest, exists=self._published is not None or self._existed)
-        except (ApiException, HTTPError) as exc:
-            reason = f"HTTP {exc.status} {exc.reason}" if isinstance(exc, ApiException) else str(exc)
-            logger.warning("ResourceSlice %s not written (retrying next round): %s", self.name, reason)
-            return False
-        self.generation = generation
-        self._published = manifest["spec"]["devices"]
+
+    def _publish(self) -> bool:
+        if not self._node_read:
+            node = self.core.read_node(self.node_name, _request_timeout=API_TIMEOUT_SECONDS)
+            self.node_uid = node.metadata.uid if node.metadata is not None else None
+            self._node_read = True
+        current = self._read()
+        if current is not None:
+            try:
+                generation, devices = _pool_state(current)
+            except ValueError as exc:
+                logger.error("ResourceSlice %s in the API is malformed (%s): replacing it", self.name, exc)
+            else:
+                self.generation = max(self.generation, generation)
+                if devices == self.build(self.generation, self.node_uid)["spec"]["devices"]:
+                    return False
+        elif self.writes:
+            logger.warning(
+                "ResourceSlice %s is gone from the API (kubelet restarted?): creating it", self.name
+            )
+        manifest = self.build(self.generation + 1, self.node_uid)
+        self._write(manifest, current)
+        self.generation += 1
         self.writes += 1
+        devices = manifest["spec"]["devices"]
         logger.info(
             "ResourceSlice %s generation %d: %d devices %s",
             self.name,
-            generation,
-            len(self._published),
-            [d["name"] for d in self._published],
+            self.generation,
+            len(devices),
+            [d["name"] for d in devices],
         )
         return True
 
-    def _read_start(self) -> None:
-        node = self.core.read_node(self.node_name, _request_timeout=API_TIMEOUT_SECONDS)
-        self.node_uid = node.metadata.uid if node.metadata is not None else None
+    def _read(self) -> Any:
+        """The slice as the API holds it; None when it does not exist."""
         try:
-            current = self.api.get_cluster_custom_object(
+            return self.api.get_cluster_custom_object(
                 GROUP, VERSION, "resourceslices", self.name, _request_timeout=API_TIMEOUT_SECONDS
             )
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            self._existed = False
-            self.generation = 0
-            return
-        self._existed = True
-        self.generation = int(current["spec"]["pool"]["generation"]) if isinstance(current, dict) else 0
+            return None
 
-    def _write(self, manifest: dict[str, Any], exists: bool) -> None:
-        if exists:
-            body = {"metadata": {"ownerReferences": manifest["metadata"].get("ownerReferences")}}
-            body["spec"] = manifest["spec"]
-            self.api.patch_cluster_custom_object(
-                GROUP,
-                VERSION,
-                "resourceslices",
-                self.name,
-                body,
-                _content_type=MERGE_PATCH,
-                _request_timeout=API_TIMEOUT_SECONDS,
-            )
-        else:
+    def _write(self, manifest: dict[str, Any], current: Any) -> None:
+        if current is None:
             self.api.create_cluster_custom_object(
                 GROUP, VERSION, "resourceslices", manifest, _request_timeout=API_TIMEOUT_SECONDS
             )
-            self._existed = True
+            return
+        old_spec = current.get("spec") if isinstance(current, dict) else None
+        stale = {k: None for k in old_spec if k not in manifest["spec"]} if isinstance(old_spec, dict) else {}
+        body = {
+            "metadata": {"ownerReferences": manifest["metadata"].get("ownerReferences")},
+            "spec": {**stale, **manifest["spec"]},
+        }
+        self.api.patch_cluster_custom_object(
+            GROUP,
+            VERSION,
+            "resourceslices",
+            self.name,
+            body,
+            _content_type=MERGE_PATCH,
+            _request_timeout=API_TIMEOUT_SECONDS,
+        )

@@ -8,8 +8,10 @@ node's versions, loads the checkpoint, runs a first health round, then:
 - publishes the node's ResourceSlice (`SlicePublisher`), when an API is given.
 A health thread then polls every `health_interval_seconds` (`HealthMonitor`: the classic plugin's
 checks and recovery period), publishes each card's DRA health to the stream and the slice without
-the unhealthy cards. When either socket vanishes (kubelet wiped its directories on a restart), both
-are served again, so the plugin watcher finds the registration socket anew.
+the unhealthy cards; the publisher reads the slice each round and creates it again when kubelet
+deleted it (on kubelet's start, and ~30 s after the plugin unregistered). When kubelet registers the
+plugin (again), a round runs at once. When either socket vanishes (kubelet wiped its directories on a
+restart), both are served again, so the plugin watcher finds the registration socket anew.
 
 Invariant: a failed API write or health round is logged and retried; only discovery and an
 unreadable checkpoint stop the start.
@@ -93,6 +95,7 @@ class DraServer:
         self.slices_api = slices_api
         self.publisher: SlicePublisher | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a health round now: stopping, or kubelet registered the plugin
         self._server: grpc.Server | None = None
         self._threads: list[threading.Thread] = []
         self._round_at = 0
@@ -143,6 +146,7 @@ class DraServer:
     def stop(self) -> None:
         """Stop the threads and the gRPC server and remove both sockets (the checkpoint stays)."""
         self._stop.set()
+        self._wake.set()
         self.health.close()
         for thread in self._threads:
             thread.join()
@@ -182,7 +186,7 @@ class DraServer:
         add_dra_services(server, self.driver)
         health = HealthServicer(self.node_name, self.health, lambda: self._round_at)
         hpb_grpc.add_DRAResourceHealthServicer_to_server(health, server)
-        self.registration = RegistrationServicer(str(self.socket_path))
+        self.registration = RegistrationServicer(str(self.socket_path), on_registered=self._wake.set)
         reg_grpc.add_RegistrationServicer_to_server(self.registration, server)
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.add_insecure_port(f"unix://{self.registration_path}")
@@ -206,10 +210,14 @@ class DraServer:
         self._round_at = int(time.time())
         self.health.publish(device_health(snapshot.states, snapshot.findings))
         if self.publisher is not None:
-            self.publisher.publish()  # writes only when the devices changed (or the last write failed)
+            self.publisher.publish()  # reads the slice; writes when it is gone or its devices changed
 
     def _health_loop(self) -> None:
-        while not self._stop.wait(self.health_interval_seconds):
+        while True:
+            self._wake.wait(self.health_interval_seconds)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._round(self.monitor.poll())
             except Exception:

@@ -4,7 +4,8 @@ Thin: requests become `ClaimRef`s, `DraDriver` decides, its results become respo
 versions carry the same messages, so one servicer class serves either, given the version's
 generated module. Registration answers the plugin watcher: type `DRAPlugin`, the driver name, the
 DRA socket's absolute path and the services served, by the names kubelet knows them
-(`SUPPORTED_SERVICES`); `NotifyRegistrationStatus` is logged and counted.
+(`SUPPORTED_SERVICES`); `NotifyRegistrationStatus` is logged and counted, and a successful one
+calls `on_registered` (the server then checks its ResourceSlice at once).
 
 Invariant: a bad claim never makes a call fail: it gets its own `error`; every claim of a request
 gets an entry in the response.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -79,8 +81,9 @@ def add_dra_services(server: grpc.Server, driver: DraDriver) -> None:
 class RegistrationServicer(reg_grpc.RegistrationServicer):
     """What the kubelet plugin watcher asks on the registration socket."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, on_registered: Callable[[], object] | None = None) -> None:
         self._endpoint = endpoint
+        self._on_registered = on_registered
         self._lock = threading.Lock()
         self.notifications: list[tuple[bool, str]] = []
 
@@ -99,6 +102,8 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
             self.notifications.append((request.plugin_registered, request.error))
         if request.plugin_registered:
             logger.info("kubelet registered DRA driver %s (%s)", DRA_DRIVER, self._endpoint)
+            if self._on_registered is not None:
+                self._on_registered()
         else:
             logger.error("kubelet refused DRA driver %s: %s", DRA_DRIVER, request.error or "no reason given")
         return reg.RegistrationStatusResponse()

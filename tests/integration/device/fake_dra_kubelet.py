@@ -4,8 +4,10 @@
 registry directory, asks `GetInfo`, checks the type and driver and picks the newest DRAPlugin service
 the plugin lists (v1, else v1beta1), then reports the outcome with `NotifyRegistrationStatus`.
 `prepare`/`unprepare` then call the chosen (or a given) DRAPlugin version on the plugin's endpoint,
-and `watch_health()` opens `NodeWatchResources`. `DraNode` bundles one plugin (`DraServer` over a
-fixture host copy), the fake Kubernetes API holding its Node and claims, and this fake kubelet.
+and `watch_health()` opens `NodeWatchResources`; `allocated_resources_status` is what kubelet writes
+into a container's `allocatedResourcesStatus` from a prepare answer and the health it was streamed.
+`DraNode` bundles one plugin (`DraServer` over a fixture host copy), the fake Kubernetes API holding
+its Node and claims, and this fake kubelet.
 """
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ class DraNode:
     def cdi_dir(self) -> Path:
         return self.root / "cdi"
 
-    def start_plugin(self) -> DraServer:
-        """A plugin over the host polling every 50 ms, believing a recovery at once."""
+    def start_plugin(self, health_interval_seconds: float = 0.05) -> DraServer:
+        """A plugin over the host polling every 50 ms (by default), believing a recovery at once."""
         custom = kubernetes.client.CustomObjectsApi(self.kube.client())
         server = DraServer(
             make_source(self.host.name, self.host.parent),
@@ -119,7 +121,7 @@ class DraNode:
             self.cdi_dir,
             KubeClaims(custom),
             policy=HealthPolicy(recovery_seconds=0),
-            health_interval_seconds=0.05,
+            health_interval_seconds=health_interval_seconds,
             watch_interval_seconds=0.05,
             slices_api=(custom, kubernetes.client.CoreV1Api(self.kube.client())),
         )
@@ -159,6 +161,34 @@ class DraNode:
 
 def result(device: str, request: str = "xpus", driver: str = DRIVER, pool: str = NODE) -> dict[str, str]:
     return {"request": request, "driver": driver, "pool": pool, "device": device}
+
+
+def allocated_resources_status(
+    pod_claim: str, request: str, prepared: Any, health: hpb.NodeWatchResourcesResponse
+) -> list[dict[str, Any]]:
+    """kubelet's `allocatedResourcesStatus` entry for a container using `pod_claim` (its name in the
+    pod's `spec.resourceClaims`; `request` '' for the whole claim), prepared as `prepared` (one
+    claim's `NodePrepareResourceResponse`), after the stream sent `health`. As kubelet builds it: the
+    entry is named ``claim:<pod claim>[/<request>]``; each device the request holds (by its request
+    names) gets its health looked up by driver, pool and device name (Unknown when never streamed),
+    identified by its first CDI id, else ``<driver>/<pool>/<device>``."""
+    streamed = {
+        (d.device.pool_name, d.device.device_name): hpb.HealthStatus.Name(d.health).capitalize()
+        for d in health.devices
+    }
+    resources = []
+    for device in prepared.devices:
+        if request and device.request_names and request not in device.request_names:
+            continue
+        resource_id = (
+            device.cdi_device_ids[0]
+            if device.cdi_device_ids
+            else f"{DRIVER}/{device.pool_name}/{device.device_name}"
+        )
+        state = streamed.get((device.pool_name, device.device_name), "Unknown")
+        resources.append({"resourceID": resource_id, "health": state})
+    name = f"claim:{pod_claim}/{request}" if request else f"claim:{pod_claim}"
+    return [{"name": name, "resources": resources}] if resources else []
 
 
 def random_uid() -> str:

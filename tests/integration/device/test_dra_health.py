@@ -11,7 +11,12 @@ import pytest
 
 from kunlun_device.api import drahealth_v1alpha1_pb2 as hpb
 from kunlun_device.dra.slices import build_resource_slice
-from tests.integration.device.fake_dra_kubelet import DraNode, result, running_dra_node
+from tests.integration.device.fake_dra_kubelet import (
+    DraNode,
+    allocated_resources_status,
+    result,
+    running_dra_node,
+)
 from tests.support.waiting import wait_for
 from tests.unit.device.hosts import make_source, use_outputs
 
@@ -113,4 +118,39 @@ def test_a_failing_card_leaves_the_slice_and_the_stream_says_so(node: DraNode) -
         use_outputs(node.host, "garbage")  # xpu-smi unreadable: health unknown, the slice stays
         read_until(stream, all_cards("UNKNOWN"))
         assert published(node) == (generation, names)
+        stream.cancel()
+
+
+def test_kubelet_puts_the_streamed_health_on_the_claims_cards(node: DraNode) -> None:
+    """The pool and device names streamed are those prepare returned, so kubelet finds each card's
+    health; it names the entry after the pod's claim and the card by its CDI id (what the operator's
+    fault response reads)."""
+    assert node.server is not None
+    node.kubelet.register()
+    claim = node.make_claim("tp2", [result("xpu-4", "tp"), result("xpu-5", "tp")])
+    prepared = node.kubelet.prepare([claim]).claims[claim[2]]
+    with grpc.insecure_channel(f"unix://{node.server.socket_path}") as channel:
+        stream = node.kubelet.watch_health(channel)
+        health = next(stream)
+        assert allocated_resources_status("xpus", "", prepared, health) == [
+            {
+                "name": "claim:xpus",
+                "resources": [
+                    {"resourceID": f"kunlun.dev/xpu={claim[2]}-xpu-{i}", "health": "Healthy"} for i in (4, 5)
+                ],
+            }
+        ]
+        use_outputs(node.host, "p800-failing")  # card 5: uncorrectable ECC
+        while states(health).get("xpu-5") != "UNHEALTHY":  # the stream's own deadline bounds the wait
+            health = next(stream)
+        assert allocated_resources_status("xpus", "tp", prepared, health) == [
+            {
+                "name": "claim:xpus/tp",
+                "resources": [
+                    {"resourceID": f"kunlun.dev/xpu={claim[2]}-xpu-4", "health": "Healthy"},
+                    {"resourceID": f"kunlun.dev/xpu={claim[2]}-xpu-5", "health": "Unhealthy"},
+                ],
+            }
+        ]
+        assert allocated_resources_status("xpus", "other", prepared, health) == []
         stream.cancel()

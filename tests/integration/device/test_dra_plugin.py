@@ -10,6 +10,7 @@ import kubernetes
 import pytest
 
 from kunlun_device.api import pluginregistration_v1_pb2 as reg
+from kunlun_device.dra.checkpoint import PreparedClaim, PreparedDevice, save_checkpoint
 from tests.integration.device.fake_dra_kubelet import SERVICES, DraNode, random_uid, result, running_dra_node
 
 
@@ -138,3 +139,24 @@ def test_a_restart_mid_claim_neither_loses_nor_prepares_twice(node: DraNode) -> 
     assert (
         json.loads((node.root / "plugins" / "xpu.kunlun.dev" / "checkpoint.json").read_text())["claims"] == {}
     )
+
+
+def test_a_checkpointed_card_gone_from_the_node_fails_that_claim_alone(node: DraNode) -> None:
+    """A checkpoint from before the node lost a card (card 9 of a former 10-card node): preparing the
+    claim again, with its CDI spec gone, names the claim and the card; the other claims are prepared."""
+    node.stop_plugin()
+    stale = ("ml", "old", random_uid())
+    device = PreparedDevice(("xpus",), "node-a", "xpu-9", 9, (cdi_id(stale[2], 9),))
+    save_checkpoint(
+        node.root / "plugins" / "xpu.kunlun.dev" / "checkpoint.json",
+        {stale[2]: PreparedClaim(stale[2], "ml", "old", (device,))},
+    )
+    node.start_plugin()
+    node.kubelet.register()
+    good = node.make_claim("good", [result("xpu-1")])
+    response = node.kubelet.prepare([stale, good])
+    assert {uid: entry.error for uid, entry in response.claims.items()} == {
+        stale[2]: f"claim ml/old ({stale[2]}): checkpointed device xpu-9 no longer exists on this node",
+        good[2]: "",
+    }
+    assert sorted(p.name for p in node.cdi_dir.iterdir()) == [f"kunlun.dev-xpu_{good[2]}.json"]

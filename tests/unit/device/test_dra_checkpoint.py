@@ -41,6 +41,10 @@ def test_round_trip_and_absent_file(tmp_path: Path) -> None:
         ),
         (lambda t: t.replace('"poolName"', '"pool"'), "missing field 'poolName'"),
         (lambda t: t.replace('"format": 1', '"format": 2'), "not a format 1 checkpoint"),
+        (
+            lambda t: t.replace('"claims": {', '"claims": {"u0": "tp2", ', 1),
+            "claims.u0 is 'tp2', expected an object",
+        ),
         (lambda t: t[:10], "Unterminated string"),
     ],
 )
