@@ -8,8 +8,9 @@ startup probe's budget grows with the model's size so a loading model is never k
 and liveness start after it. A readiness gate on the node agent's ``kunlun.dev/xpu-healthy``
 condition takes a pod on a failed card out of the Service before any request fails. With a claim
 template (``spec.resources.allocation: dra``) the pod and its preflight claim the cards through it
-(``resource_claim``) instead: no extended resource, and no node selector or affinity on the
-labeler's labels, whose place the claim's CEL selectors take. Invariant: the
+(``resource_claim``) instead: no extended resource, no node selector or affinity on the
+labeler's labels, whose place the claim's CEL selectors take, and no readiness gate (no node
+agent sets it on a dra node; the claim's health comes as ``allocatedResourcesStatus``). Invariant: the
 workloads differ only in what wraps this template (and, for LeaderWorkerSet roles, the runtime
 container's ports, probes and stop), so a single-node and a multi-node pod are locked alike.
 """
@@ -220,7 +221,8 @@ def build_pod_spec(
     claim_template: str | None = None,
 ) -> dict[str, Any]:
     """The runtime pod; ``xpu_health_gate``: the readiness gate on the node agent's condition (off
-    only where no node agent sets it: a gate nobody sets keeps the pod NotReady forever);
+    only where no node agent sets it: a gate nobody sets keeps the pod NotReady forever; never on
+    a pod with a ``claim_template``);
     ``preflight_host``: the node's files the Strict preflight mounts; ``claim_template``: the
     ResourceClaimTemplate its cards come from (None: the extended resource)."""
     path = model_path(spec, image_volumes=image_volumes)
@@ -247,9 +249,10 @@ def build_pod_spec(
             *(dict(t) for t in spec.scheduling.tolerations),
         ],
     }
-    if xpu_health_gate:
+    if xpu_health_gate and not claimed:
         # The node agent sets this condition on every pod holding a card (False while a card is
-        # unhealthy): a pod on a failed card leaves the Service's endpoints at once.
+        # unhealthy): a pod on a failed card leaves the Service's endpoints at once. Nothing sets
+        # it on a dra node: a claimed card's health comes as allocatedResourcesStatus instead.
         pod["readinessGates"] = [{"conditionType": names.XPU_HEALTHY_CONDITION}]
     affinity = build_affinity(spec, claimed=claimed)
     if affinity:

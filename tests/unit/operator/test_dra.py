@@ -137,6 +137,8 @@ def test_dra_pods_claim_their_cards_and_never_name_the_extended_resource(multi_n
             if container["name"] in ("preflight", "runtime"):
                 assert container["resources"]["claims"] == [{"name": "xpus"}]
         assert [c["name"] for c in pod["initContainers"]] == ["preflight"]
+        # no node agent sets the gate's condition on a dra node: health comes as allocatedResourcesStatus
+        assert "readinessGates" not in pod
 
 
 def test_the_classic_pod_has_no_claim() -> None:
@@ -146,6 +148,7 @@ def test_the_classic_pod_has_no_claim() -> None:
     pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
     assert "resourceClaims" not in pod
     assert pod["containers"][0]["resources"]["limits"] == {names.RESOURCE_NAME: "1"}
+    assert pod["readinessGates"] == [{"conditionType": names.XPU_HEALTHY_CONDITION}]
 
 
 @pytest.mark.parametrize("k8s_version", ["1.34.0", "1.37.0"])
