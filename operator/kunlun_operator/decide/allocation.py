@@ -41,6 +41,11 @@ FIELD = "spec.resources.allocation"
 #: DevicesAvailable reasons worth a Warning event whenever they are entered, also from another False.
 WARNING_REASONS = frozenset({"NoMatchingDevices", "ClaimsUnschedulable"})
 _TYPED = ("string", "version", "int", "bool")
+#: What kube-scheduler's DynamicResources plugin says when a claim keeps a pod Pending ("cannot
+#: allocate all claims", "resourceclaim not available on the node", "resourceclaim in use", "waiting
+#: for dynamic resource controller to create the resourceclaim …", "timed out trying to allocate
+#: devices"), lower-cased; a bare "claim" would also catch ``persistentvolumeclaim "x" not found``.
+_DRA_SCHEDULER_WORDS = ("cannot allocate all claims", "resourceclaim", "allocate devices")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,13 +118,14 @@ def parse_slice_devices(slices: Iterable[Mapping[str, Any]]) -> tuple[SliceDevic
 
 def pending_claim(pod: Mapping[str, Any]) -> PendingClaim | None:
     """The pod's claim problem: unscheduled, with the scheduler's ``PodScheduled`` False message
-    about claims (the DRA scheduler plugin's, e.g. "cannot allocate all claims"); None otherwise."""
+    in the DRA scheduler plugin's words (``_DRA_SCHEDULER_WORDS``); None otherwise."""
     spec, status = pod.get("spec") or {}, pod.get("status") or {}
     if spec.get("nodeName") or not spec.get("resourceClaims"):
         return None
     for cond in status.get("conditions") or []:
         message = str(cond.get("message") or "")
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and "claim" in message:
+        about_claims = any(words in message.lower() for words in _DRA_SCHEDULER_WORDS)
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and about_claims:
             made = [c.get("resourceClaimName") for c in status.get("resourceClaimStatuses") or []]
             claim = next((c for c in made if c), None)
             return PendingClaim(str((pod.get("metadata") or {}).get("name")), claim, message)

@@ -297,6 +297,26 @@ def test_a_pod_pending_on_its_claim_is_read_from_the_scheduler_condition() -> No
     assert pending_claim(cpu) is None
 
 
+@pytest.mark.parametrize(
+    ("message", "about_the_claim"),
+    [
+        ("0/3 nodes are available: 3 cannot allocate all claims.", True),
+        ("0/3 nodes are available: 1 resourceclaim not available on the node, 2 Insufficient cpu.", True),
+        (
+            '0/3 nodes are available: 3 waiting for dynamic resource controller to create the resourceclaim "x".',
+            True,
+        ),
+        ("0/1 nodes are available: 1 resourceclaim in use.", True),
+        ('0/3 nodes are available: persistentvolumeclaim "models" not found.', False),
+        ("0/3 nodes are available: 3 node(s) had unbound immediate PersistentVolumeClaims.", False),
+    ],
+)
+def test_only_the_dra_schedulers_words_make_a_pending_claim(message: str, about_the_claim: bool) -> None:
+    pod = pending_pod()
+    pod["status"]["conditions"][0]["message"] = message
+    assert (pending_claim(pod) is not None) is about_the_claim
+
+
 def test_an_unschedulable_claim_is_named_with_why_no_card_matches() -> None:
     wrong_driver = node_slice()
     for device in wrong_driver["spec"]["devices"]:
