@@ -3,8 +3,9 @@
 Parses flags, builds the source (`XpuSource`, or for the labeler and the exporter with
 `--source snapshot:PATH` a `SnapshotSource` over the plugin's node snapshot) and the component, runs
 it until SIGTERM/SIGINT. Exit status: 0 after a clean stop, 1 when the hardware or the API failed at
-start, 2 on bad flags. From a snapshot the exporter waits for a usable one instead of exiting 1 (the
-plugin, in the same pod, may not have written it yet).
+start or no API configuration is usable (the message names what is missing), 2 on bad flags. From a
+snapshot the exporter waits for a usable one instead of exiting 1 (the plugin, in the same pod, may
+not have written it yet).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kunlun_device.errors import ConfigError, XpuError
+from kunlun_device.errors import ApiConfigError, ConfigError, XpuError
 from kunlun_device.xpu.health import HealthPolicy, parse_severities
 from kunlun_device.xpu.reader import XpuReader
 from kunlun_device.xpu.snapshot_source import SnapshotSource
@@ -259,17 +260,35 @@ def _api_client(kubeconfig: str | None, *, retries: bool = True) -> ApiClient:
 
     ``retries=False`` turns off urllib3's default Retry(3) (with it, one call to an unreachable API
     server takes ~20 s): for callers on a loop that must not stall and retry next round anyway.
+
+    Raises:
+        ApiConfigError: no usable configuration, naming what is missing (`--kubeconfig`'s file, or
+            both the in-cluster service account and `$KUBECONFIG` / ``~/.kube/config``).
     """
+    import yaml
     from kubernetes import client, config
 
     configuration = client.Configuration()
+    unusable = (config.ConfigException, OSError, ValueError, yaml.YAMLError)
     if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        if not Path(kubeconfig).is_file():
+            raise ApiConfigError(f"--kubeconfig {kubeconfig}: no such file")
+        try:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        except unusable as exc:
+            raise ApiConfigError(f"--kubeconfig {kubeconfig}: unusable: {exc}") from exc
     else:
         try:
             config.load_incluster_config(client_configuration=configuration)
-        except config.ConfigException:
-            config.load_kube_config(client_configuration=configuration)
+        except config.ConfigException as in_cluster:
+            default = config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION  # $KUBECONFIG, else ~/.kube/config
+            try:
+                config.load_kube_config(client_configuration=configuration)
+            except unusable as exc:
+                raise ApiConfigError(
+                    f"not running in a cluster ({in_cluster}) and no usable kubeconfig at {default}: {exc}; "
+                    "pass --kubeconfig PATH"
+                ) from exc
     if not retries:
         configuration.retries = False
     return client.ApiClient(configuration)

@@ -67,6 +67,15 @@ class ConfigError(XpuError):
         self.reason = reason
 
 
+class ApiConfigError(XpuError):
+    """No usable Kubernetes API configuration: the message names what is missing (the
+    `--kubeconfig` file, or both the in-cluster service account and a kubeconfig)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"no Kubernetes API access: {reason}")
+        self.reason = reason
+
+
 class SnapshotError(XpuError):
     """The device plugin's node snapshot cannot be used (see `kunlun_device.xpu.snapshot`).
 

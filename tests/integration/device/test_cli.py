@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -127,3 +128,35 @@ def test_missing_tool_exits_1(tmp_path: Path, caplog: pytest.LogCaptureFixture) 
     argv = ["plugin", "--xpu-smi", str(tmp_path / "xpu-smi"), "--kubelet-dir", str(tmp_path)]
     assert main(argv) == 1
     assert f"plugin: xpu-smi not found or not executable: '{tmp_path / 'xpu-smi'}'" in caplog.text
+
+
+def run_without_cluster(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The command as a process outside any cluster: no service account, no $KUBECONFIG, an empty
+    home (no ~/.kube/config)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env["HOME"] = str(tmp_path)
+    return subprocess.run(
+        [sys.executable, "-m", "kunlun_device.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "command", [["dra", "--node-name", "n1"], ["labeler", "--once", "--node-name", "n1"]]
+)
+def test_no_api_configuration_exits_1_naming_what_is_missing(tmp_path: Path, command: list[str]) -> None:
+    missing = tmp_path / "missing.kubeconfig"
+    given = run_without_cluster(tmp_path, *command, "--kubeconfig", str(missing), *COMMON)
+    assert (given.returncode, "Traceback" in given.stderr) == (1, False)
+    assert f"{command[0]}: no Kubernetes API access: --kubeconfig {missing}: no such file" in given.stderr
+    default = run_without_cluster(tmp_path, *command, *COMMON)
+    assert (default.returncode, "Traceback" in default.stderr) == (1, False)
+    assert (
+        f"{command[0]}: no Kubernetes API access: not running in a cluster (Service host/port is not set.) "
+        "and no usable kubeconfig at ~/.kube/config: Invalid kube-config file. No configuration found.; "
+        "pass --kubeconfig PATH"
+    ) in default.stderr
