@@ -4,7 +4,7 @@ One spec file per claim, ``<cdi-dir>/kunlun.dev-xpu_<claim uid>.json``, of kind 
 - one CDI device per card, named ``<claim uid>-xpu-<index>``, whose edits add ``/dev/xpu<index>``;
 - spec-wide edits, applied once whenever any device of the spec is injected: the control node
   ``/dev/xpuctrl`` (when the node has one) and ``XPU_VISIBLE_DEVICES`` = the claim's card indices,
-  ascending, comma-separated — the variable the runtime and `kunlun-serve preflight` read, as the
+  ascending, comma-separated — the variable the runtime and `kunlun-runtime preflight` read, as the
   classic plugin's `Allocate` sets it.
 kubelet hands the container runtime the ids ``kunlun.dev/xpu=<claim uid>-xpu-<index>``. A container
 using two of our claims gets the `XPU_VISIBLE_DEVICES` of one of them: ask for all cards in one
