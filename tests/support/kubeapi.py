@@ -30,7 +30,10 @@ discovery from the declared resources. This layer keeps the objects and adds wha
 name, 409 on a stale ``metadata.resourceVersion`` in a patch or PUT, merge patches (strategic-merge
 is treated as a JSON merge patch: lists are replaced) and JSON patches (a failed ``test`` is 422),
 status-subresource isolation, finalizers and ``deletionTimestamp``, equality-based label selectors,
-and watches that honour ``resourceVersion`` and ``timeoutSeconds``.
+equality-based field selectors on lists (``metadata.name``, ``metadata.namespace`` and the fields
+the API server indexes for a kind, ``FIELD_LABELS``; any other field is a 400 as there; each list's
+``fieldSelector`` is recorded, ``field_selectors()``), and watches that honour ``resourceVersion``
+and ``timeoutSeconds``.
 
 Evictions (``POST .../pods/NAME/eviction``, ``policy/v1``) are decided as the API server decides
 them, minus the disruption controller (a test writes a budget's ``status`` itself; a budget without
@@ -52,7 +55,7 @@ termination by removing them) and the answer is 201.
 
 Not emulated: controllers (Deployments get no status unless a test writes it, PodDisruptionBudgets
 none unless a test writes it), garbage collection by owner reference, server-side apply, CRD schema
-validation and defaulting, field selectors, admission webhooks.
+validation and defaulting, field selectors on watches, admission webhooks.
 """
 
 from __future__ import annotations
@@ -219,6 +222,38 @@ def _matches_selector(labels: Mapping[str, str], selector: str | None) -> bool:
     return True
 
 
+#: Fields a kind can be listed by besides ``metadata.name`` and ``metadata.namespace`` (the API
+#: server's field label conversions; kinds the tests list by field only).
+FIELD_LABELS: dict[str, tuple[str, ...]] = {
+    "resource.k8s.io/resourceslices": ("spec.driver", "spec.nodeName", "spec.pool.name"),
+}
+
+
+def _field_labels(key: str, selector: str | None) -> tuple[str, ...]:
+    """The fields kind ``key`` can be listed by.
+
+    Raises:
+        ApiStatusError: 400, ``selector`` names a field the API server does not index for the kind.
+    """
+    labels = ("metadata.name", "metadata.namespace", *FIELD_LABELS.get(key, ()))
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        field = term.replace("!=", "=").split("=", 1)[0].strip()
+        if field not in labels:
+            raise ApiStatusError(400, "BadRequest", f'field label not supported: "{field}"')
+    return labels
+
+
+def _field_values(labels: tuple[str, ...], obj: Mapping[str, Any]) -> dict[str, str]:
+    """The fields ``labels`` of ``obj`` as a flat mapping for ``_matches_selector``."""
+    values = {}
+    for label in labels:
+        value: Any = obj
+        for part in label.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        values[label] = "" if value is None else str(value)
+    return values
+
+
 def _selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
     """A label selector's ``matchLabels`` (``matchExpressions`` are not emulated); an empty one selects all."""
     match_labels = (selector or {}).get("matchLabels") or {}
@@ -304,6 +339,7 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
         self.lock = threading.Lock()  # guards the store, faults and calls across threads
         self.faults: list[Fault] = []
         self.call_log: list[tuple[str, str, str, str | None]] = []  # (verb, group, resource, namespace)
+        self.field_selector_log: list[tuple[str, str, str | None]] = []  # lists: (group, resource, selector)
         self.changed: asyncio.Condition | None = None
 
     # --- routing -----------------------------------------------------------------------------------
@@ -408,6 +444,9 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
         key = f"{target.kind.group}/{target.kind.plural}"
         with self.lock:
             if verb == "list":
+                fields = request.params.get("fieldSelector")
+                self.field_selector_log.append((target.kind.group, target.kind.plural, fields))
+                field_labels = _field_labels(key, fields)
                 items = [
                     copy.deepcopy(o)
                     for (k, ns, _), o in sorted(self.store.objects.items())
@@ -416,6 +455,7 @@ class FakeKubeAPI(kmock.KubernetesScaffold):
                     and _matches_selector(
                         o["metadata"].get("labels") or {}, request.params.get("labelSelector")
                     )
+                    and _matches_selector(_field_values(field_labels, o), fields)
                 ]
                 return 200, {
                     "apiVersion": "v1",
@@ -657,6 +697,11 @@ class RunningKubeAPI:
         """Every resource call so far: (verb, API group, resource[/subresource], namespace)."""
         with self.api.lock:
             return list(self.api.call_log)
+
+    def field_selectors(self, plural: str, group: str = "") -> list[str | None]:
+        """The ``fieldSelector`` of each list of one kind so far (None: the list had none)."""
+        with self.api.lock:
+            return [f for g, p, f in self.api.field_selector_log if (g, p) == (group, plural)]
 
     def objects(self, plural: str, group: str = "") -> list[dict[str, Any]]:
         """A snapshot of the stored objects of one kind."""

@@ -203,7 +203,8 @@ class Controller:
         """The devices our driver's ResourceSlices publish, for a ``dra`` service (None otherwise)."""
         if spec is None or not spec.resources.dra or not dra_served:
             return None
-        return parse_slice_devices(self.client.list(names.RESOURCE_SLICE, None))
+        ours = f"spec.driver={names.DRA_DRIVER}"  # the API server indexes slices by driver
+        return parse_slice_devices(self.client.list(names.RESOURCE_SLICE, None, field_selector=ours))
 
     def read_routing(
         self, ref: ServiceRef, spec: InferenceSpec | None, pool_served: bool, route_served: bool

@@ -109,9 +109,15 @@ class KubeClient:
             raise
 
     def list(
-        self, kind: names.Kind, namespace: str | None, *, label_selector: str | None = None
+        self,
+        kind: names.Kind,
+        namespace: str | None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict[str, Any]]:
-        query = {"labelSelector": label_selector} if label_selector else None
+        selectors = {"labelSelector": label_selector, "fieldSelector": field_selector}
+        query = {k: v for k, v in selectors.items() if v} or None
         doc = self._call("GET", self.path(kind, namespace), query=query) or {}
         items: list[dict[str, Any]] = doc.get("items") or []
         return items

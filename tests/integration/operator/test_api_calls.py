@@ -271,3 +271,7 @@ def test_a_dra_service_makes_exactly_the_documented_dra_calls(cluster: Cluster) 
     wait_for(lambda: templates() == [], message="the template deleted with the service")
     observed = {(g, resource, verb) for verb, g, resource, _ in cluster.kube.calls() if g == group}
     assert observed == documented(dra=True)
+    rules = yaml.safe_load(resources.files("kunlun_operator").joinpath("api_calls.yaml").read_text())
+    for rule in rules:
+        for plural in rule["resources"] if "fieldSelector" in rule else ():
+            assert set(cluster.kube.field_selectors(plural, rule["group"])) == {rule["fieldSelector"]}

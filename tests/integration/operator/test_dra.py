@@ -86,3 +86,45 @@ def test_without_dra_the_webhook_refuses_a_dra_service_naming_the_field(cluster:
     assert answer["status"]["message"].startswith(
         "spec.resources.allocation: dra needs Dynamic Resource Allocation"
     )
+
+
+def foreign_slice() -> dict[str, Any]:
+    """A ResourceSlice of another driver on the same node."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "node-a-gpu"},
+        "spec": {
+            "driver": "gpu.example.com",
+            "nodeName": "node-a",
+            "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": "gpu-0"}],
+        },
+    }
+
+
+def test_the_fake_api_lists_resource_slices_by_driver_and_refuses_other_fields(cluster: Cluster) -> None:
+    publish(cluster, node_slice())
+    publish(cluster, foreign_slice())
+    custom = kubernetes.client.CustomObjectsApi(cluster.kube.client())
+
+    def listed(selector: str) -> list[str]:
+        found = custom.list_cluster_custom_object(GROUP, "v1", "resourceslices", field_selector=selector)
+        return [item["metadata"]["name"] for item in found["items"]]
+
+    assert listed("spec.driver=xpu.kunlun.dev") == ["node-a-xpu.kunlun.dev"]
+    assert listed("spec.driver!=xpu.kunlun.dev") == ["node-a-gpu"]
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        listed("spec.devices=x")
+    assert refused.value.status == 400
+
+
+def test_the_operator_lists_only_its_drivers_resource_slices(cluster: Cluster) -> None:
+    cluster.add_node("node-a")
+    publish(cluster, node_slice())
+    publish(cluster, foreign_slice())
+    cluster.start_operator("--dra")
+    cluster.create_service(copy.deepcopy(SPEC))
+    wait_for(lambda: (cluster.condition("DevicesAvailable") or ("",))[0] == "True", message="devices found")
+    selectors = cluster.kube.field_selectors("resourceslices", GROUP)
+    assert selectors and set(selectors) == {"spec.driver=xpu.kunlun.dev"}
