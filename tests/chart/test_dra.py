@@ -68,6 +68,27 @@ def test_the_dra_container_runs_the_dra_mode_with_kubelets_plugin_dirs_and_cdi(p
     assert "device-plugins" not in volumes and "fault-state" not in volumes  # no classic plugin here
 
 
+def test_a_non_default_kubelet_root_is_where_the_dra_plugin_serves_and_registers() -> None:
+    # GetInfo hands kubelet the socket's path as the plugin sees it: it must be the host's path too
+    hosts = {
+        "kubeletPlugins": "/data/kubelet/plugins/",
+        "kubeletPluginsRegistry": "/data/kubelet/plugins_registry",
+    }
+    rendered = render(overrides={"devicePlugin": {"nodePools": {"dra": "dra"}, "hostPaths": hosts}})
+    pod = rendered.one("DaemonSet", "-device-plugin-dra")["spec"]["template"]["spec"]
+    dra = next(c for c in pod["containers"] if c["name"] == "dra")
+    assert {"--plugins-dir=/data/kubelet/plugins", "--registry-dir=/data/kubelet/plugins_registry"} <= set(
+        dra["args"]
+    )
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in dra["volumeMounts"]}
+    for name, path in (
+        ("dra-plugin", "/data/kubelet/plugins/xpu.kunlun.dev"),
+        ("kubelet-plugins-registry", "/data/kubelet/plugins_registry"),
+    ):
+        assert mounts[name] == volumes[name] == path
+
+
 def test_without_a_dra_pool_nothing_of_dra_is_rendered() -> None:
     classic = render()
     assert not classic.all("DeviceClass")

@@ -315,8 +315,9 @@ required node-selector term. Call with (dict "ctx" $ "pool" NAME) ("" for the de
 - --temperature-critical-celsius={{ $v.health.temperatureCriticalCelsius }}
 {{- end }}
 {{- if eq .command "dra" }}
-- --plugins-dir=/var/lib/kubelet/plugins
-- --registry-dir=/var/lib/kubelet/plugins_registry
+{{- /* the host's paths: kubelet dials the endpoint GetInfo names, a path the plugin builds from these */}}
+- --plugins-dir={{ trimSuffix "/" $v.hostPaths.kubeletPlugins }}
+- --registry-dir={{ trimSuffix "/" $v.hostPaths.kubeletPluginsRegistry }}
 - --cdi-dir=/var/run/cdi
 {{- else if eq .command "plugin" }}
 - --kubelet-dir=/var/lib/kubelet/device-plugins
@@ -373,8 +374,10 @@ node snapshot, read-only. */}}
 - {name: plugin-state, mountPath: /var/lib/kunlun-device-plugin}
 {{- end }}
 {{- else if eq .command "dra" }}
-- {name: kubelet-plugins-registry, mountPath: /var/lib/kubelet/plugins_registry}
-- {name: dra-plugin, mountPath: /var/lib/kubelet/plugins/xpu.kunlun.dev}
+{{- $hosts := .ctx.Values.devicePlugin.hostPaths }}
+{{- /* mounted at the host's own paths (as CSI registrars do): the endpoint the plugin gives kubelet is a host path */}}
+- {name: kubelet-plugins-registry, mountPath: {{ trimSuffix "/" $hosts.kubeletPluginsRegistry }}}
+- {name: dra-plugin, mountPath: {{ trimSuffix "/" $hosts.kubeletPlugins }}/xpu.kunlun.dev}
 - {name: cdi, mountPath: /var/run/cdi}
 {{- else if eq .command "exporter" }}
 - {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
