@@ -98,3 +98,15 @@ def test_notes_render_with_an_extra_entry_naming_its_own_registry() -> None:
     }
     notes, _ = install({"compatibility": {"extraEntries": [extra]}})
     assert "driver 5.0.22, firmware 1.0.3, kml 3.3.0  ->  localhost:5000/rt:1\n" in notes
+
+
+def test_the_notes_warn_that_allocation_both_can_hand_a_card_out_twice() -> None:
+    mixed, _ = install({"devicePlugin": {"nodePools": {"mixed": "both", "dra": "dra"}}})
+    warning = " ".join(mixed.split("WARNING: allocation both on", 1)[1].split())
+    assert warning.startswith("node pool(s) mixed: the classic device plugin and the DRA plugin")
+    assert "one card can go to two pods" in warning
+    everywhere, _ = install({"devicePlugin": {"allocation": "both"}})
+    assert "WARNING: allocation both on nodes in no pool:" in everywhere
+    for single in ({"devicePlugin": {"nodePools": {"dra": "dra"}}}, None):
+        notes, _ = install(single)
+        assert "allocation both" not in notes
