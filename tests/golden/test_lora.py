@@ -23,6 +23,11 @@ ADAPTERS = {  # name → peft options
         "targets": ("gate_proj", "up_proj", "down_proj", "o_proj"),
         "alpha_pattern": {"down_proj": 4},
     },
+    "per-layer-alphas": {  # PEFT's pattern rule: a whole module name, or a regex over it
+        "rank": 8,
+        "alpha": 16,
+        "alpha_pattern": {"model.layers.0.self_attn.q_proj": 2, r"layers\.1\.mlp\.(gate|up)_proj": 64},
+    },
 }
 
 
@@ -85,9 +90,9 @@ def _requests(tiny_model_dirs, adapters, model="llama-gqa"):
 
 @pytest.mark.parametrize("max_loras", [1, 3])
 def test_a_mixed_batch_gives_each_request_the_tokens_it_gets_alone(tiny_model_dirs, adapters, max_loras):
-    """Three adapters and the base in one batch (or, with one slot, in turns) as alone; and alone
-    equals HF + PEFT's greedy tokens."""
-    loras = _requests(tiny_model_dirs, adapters)
+    """Three adapters and the base in one batch (or, with one slot, in turns) as alone (no prefix
+    cache: the runs alone compute their prompts again)."""
+    loras = _requests(tiny_model_dirs, adapters)[:3]
     assignment = [loras[k % 3] if k % 4 != 3 else None for k in range(len(PROMPTS))]
     llm = LLM(
         str(tiny_model_dirs["llama-gqa"]),
@@ -95,6 +100,7 @@ def test_a_mixed_batch_gives_each_request_the_tokens_it_gets_alone(tiny_model_di
         enable_lora=True,
         max_loras=max_loras,
         max_model_len=128,
+        enable_prefix_caching=False,
     )
     together = _greedy(llm, PROMPTS, assignment)
     alone = [_greedy(llm, [p], [lora])[0] for p, lora in zip(PROMPTS, assignment, strict=True)]
@@ -109,7 +115,7 @@ def test_adapters_on_hidden_shapes_generate_what_peft_generates(tiny_model_dirs,
 
     model_dir = tiny_model_dirs["qwen3-qknorm"]
     llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=3, max_model_len=128)
-    loras = _requests(tiny_model_dirs, adapters, "qwen3-qknorm")
+    loras = _requests(tiny_model_dirs, adapters, "qwen3-qknorm")[:3]
     ours = _greedy(llm, PROMPTS[:3], loras, max_tokens=6)
     for prompt, lora, tokens in zip(PROMPTS[:3], loras, ours, strict=True):
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -121,12 +127,15 @@ def test_adapters_on_hidden_shapes_generate_what_peft_generates(tiny_model_dirs,
         assert tokens == out[0, len(prompt) :].tolist()
 
 
-def test_tensor_parallel_adapters_match_one_rank(tiny_model_dirs, adapters):
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_parallel_adapters_match_one_rank(tiny_model_dirs, adapters, layout):
+    """Tensor parallelism shards A and B as the base weights; pipeline stages install their own
+    layers' share; each step's micro-batches carry their sequences' slots."""
     loras = _requests(tiny_model_dirs, adapters)
     assignment = [loras[0], loras[1], None, loras[2]]
     options = {"dtype": "float32", "enable_lora": True, "max_loras": 3, "max_model_len": 128}
     one = _greedy(LLM(str(tiny_model_dirs["llama-gqa"]), **options), PROMPTS[:4], assignment)
-    with LLM(str(tiny_model_dirs["llama-gqa"]), tensor_parallel_size=2, **options) as two_ranks:
+    with LLM(str(tiny_model_dirs["llama-gqa"]), **layout, **options) as two_ranks:
         assert _greedy(two_ranks, PROMPTS[:4], assignment) == one
 
 

@@ -2,7 +2,10 @@
 requests run on into the model's slots (every rank's, through the group).
 
 Reading a checkpoint (``read``) touches no engine state, so a server can do it off the engine
-thread and hand the adapter to ``add``; everything else runs on the engine thread.
+thread and hand the adapter to ``add`` or ``add_request``; everything else runs on the engine
+thread. Each request holds its adapter's weights from admission to its end (``pin``), so a step
+never reads a checkpoint: an adapter unloaded, or dropped from host memory, while requests on it
+wait is still there for them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class EngineAdapters:
         self._served_name = served_name
         self._install = install
         self.registry = LoRARegistry(config.max_loras, config.lora_cache_size, self.read)
+        self._pinned: dict[str, LoRAAdapter] = {}  # request id → its adapter's weights
 
     def read(self, lora: LoRARequest) -> LoRAAdapter:
         """Read and check ``lora``'s checkpoint for the served model (thread-safe)."""
@@ -59,14 +63,30 @@ class EngineAdapters:
         )
         return added
 
-    def resolve(self, lora: LoRARequest) -> LoRARequest:
-        """The registered adapter a request runs on; one not yet known is registered (read from
-        its path) as vLLM does."""
+    def is_loaded(self, lora: LoRARequest) -> bool:
+        """Whether ``lora`` is registered and in host memory (a request on it reads nothing)."""
+        return self.registry.get(lora.lora_name) == lora and self.registry.loaded(lora) is not None
+
+    def pin(
+        self, request_id: str, lora: LoRARequest, adapter: LoRAAdapter | None = None, *, register: bool = True
+    ) -> LoRARequest:
+        """The adapter a request runs on, its weights held for the request. ``adapter``: read
+        already (off the engine thread). An adapter not registered is registered (read from its
+        path) as vLLM's offline API does, or with ``register=False`` (the server, whose names may
+        have been unloaded since the request was checked) refused as an unknown model (404)."""
         known = self.registry.get(lora.lora_name)
-        if known is not None and known == lora:
-            return known
-        self.add(lora)
+        if known != lora:
+            if not register:
+                raise InvalidRequestError(
+                    f"The model `{lora.lora_name}` does not exist.", field="model", status_code=404
+                )
+            adapter = self.add(lora, adapter)
+        weights = adapter or self.registry.loaded(lora) or self.registry.add(lora)
+        self._pinned[request_id] = weights
         return lora
+
+    def release(self, request_id: str) -> None:
+        self._pinned.pop(request_id, None)
 
     def assign_slots(self, sched: SchedulerOutput, running: list[Request]) -> dict[str, int]:
         """The slot of each scheduled request on an adapter, installing what is not in one yet."""
@@ -76,9 +96,9 @@ class EngineAdapters:
             lora = item.request.lora
             if lora is None:
                 continue
-            slot, adapter = self.registry.assign_slot(lora, busy)
-            if adapter is not None:
-                self._install(slot, adapter)
+            slot, fresh = self.registry.assign_slot(lora, busy, self._pinned[item.request.request_id])
+            if fresh:
+                self._install(slot, self._pinned[item.request.request_id])
             slots[item.request.request_id] = slot
         return slots
 

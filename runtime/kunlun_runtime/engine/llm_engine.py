@@ -197,16 +197,21 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        lora_adapter: LoRAAdapter | None = None,
+        register_lora: bool = True,
     ) -> Request:
-        """Validate and queue a request (on the LoRA adapter ``lora_request``, registered now if
-        it is new). Raises InvalidRequestError naming the field."""
+        """Validate and queue a request (on the LoRA adapter ``lora_request``: its weights
+        ``lora_adapter`` where read already, off the engine thread; a new adapter is registered
+        now unless ``register_lora`` is False, when it is a 404). Raises InvalidRequestError
+        naming the field."""
         if request_id in self._tracked:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running", field="request_id")
         prompt_text, request = self.input_processor.make_request(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time
         )
         if lora_request is not None:
-            request.lora = self._lora_adapters().resolve(lora_request)
+            pinned = self._lora_adapters().pin(request_id, lora_request, lora_adapter, register=register_lora)
+            request.lora = pinned
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.new_matcher(params.structured_outputs)
@@ -278,6 +283,11 @@ class LLMEngine:
     def remove_lora(self, lora_name: str) -> bool:
         """Forget an adapter (False: unknown); requests running on it finish on it."""
         return self._lora_adapters().registry.remove(lora_name)
+
+    def lora_is_loaded(self, lora: LoRARequest) -> bool:
+        """Whether a request on ``lora`` needs no checkpoint read (thread-safe enough: a stale
+        answer only moves a read to the engine thread)."""
+        return self.adapters is not None and self.adapters.is_loaded(lora)
 
     def list_loras(self) -> list[LoRARequest]:
         return [] if self.adapters is None else self.adapters.registry.known()
@@ -387,5 +397,7 @@ class LLMEngine:
         request = tracked.request
         self.scheduler.finish(request, status)
         self.sampler.forget(request.request_id)
+        if self.adapters is not None:
+            self.adapters.release(request.request_id)
         del self._tracked[request.request_id]
         return self.output_processor.finish(tracked, status, new_token_ids)

@@ -14,7 +14,9 @@ Policy (pure; no model, no tensors):
 4. Everything under ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences; a prompt
    longer than the remaining budget is prefilled in chunks over several steps.
 5. With LoRA, the running requests use at most ``max_loras`` adapters (the model's slots): a
-   waiting request on another adapter waits, and the requests behind it may pass it.
+   waiting request on another adapter waits, and the requests behind it may pass it, until it has
+   waited ``priority_aging_steps`` steps: then no new request joins the running adapters until a
+   slot frees.
 
 That is the ``fixed`` policy. The ``feedback`` policy (its decisions live in
 ``scheduling_policy``) keeps rules 1–4 and the same preemption and protection, and adds time: a
@@ -174,10 +176,11 @@ class Scheduler:
         admitted: set[str] = set()
         blocked = False  # someone ahead was skipped: from here on only whole small requests
         adapters = {r.lora for r in self.running if r.lora is not None}
+        draining = self._draining_adapters(adapters)
         for request in self.waiting:
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
-            if not self._adapter_fits(request, adapters):  # it waits for an adapter's slot; others may pass
+            if not self._adapter_fits(request, adapters, draining):  # it waits for a slot; others may pass
                 continue
             cached = self.kv.find_cached_prefix(request)
             num_cached_tokens = cached.num_tokens
@@ -203,12 +206,29 @@ class Scheduler:
             admitted.add(request.request_id)
         self.waiting = [r for r in self.waiting if r.request_id not in admitted]
 
-    def _adapter_fits(self, request: Request, adapters: set[LoRARequest]) -> bool:
+    def _adapter_fits(self, request: Request, adapters: set[LoRARequest], draining: bool) -> bool:
         """A request on a LoRA adapter joins the step only while the running requests use fewer
-        than ``max_loras`` adapters, or its own is among them (the model has that many slots)."""
-        if request.lora is None or request.lora in adapters or self.limits.max_loras is None:
+        than ``max_loras`` adapters, or its own is among them (the model has that many slots) and
+        no request has waited too long for a slot (``draining``)."""
+        if request.lora is None or self.limits.max_loras is None:
             return True
+        if request.lora in adapters:
+            return not draining
         return len(adapters) < self.limits.max_loras
+
+    def _draining_adapters(self, adapters: set[LoRARequest]) -> bool:
+        """Whether a request has waited ``priority_aging_steps`` steps for an adapter slot while
+        every slot was busy: then no new request joins the running adapters, so that their
+        requests finish and free a slot (a stream of requests on one adapter would otherwise
+        keep another adapter out forever)."""
+        if self.limits.max_loras is None or len(adapters) < self.limits.max_loras:
+            return False
+        return any(
+            r.lora is not None
+            and r.lora not in adapters
+            and r.waited_steps >= self.limits.priority_aging_steps
+            for r in self.waiting
+        )
 
     def _start(self, request: Request, num_cached_tokens: int, num_new: int, out: SchedulerOutput) -> None:
         request.num_computed_tokens = num_cached_tokens

@@ -76,7 +76,7 @@ class KVManager:
             return []
         tokens = request.all_token_ids
         return self.hasher.hash_full_blocks(
-            tokens[: len(tokens) - 1], self.block_size, request.cache_salt, lora_name=_lora_name(request)
+            tokens[: len(tokens) - 1], self.block_size, request.cache_salt, lora=request.lora_key
         )
 
     def num_cached_blocks(self, block_hashes: Sequence[int]) -> int:
@@ -140,7 +140,7 @@ class KVManager:
             return
         tokens = request.all_token_ids[: num_full * self.block_size]
         hashes = self.hasher.hash_full_blocks(
-            tokens, self.block_size, request.cache_salt, known, lora_name=_lora_name(request)
+            tokens, self.block_size, request.cache_salt, known, lora=request.lora_key
         )
         self.pool.cache_blocks(
             blocks[len(known) : num_full],
@@ -160,8 +160,3 @@ class KVManager:
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._blocks
-
-
-def _lora_name(request: KVRequest) -> str | None:
-    """The adapter's name, part of every block's hash: two adapters never share KV."""
-    return None if request.lora_key is None else request.lora_key[1]

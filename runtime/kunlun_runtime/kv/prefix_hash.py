@@ -11,8 +11,11 @@
   the first block of a salted request (None when there are neither). With the seed known, an
   indexer recomputes every hash from tokens (CBOR needs no Python).
 
-A request on a LoRA adapter hashes its adapter's name into every block (``keyed_blake2b`` too):
-KV computed with one adapter is never served to another, nor to the base model.
+A request on a LoRA adapter hashes its adapter into every block: KV computed with one adapter is
+never served to another, nor to the base model. ``keyed_blake2b`` hashes the adapter's id and
+name, so an adapter loaded again under its name (a new id: new weights) never finds the old
+one's blocks; vLLM's algorithms hash the name only, as vLLM does (reset the prefix cache when
+reloading changed weights under one name).
 
 The salt is the request's cache salt; the server makes it the tenant's namespace narrowed by the
 client's ``cache_salt`` (server/auth.py), so two tenants' identical prompts never share a hash.
@@ -93,22 +96,22 @@ class PrefixHasher:
         parent: BlockHash | None,
         token_ids: Sequence[int],
         salt: str | None,
-        lora_name: str | None = None,
+        lora: tuple[int, str] | None = None,
     ) -> BlockHash:
         """The hash of one full block after ``parent`` (None for a request's first block), of a
-        request on the LoRA adapter ``lora_name`` (None: the base model)."""
+        request on the LoRA adapter ``lora`` ((id, name); None: the base model)."""
         if self.algo == "keyed_blake2b":
             digest = hashlib.blake2b(key=self.secret, digest_size=8)
             digest.update((ROOT_HASH if parent is None else parent).to_bytes(8, "little"))
             digest.update((salt or "").encode())
             digest.update(b"\x00")
-            if lora_name is not None:  # after the salt's terminator: no salt can spell an adapter
-                digest.update(b"\x01" + lora_name.encode() + b"\x00")
+            if lora is not None:  # after the salt's terminator: no salt can spell an adapter
+                digest.update(b"\x01" + lora[0].to_bytes(8, "little") + lora[1].encode() + b"\x00")
             digest.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
             return int.from_bytes(digest.digest(), "little")
         parent_digest = self.secret if parent is None else parent.to_bytes(SHA256_BYTES, "big")
         # vLLM's extra keys: the adapter's name on every block, then the salt on the first.
-        keys = ((lora_name,) if lora_name is not None else ()) + ((salt,) if parent is None and salt else ())
+        keys = ((lora[1],) if lora is not None else ()) + ((salt,) if parent is None and salt else ())
         extra_keys = keys or None
         payload = (parent_digest, tuple(token_ids), extra_keys)
         return int.from_bytes(_SHA256_FUNCTIONS[self.algo](payload), "big")
@@ -120,14 +123,14 @@ class PrefixHasher:
         salt: str | None = None,
         start_hashes: Sequence[BlockHash] = (),
         *,
-        lora_name: str | None = None,
+        lora: tuple[int, str] | None = None,
     ) -> list[BlockHash]:
         """Hashes of every full block of ``token_ids``; ``start_hashes`` are reused for a known prefix."""
         hashes = list(start_hashes)
         parent = hashes[-1] if hashes else None
         for index in range(len(hashes), len(token_ids) // block_size):
             block = token_ids[index * block_size : (index + 1) * block_size]
-            parent = self.hash_block(parent, block, salt, lora_name)
+            parent = self.hash_block(parent, block, salt, lora)
             hashes.append(parent)
         return hashes
 

@@ -46,6 +46,15 @@ PIECES = {
 }
 NUM_PIECES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+# The module a PEFT key belongs to, as PEFT names it when it matches rank/alpha patterns.
+_MODULE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_[AB](?:\.\w+)?\.weight$")
+_UNSUPPORTED = {  # adapter_config.json keys whose feature we do not serve, and what it is
+    "use_dora": "DoRA",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D) weights",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "layer_replication": "layer replication",
+    "lora_bias": "LoRA biases on B",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +88,17 @@ def read_adapter(lora: LoRARequest, base: ModelConfig, max_lora_rank: int) -> Lo
     """Read ``lora``'s checkpoint for ``base``; raises InvalidRequestError naming the problem."""
     directory = Path(lora.lora_path)
     config = _read_config(lora, directory)
+    _check_size(lora, directory, base, max_lora_rank)
     tensors = _read_tensors(lora, directory)
     shapes = piece_shapes(base)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    modules: dict[tuple[int, str], str] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None or match.group(2) not in PIECES:
             _refuse(lora, f"weight {key!r} is not a LoRA A/B of a q/k/v/o/gate/up/down projection")
+        module = _MODULE.match(key)
+        modules[int(match.group(1)), match.group(2)] = module.group("module") if module else key
         layer, proj, which = int(match.group(1)), match.group(2), match.group(3)
         if layer >= base.num_layers:
             _refuse(
@@ -111,9 +124,12 @@ def read_adapter(lora: LoRARequest, base: ModelConfig, max_lora_rank: int) -> Lo
                 f"do not fit the base model (expected {expected_a} and {expected_b}: hidden size "
                 f"{base.hidden_size}, intermediate size {base.intermediate_size}); is it an adapter of another model?",
             )
+        if rank == 0:
+            _refuse(lora, f"layers.{layer} {proj}: rank 0")
         if rank > max_lora_rank:
             _refuse(lora, f"rank {rank} ({proj}) is above --max-lora-rank {max_lora_rank}")
         ranks[(layer, proj)] = rank
+    _check_layers(lora, config, found, base.num_layers)
     rank = max(ranks.values())
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, proj), pair in sorted(found.items()):
@@ -126,24 +142,71 @@ def read_adapter(lora: LoRARequest, base: ModelConfig, max_lora_rank: int) -> Lo
         a, b = weights[name]
         r = ranks[(layer, proj)]
         row = sum(shapes[fused][1][:piece])
-        scale = _scaling(config, proj, r)
+        scale = _scaling(config, modules[(layer, proj)], r)
         a[piece, :r] = pair["A"].float()
         b[row : row + pair["B"].shape[0], piece, :r] = pair["B"].float() * scale
     return LoRAAdapter(lora, base, rank, weights)
 
 
-def _scaling(config: dict[str, Any], proj: str, rank: int) -> float:
-    alpha = float(_by_pattern(config.get("alpha_pattern") or {}, proj, config.get("lora_alpha", 8)))
+def _scaling(config: dict[str, Any], module: str, rank: int) -> float:
+    alpha = float(_by_pattern(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8)))
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def _by_pattern(patterns: dict[str, Any], proj: str, default: Any) -> Any:
-    # PEFT matches a pattern key against the module's name's end (``q_proj``, ``layers.3.self_attn.q_proj``);
-    # ranks come from the tensors' shapes, so only alpha is looked up, by the projection's name.
+def _by_pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    r"""PEFT's rule: the first pattern key that is a regex matching the module's whole name, or its
+    end after a dot (``q_proj``, ``model.layers.3.self_attn.q_proj``, ``layers\.1\..*q_proj``).
+    Ranks come from the tensors' shapes, so only alpha is looked up."""
     for key, value in patterns.items():
-        if key == proj or key.endswith(f".{proj}") or re.fullmatch(key, proj):
+        if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+def _check_layers(
+    lora: LoRARequest,
+    config: dict[str, Any],
+    found: dict[tuple[int, str], dict[str, torch.Tensor]],
+    num_layers: int,
+) -> None:
+    """Every targeted projection on every layer (or on exactly ``layers_to_transform``): an
+    adapter of a shallower model with the same widths would otherwise apply to the first layers."""
+    wanted = config.get("layers_to_transform")
+    if isinstance(wanted, int):
+        wanted = [wanted]
+    expected = set(range(num_layers)) if wanted is None else {int(layer) for layer in wanted}
+    for proj in sorted({proj for _, proj in found}):
+        layers = {layer for layer, p in found if p == proj}
+        if layers != expected:
+            missing = sorted(expected - layers)
+            _refuse(
+                lora,
+                f"{proj} has weights for {len(layers)} of the base model's {num_layers} layers "
+                f"(missing layers {missing[:5]}{' …' if len(missing) > 5 else ''}); is it an adapter of another model?",
+            )
+
+
+def max_adapter_bytes(base: ModelConfig, max_lora_rank: int) -> int:
+    """The largest checkpoint an adapter of rank ``max_lora_rank`` on every projection of ``base``
+    can be, in FP32, with room for the file's header."""
+    per_layer = sum(
+        max_lora_rank * (in_features + out)
+        for in_features, outs in piece_shapes(base).values()
+        for out in outs
+    )
+    return 4 * per_layer * base.num_layers + (1 << 20)
+
+
+def _check_size(lora: LoRARequest, directory: Path, base: ModelConfig, max_lora_rank: int) -> None:
+    limit = max_adapter_bytes(base, max_lora_rank)
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        path = directory / name
+        if path.is_file() and path.stat().st_size > limit:
+            _refuse(
+                lora,
+                f"{name} is {path.stat().st_size / 2**20:.1f} MiB, more than an adapter of rank "
+                f"{max_lora_rank} on every projection of this model can be ({limit / 2**20:.1f} MiB)",
+            )
 
 
 def _read_config(lora: LoRARequest, directory: Path) -> dict[str, Any]:
@@ -158,7 +221,7 @@ def _read_config(lora: LoRARequest, directory: Path) -> dict[str, Any]:
         _refuse(lora, f"{path}: expected a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         _refuse(lora, f"peft_type {config.get('peft_type')!r}: only LORA adapters are served")
-    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) weights")):
+    for key, what in _UNSUPPORTED.items():
         if config.get(key):
             _refuse(lora, f"{key}: {what} is not supported")
     if config.get("bias", "none") != "none":

@@ -65,11 +65,15 @@ class LoRARegistry:
             )
 
     def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
-        """Register ``lora`` (read it unless ``adapter`` is given); returns the adapter. Nothing
-        changes when it is refused."""
+        """Register ``lora`` (read it unless ``adapter`` is given or it is in host memory); returns
+        the adapter. Nothing changes when it is refused."""
         self.check(lora)
         if adapter is None:
-            adapter = self._loaded.get(lora) or self._read(lora)
+            adapter = self._loaded.get(lora)
+        if adapter is None:
+            adapter = self._read(lora)
+            if lora.lora_name in self._known:
+                logger.info("LoRA adapter %s read again from %s", lora.lora_name, lora.lora_path)
         self._known[lora.lora_name] = lora
         self._keep(lora, adapter)
         return adapter
@@ -89,31 +93,34 @@ class LoRARegistry:
     def get(self, lora_name: str) -> LoRARequest | None:
         return self._known.get(lora_name)
 
+    def loaded(self, lora: LoRARequest) -> LoRAAdapter | None:
+        """``lora``'s weights where they are in host memory (marked most recently used)."""
+        adapter = self._loaded.get(lora)
+        if adapter is not None:
+            self._loaded.move_to_end(lora)
+        return adapter
+
     def slot_of(self, lora: LoRARequest) -> int | None:
         return self._slots.index(lora) if lora in self._slots else None
 
     def assign_slot(
-        self, lora: LoRARequest, running: Collection[LoRARequest]
-    ) -> tuple[int, LoRAAdapter | None]:
-        """The slot ``lora`` runs in this step, and the adapter to install there (None: it is
-        there already). ``running``: adapters of the running requests, whose slots stay."""
+        self, lora: LoRARequest, running: Collection[LoRARequest], adapter: LoRAAdapter
+    ) -> tuple[int, bool]:
+        """The slot ``lora`` runs in this step, and whether ``adapter`` (its weights, which the
+        request holds) must be installed there. ``running``: adapters of the running requests,
+        whose slots stay."""
         self._clock += 1
         slot = self.slot_of(lora)
         if slot is not None:
             self._slot_use[slot] = self._clock
-            return slot, None
+            return slot, False
         free = [i for i, held in enumerate(self._slots) if held is None or held not in running]
         if not free:  # the scheduler's max_loras admission rule makes this unreachable
             raise RuntimeError(f"no LoRA slot free for {lora.lora_name!r}: all hold running adapters")
         slot = min(free, key=lambda i: (self._slots[i] is not None, self._slot_use[i]))
-        adapter = self._loaded.get(lora)
-        if adapter is None:
-            adapter = self._read(lora)
-            logger.info("LoRA adapter %s read again from %s", lora.lora_name, lora.lora_path)
-        self._keep(lora, adapter)
         self._slots[slot] = lora
         self._slot_use[slot] = self._clock
-        return slot, adapter
+        return slot, True
 
     def _keep(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
         self._loaded[lora] = adapter

@@ -4,7 +4,7 @@ The server's list, not the engine's: the engine keeps at most ``--max-cpu-loras`
 and reads an evicted one again from its path when a request names it, so a served adapter stays
 servable whether or not its weights are in memory now. Ids are handed out here, 1, 2, ... in the
 order adapters are added (``--lora-modules`` first, then run-time loads), never reused: an adapter
-loaded again under the same name gets a new id, so the prefix cache never mixes the two.
+loaded again under the same name gets a new id, which the default prefix-cache hash includes.
 
 Nothing here touches the engine (``lora_routes`` does, through ``AsyncEngine``); changes are made
 on the event loop only, under ``lock`` while a load or unload is under way.

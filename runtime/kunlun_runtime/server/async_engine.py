@@ -122,6 +122,11 @@ class AsyncEngine:
         event loop and the engine thread). Raises InvalidRequestError."""
         return self._engine.read_lora(lora)
 
+    def lora_is_loaded(self, lora: LoRARequest) -> bool:
+        """Whether a request on ``lora`` reads no checkpoint in the engine (else ``read_lora``
+        first, off the engine thread, and hand the weights along)."""
+        return self._engine.lora_is_loaded(lora)
+
     def lora_activity(self) -> tuple[int, list[str], list[str]]:
         """(max_loras, running requests' adapters, waiting requests' adapters); engine thread."""
         return self._engine.lora_activity()
@@ -393,6 +398,8 @@ class AsyncEngine:
                     priority=request.priority,
                     cache_salt=request.cache_salt,
                     lora_request=request.lora_request,
+                    lora_adapter=request.lora_adapter,
+                    register_lora=False,  # a name unloaded since the route checked it is a 404
                 )
                 added.append(request.request_id)
                 self._queues[request.request_id] = command.queue

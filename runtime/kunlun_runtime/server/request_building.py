@@ -112,10 +112,21 @@ async def add_prepared(
     try:
         requests = await prepare()
         await prepare_structured_outputs(served, requests)
+        requests = await read_adapter_weights(served, requests)
     except BaseException:
         served.engine.release(count, tenant)
         raise
     return await served.engine.add(requests, reserved=True)
+
+
+async def read_adapter_weights(served: ServedModel, requests: list[EngineRequest]) -> list[EngineRequest]:
+    """The group with its adapter's weights where the engine no longer holds them in memory
+    (``--max-cpu-loras``): read on a worker thread, so the engine's step never waits for a read."""
+    lora = requests[0].lora_request if requests else None  # a group shares its model
+    if lora is None or served.engine.lora_is_loaded(lora):
+        return requests
+    adapter = await asyncio.to_thread(served.engine.read_lora, lora)
+    return [replace(request, lora_adapter=adapter) for request in requests]
 
 
 async def prepare_structured_outputs(served: ServedModel, requests: list[EngineRequest]) -> None:

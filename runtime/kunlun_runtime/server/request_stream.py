@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kunlun_runtime.engine.outputs import RequestOutput
 from kunlun_runtime.engine.sampling_params import SamplingParams
+from kunlun_runtime.lora.checkpoint import LoRAAdapter
 from kunlun_runtime.lora.request import LoRARequest
 
 
@@ -29,6 +30,7 @@ class EngineRequest:
     cache_salt: str | None = None
     tenant: str | None = None  # who asked (the API key's tenant): queue shares are per tenant
     lora_request: LoRARequest | None = None  # the adapter the request's model names; None: the base
+    lora_adapter: LoRAAdapter | None = None  # its weights, read off the engine thread where not loaded
 
 
 class RequestStream:

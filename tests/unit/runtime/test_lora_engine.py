@@ -90,6 +90,22 @@ BAD = {
         lambda d: broken_copy(d, "empty", lambda c, t: [t.pop(k) for k in list(t)]),
         "no LoRA weights",
     ),
+    "shallower-model": (
+        lambda d: broken_copy(d, "shallow", lambda c, t: [t.pop(k) for k in list(t) if ".layers.1." in k]),
+        "has weights for 1 of the base model's 2 layers",
+    ),
+    "oversized": (
+        lambda d: broken_copy(d, "big", lambda c, t: t.update({"padding": torch.zeros(4 << 20)})),
+        "more than an adapter of rank 16 on every projection of this model can be",
+    ),
+    "lora-bias": (
+        lambda d: broken_copy(d, "lbias", lambda c, t: c.update(lora_bias=True)),
+        "LoRA biases on B",
+    ),
+    "alora": (
+        lambda d: broken_copy(d, "alora", lambda c, t: c.update(alora_invocation_tokens=[1, 2])),
+        "activated LoRA",
+    ),
     "embedding": (
         lambda d: broken_copy(
             d,
@@ -198,3 +214,82 @@ def test_beyond_max_cpu_loras_the_least_recent_adapter_is_read_again(dirs, caplo
     assert "LoRA adapter a read again" in caplog.text
     assert llm.engine.remove_lora("a") and not llm.engine.remove_lora("a")
     assert [lora.lora_name for lora in llm.engine.list_loras()] == ["b"]
+
+
+def test_an_adapter_unloaded_while_requests_wait_serves_them_from_the_weights_they_hold(dirs, tmp_path):
+    """Requests hold their adapter's weights from admission: unloading it, even deleting its
+    files, while they wait for a slot never makes a step read (or fail to read) a checkpoint."""
+    llm = LLM(str(dirs["base"]), dtype="float32", enable_lora=True, max_loras=1, max_model_len=128)
+    copy = tmp_path / "b"
+    shutil.copytree(dirs["b"], copy)
+    a, b = LoRARequest("a", 1, str(dirs["a"])), LoRARequest("b", 2, str(copy))
+    expected = tokens(
+        LLM(str(dirs["base"]), dtype="float32", enable_lora=True, max_model_len=128), b, PROMPT[:12]
+    )
+    engine = llm.engine
+    engine.add_request("on-a", {"prompt_token_ids": PROMPT[:10]}, GREEDY, lora_request=a)
+    engine.add_request("on-b", {"prompt_token_ids": PROMPT[:12]}, GREEDY, lora_request=b)
+    engine.step()  # a runs; b waits for the only slot
+    assert [r.request_id for r in engine.scheduler.waiting] == ["on-b"]
+    assert engine.remove_lora("b")
+    shutil.rmtree(copy)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({out.request_id: out for out in engine.step() if out.finished})
+    assert outputs["on-b"].outputs[0].token_ids == expected
+    assert all_free(llm)
+
+
+def test_a_server_request_on_an_unloaded_adapter_is_404_not_registered_again(llm, dirs):
+    gone = LoRARequest("gone", 40, str(dirs["b"]))
+    with pytest.raises(InvalidRequestError, match="The model `gone` does not exist") as error:
+        llm.engine.add_request(
+            "x", {"prompt_token_ids": PROMPT[:5]}, GREEDY, lora_request=gone, register_lora=False
+        )
+    assert error.value.status_code == 404 and error.value.field == "model"
+    assert "gone" not in [lora.lora_name for lora in llm.engine.list_loras()] and all_free(llm)
+
+
+def test_an_adapter_loaded_again_under_its_name_never_finds_the_old_ones_blocks(llm, dirs):
+    prompt = [(19 * i) % 230 + 7 for i in range(33)]
+    llm.engine.add_lora(LoRARequest("swap", 60, str(dirs["a"])))
+    tokens(llm, LoRARequest("swap", 60, str(dirs["a"])), prompt)
+    assert llm.engine.remove_lora("swap")
+    reloaded = LoRARequest("swap", 61, str(dirs["b"]))  # new weights, a new id
+    before = llm.engine.kv.num_prefix_hits
+    assert tokens(llm, reloaded, prompt) == tokens(
+        LLM(str(dirs["base"]), dtype="float32", enable_lora=True, max_model_len=128, block_size=8),
+        reloaded,
+        prompt,
+    )
+    assert llm.engine.kv.num_prefix_hits == before  # the old weights' blocks are not its
+    tokens(llm, reloaded, prompt)
+    assert llm.engine.kv.num_prefix_hits - before == 32  # its own blocks, the second time
+    llm.engine.remove_lora("swap")
+
+
+def test_a_request_waiting_for_a_slot_is_not_starved_by_a_stream_on_the_running_adapter(dirs):
+    llm = LLM(
+        str(dirs["base"]),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=1,
+        max_model_len=128,
+        priority_aging_steps=4,
+    )
+    engine = llm.engine
+    a, b = LoRARequest("a", 1, str(dirs["a"])), LoRARequest("b", 2, str(dirs["b"]))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a-0", {"prompt_token_ids": PROMPT[:8]}, params, lora_request=a)
+    engine.step()
+    engine.add_request("on-b", {"prompt_token_ids": PROMPT[:9]}, params, lora_request=b)
+    finished_b = None
+    for step in range(60):  # a new request on a every step: without draining, b never gets the slot
+        engine.add_request(f"a-{step + 1}", {"prompt_token_ids": PROMPT[:8]}, params, lora_request=a)
+        if any(out.request_id == "on-b" and out.finished for out in engine.step()):
+            finished_b = step
+            break
+    assert finished_b is not None and finished_b < 20
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all_free(llm)

@@ -224,7 +224,7 @@ at::Tensor lora_update(const at::Tensor& x, const at::Tensor& y, const at::Tenso
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0), "lora_update: one int64 slot per row");
   TORCH_CHECK(x.scalar_type() == a.scalar_type() && y.scalar_type() == a.scalar_type() &&
                   b.scalar_type() == a.scalar_type(),
-              "lora_update: x, y and the slots must share one dtype");
+              "lora_update: x, y, a and b must share one dtype");
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && a.is_contiguous() && b.is_contiguous() && slots.is_contiguous(),
               "lora_update: tensors must be contiguous");
   const int64_t* sp = slots.const_data_ptr<int64_t>();
