@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
+
 from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
@@ -28,7 +30,17 @@ Install = Callable[[int, LoRAAdapter | None], None]  # slot, adapter: on every r
 
 
 class EngineAdapters:
-    def __init__(self, config: EngineConfig, base: ModelConfig, served_name: str, install: Install) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        base: ModelConfig,
+        served_name: str,
+        install: Install,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``dtype``: the model's activations, which the slots hold (adapters are kept in it:
+        half the host memory, and half the bytes sent to other ranks, under BF16)."""
+        self._dtype = dtype
         self.max_loras = config.max_loras
         self.max_lora_rank = config.max_lora_rank
         self._base = base
@@ -45,7 +57,7 @@ class EngineAdapters:
                 f"but this server serves {self._served_name!r}",
                 field="base_model_name",
             )
-        return read_adapter(lora, self._base, self.max_lora_rank)
+        return read_adapter(lora, self._base, self.max_lora_rank).to(self._dtype)
 
     def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
         if lora.lora_name == self._served_name:

@@ -110,7 +110,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, group=self.group)
         self.adapters: EngineAdapters | None = None
         if config.enable_lora:
-            self.adapters = EngineAdapters(config, model_config, self.served_model_name, self._install_lora)
+            self.adapters = EngineAdapters(
+                config, model_config, self.served_model_name, self._install_lora, self.model.activation_dtype
+            )
         self.eos_token_ids = model_config.eos_token_ids
         # Greedy picks through our argmax where the model runs our kernels: the same results as
         # torch.argmax, whose generic reduction runs far below memory bandwidth over a large vocabulary.

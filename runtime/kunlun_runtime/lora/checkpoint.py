@@ -72,6 +72,11 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
+    def to(self, dtype: torch.dtype) -> LoRAAdapter:
+        """The same adapter with its matrices in ``dtype`` (rounded once, as the slots would)."""
+        weights = {name: (a.to(dtype), b.to(dtype)) for name, (a, b) in self.weights.items()}
+        return LoRAAdapter(self.request, self.base, self.rank, weights)
+
 
 def piece_shapes(config: ModelConfig) -> dict[str, tuple[int, list[int]]]:
     """Per fused projection: its input width and each piece's output height (the full model)."""
