@@ -71,6 +71,7 @@ def operator_calls(*, leaderworkerset: bool = False, routing: bool = False, dra:
             if (leaderworkerset or not r.get("leaderworkerset"))
             and (routing or not r.get("routing"))
             and (dra or not r.get("dra"))
+            and not r.get("lora")  # the API key of LoRA run-time updates: not granted by the chart yet
         ]
     )
 
