@@ -154,6 +154,70 @@ def parse_kv_events_config(value: KVEventsConfig | Mapping[str, Any] | str | Non
     return KVEventsConfig(**value).validate()
 
 
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` for model-free drafting: ``ngram`` proposes the tokens that
+    followed the latest earlier occurrence of the sequence's last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``), at most ``num_speculative_tokens`` a step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def validate(self) -> SpeculativeConfig:
+        def check(ok: bool, key: str, message: str) -> None:
+            _check(ok, f"speculative_config.{key}", message)
+
+        check(
+            self.method in SPECULATIVE_METHODS,
+            "method",
+            f"must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}",
+        )
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, key)
+            check(_is_int(value) and 1 <= value <= 32, key, f"must be an integer in [1, 32], got {value!r}")
+        check(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min",
+            f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}",
+        )
+        return self
+
+
+def parse_speculative_config(
+    value: SpeculativeConfig | Mapping[str, Any] | str | None,
+) -> SpeculativeConfig | None:
+    """vLLM's speculative configuration from its JSON text, a mapping or itself (None stays
+    None). Raises ConfigError naming ``speculative_config`` or ``speculative_config.<key>``."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return None if value is None else value.validate()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"speculative_config: not valid JSON ({error}); e.g. "
+                '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+                field="speculative_config",
+            ) from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"speculative_config: must be a JSON object, got {value!r}", field="speculative_config"
+        )
+    for key in value:
+        _check(
+            key in SPECULATIVE_KEYS,
+            f"speculative_config.{key}",
+            f"unknown key; the keys are {', '.join(SPECULATIVE_KEYS)}",
+        )
+    return SpeculativeConfig(**value).validate()
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -221,6 +285,8 @@ class EngineConfig:
     # model, so the operator passes its startup budget here rather than lengthening every step's.
     leader_wait_timeout_seconds: float | None = None
     quantization: QuantizationName | None = None
+    # Speculative decoding (vLLM's --speculative-config; None: off): engine/spec_decode.py.
+    speculative_config: SpeculativeConfig | None = None
     # LoRA adapters (vLLM's flags): off unless enabled; adapters in one batch, their largest rank,
     # and how many stay loaded in host memory (least recently used unloaded beyond; None: max_loras).
     enable_lora: bool = False
@@ -324,6 +390,13 @@ class EngineConfig:
         )
         self._validate_kv_events()
         self._validate_lora()
+        if self.speculative_config is not None:
+            _check(
+                isinstance(self.speculative_config, SpeculativeConfig),
+                "speculative_config",
+                f"must be a SpeculativeConfig (parse_speculative_config reads JSON), got {self.speculative_config!r}",
+            )
+            self.speculative_config.validate()
         return self
 
     def _validate_lora(self) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from kunlun_runtime.config import EngineConfig, parse_kv_events_config, parse_memory
+from kunlun_runtime.config import EngineConfig, parse_kv_events_config, parse_memory, parse_speculative_config
 from kunlun_runtime.engine.llm_engine import LLMEngine
 from kunlun_runtime.engine.logprobs import (
     PromptLogprobs,
@@ -39,11 +39,14 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         """``options`` are EngineConfig fields (``dtype``, ``block_size``, ``max_model_len``, ...);
         ``kv_cache_memory`` accepts a size string such as ``"2GiB"``, ``kv_events_config`` vLLM's
-        KVEventsConfig keys as a dict or JSON (as vLLM's ``LLM(kv_events_config=...)``)."""
+        KVEventsConfig keys as a dict or JSON (as vLLM's ``LLM(kv_events_config=...)``), and
+        ``speculative_config`` vLLM's speculative keys likewise."""
         if "kv_cache_memory" in options:
             options["kv_cache_memory_bytes"] = parse_memory(options.pop("kv_cache_memory"))
         if "kv_events_config" in options:
             options["kv_events_config"] = parse_kv_events_config(options["kv_events_config"])
+        if "speculative_config" in options:
+            options["speculative_config"] = parse_speculative_config(options["speculative_config"])
         unknown = set(options) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"LLM() got unknown options: {sorted(unknown)}")

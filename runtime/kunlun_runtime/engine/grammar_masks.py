@@ -59,7 +59,10 @@ class GrammarMasks:
         row = 0
         for item in sched.scheduled:
             request = item.request
-            if request.num_computed_tokens + item.num_new_tokens != request.num_tokens:
+            if (
+                request.num_computed_tokens + item.num_new_tokens - item.num_draft_tokens
+                != request.num_tokens
+            ):
                 continue
             grammar = grammar_of(request.request_id)
             if grammar is not None:

@@ -35,6 +35,7 @@ from kunlun_runtime.engine.sampler import Sampler, make_logprob
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler import Scheduler, SchedulerLimits
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
+from kunlun_runtime.engine.spec_decode import SpeculativeDecoder
 from kunlun_runtime.errors import ConfigError, InvalidRequestError
 from kunlun_runtime.kv.block_pool import BlockPool
 from kunlun_runtime.kv.event_publisher import KVEventPublisher
@@ -118,6 +119,9 @@ class LLMEngine:
         # torch.argmax, whose generic reduction runs far below memory bandwidth over a large vocabulary.
         argmax = cpu_kernels.argmax_rows if self.model.native_kernels else None
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, argmax=argmax)
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative_config is not None:
+            self.spec = SpeculativeDecoder(config.speculative_config, self.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, model_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.structured = GrammarCompiler(
@@ -308,6 +312,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns an output for every request that progressed or finished.
         The KV events the step caused (blocks cached, evicted) leave as one batch after it."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._publish_kv_events()
@@ -320,7 +326,16 @@ class LLMEngine:
         logits = self.runner.execute(sched, self._block_tables(sched), lora_slots)
         sampled = self._finish_step(sched, logits, began, masks)
         now = time.monotonic()
-        outputs = [self._append_token(t, token_id, logprob, now) for t, token_id, logprob in sampled]
+        outputs = []
+        for tracked, tokens in sampled:
+            for index, (token_id, logprob) in enumerate(tokens):
+                outputs.append(self._append_token(tracked, token_id, logprob, now))
+                if tracked.request.is_finished:
+                    break
+                if index < len(tokens) - 1:  # an accepted draft: its KV was computed this step
+                    tracked.request.num_computed_tokens += 1
+            if len(tokens) > 1 and not tracked.request.is_finished:
+                self.kv.cache_computed_blocks(tracked.request)
         self._publish_kv_events()
         return outputs
 
@@ -340,9 +355,9 @@ class LLMEngine:
 
     def _finish_step(
         self, sched: SchedulerOutput, logits: StepLogits, began: float, masks: PendingMasks | None
-    ) -> list[tuple[RequestState, int, TokenLogprob | None]]:
+    ) -> list[tuple[RequestState, list[tuple[int, TokenLogprob | None]]]]:
         """After the forward: let the scheduler account for the step, record prompt logprobs, and
-        sample; returns (request, token id, logprob) per new token."""
+        sample (verifying drafts); returns each request's new tokens (id, logprob)."""
         self.scheduler.update_from_output(sched, time.monotonic() - began)
         for request_id, (first_pos, rows) in logits.prompt_logits.items():
             self._record_prompt_logprobs(self._tracked[request_id].request, first_pos, rows)
@@ -350,8 +365,14 @@ class LLMEngine:
         if not tracked:
             return []
         allowed = None if masks is None else masks.result()
-        sampled = self.sampler.sample(logits.sample_logits, [t.request for t in tracked], allowed)
-        return [(t, token_id, logprob) for t, (token_id, logprob) in zip(tracked, sampled, strict=True)]
+        requests = [t.request for t in tracked]
+        if self.spec is not None:
+            tokens = self.spec.sample(
+                self.sampler, logits.sample_logits, logits.sample_counts, requests, allowed
+            )
+            return list(zip(tracked, tokens, strict=True))
+        sampled = self.sampler.sample(logits.sample_logits, requests, allowed)
+        return [(t, [result]) for t, result in zip(tracked, sampled, strict=True)]
 
     def _record_prompt_logprobs(self, request: Request, first_pos: int, rows: torch.Tensor) -> None:
         num_top = request.params.prompt_logprobs
@@ -399,6 +420,8 @@ class LLMEngine:
         request = tracked.request
         self.scheduler.finish(request, status)
         self.sampler.forget(request.request_id)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         if self.adapters is not None:
             self.adapters.release(request.request_id)
         del self._tracked[request.request_id]

@@ -26,8 +26,9 @@ from kunlun_runtime.parallel.pipeline import StepPlan, plan_step
 
 @dataclass(slots=True)
 class StepLogits:
-    sample_logits: torch.Tensor  # [S, V] FP32: one row per request that gets a new token
+    sample_logits: torch.Tensor  # [S, V] FP32: a row per request that gets a new token, and per draft
     sample_request_ids: list[str]
+    sample_counts: list[int]  # rows of each of sample_request_ids: 1 + its drafts
     prompt_logits: dict[
         str, tuple[int, torch.Tensor]
     ]  # request id → (first position, [n, V]) for prompt logprobs
@@ -68,11 +69,15 @@ class ModelRunner:
         inputs = StepInputs()
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        sample_counts: list[int] = []
         prompt_rows: dict[str, tuple[int, int, int]] = {}  # id → (first row, count, first position)
         for item in out.scheduled:
             request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
             row0 = len(inputs.token_ids)
-            inputs.token_ids.extend(request.all_token_ids[start : start + count])
+            drafts = request.spec_token_ids[: item.num_draft_tokens]
+            real = count - len(drafts)
+            inputs.token_ids.extend(request.all_token_ids[start : start + real])
+            inputs.token_ids.extend(drafts)
             inputs.positions.extend(range(start, start + count))
             inputs.query_lens.append(count)
             inputs.context_lens.append(start + count)
@@ -82,9 +87,10 @@ class ModelRunner:
             if request.wants_prompt_logprobs and start < len(request.prompt_token_ids) - 1:
                 num_prompt_rows = min(count, len(request.prompt_token_ids) - 1 - start)
                 prompt_rows[request.request_id] = (row0, num_prompt_rows, start)
-            if start + count == request.num_tokens:
-                sample_rows.append(row0 + count - 1)
+            if start + real == request.num_tokens:  # its last token, and each draft after it
+                sample_rows.extend(range(row0 + real - 1, row0 + count))
                 sample_ids.append(request.request_id)
+                sample_counts.append(1 + len(drafts))
         wanted = sample_rows + [
             row for row0, count, _ in prompt_rows.values() for row in range(row0, row0 + count)
         ]
@@ -95,7 +101,7 @@ class ModelRunner:
         for request_id, (_, count, first_pos) in prompt_rows.items():
             prompt_logits[request_id] = (first_pos, logits[offset : offset + count])
             offset += count
-        return StepLogits(sample_logits, sample_ids, prompt_logits)
+        return StepLogits(sample_logits, sample_ids, sample_counts, prompt_logits)
 
     def _logits(self, inputs: StepInputs, rows: list[int]) -> torch.Tensor:
         """FP32 logits [len(rows), V] of the step's ``rows``, in that order."""

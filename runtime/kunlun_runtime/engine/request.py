@@ -44,6 +44,9 @@ class Request:
     protected: bool = False  # preempted max_preemptions times: never preempted again
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Drafts to verify in the next step (speculative decoding), after its last token; not tokens
+    # of the request until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -106,7 +106,8 @@ class Sampler:
         self._seed_source = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
-    def _generator(self, request: Request) -> torch.Generator:
+    def generator(self, request: Request) -> torch.Generator:
+        """The request's own generator (seeded by its ``seed`` when given)."""
         generator = self._generators.get(request.request_id)
         if generator is None:
             seed = request.params.seed
@@ -140,7 +141,7 @@ class Sampler:
                 token_id = greedy_ids[row]
             else:
                 probs = truncate_distribution(logits[row], params)
-                token_id = int(torch.multinomial(probs.cpu(), 1, generator=self._generator(request)))
+                token_id = int(torch.multinomial(probs.cpu(), 1, generator=self.generator(request)))
             logprob = None
             if params.logprobs is not None:
                 assert raw_logprobs is not None  # computed above for any row that wants logprobs

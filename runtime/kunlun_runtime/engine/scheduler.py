@@ -125,14 +125,17 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_real = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_real + len(request.spec_token_ids), budget)
             num_new = self.policy.running_chunk(request, num_new, budget)
+            if num_new < num_real + len(request.spec_token_ids):  # drafts only after the whole rest
+                del request.spec_token_ids[max(0, num_new - num_real) :]
             if num_new == 0:  # no time left in this step for its prefill: it keeps its blocks,
                 scheduled_ids.add(request.request_id)  # and lower-ranked ones may not take them
                 index += 1
                 continue
             if self._make_room(request, num_new, scheduled_ids, out):
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.scheduled.append(ScheduledRequest(request, num_new, len(request.spec_token_ids)))
                 scheduled_ids.add(request.request_id)
                 budget -= num_new
                 index += 1
@@ -239,6 +242,7 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(request, num_new))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        request.spec_token_ids.clear()
         self.kv.free(request)
         self.running.remove(request)
         request.num_computed_tokens = 0
@@ -253,8 +257,8 @@ class Scheduler:
         """Account for a step the model has run: advance each scheduled request's computed tokens,
         register its newly full blocks in the prefix cache, and learn the step's time (None: the
         step was not timed, e.g. a simulation; the step-time model learns nothing from it)."""
-        for item in out.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+        for item in out.scheduled:  # drafts count once accepted (the engine's verification)
+            item.request.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
             self.kv.cache_computed_blocks(item.request)
         self.last_step_tokens = out.num_batched_tokens
         if elapsed_seconds is not None:

@@ -18,6 +18,7 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    num_draft_tokens: int = 0  # of which drafts (speculative decoding), after the request's last token
 
 
 @dataclass(slots=True)

@@ -1,0 +1,112 @@
+"""Speculative decoding (n-gram drafts) in the engine: under greedy decoding the tokens equal
+decoding without drafts, token for token, on the hidden-shape models, the embedded model, and
+under tensor and pipeline parallelism; it interacts correctly with logprobs, stop strings,
+n > 1, structured outputs, preemption and the feedback scheduler; seeds reproduce."""
+
+import pytest
+
+from kunlun_runtime import LLM, SamplingParams, StructuredOutputsParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Copy-heavy prompts (a phrase repeated, as a quoted context is), and plain ones.
+PHRASES = [[17, 42, 99, 7, 150, 33], [5, 6, 7, 8], [200, 201, 13, 201, 200, 64, 12]]
+PROMPTS = [phrase * (3 + k) for k, phrase in enumerate(PHRASES)] + [
+    [(37 * i + 11 * k) % 290 + 3 for i in range(10 + 7 * k)] for k in range(5)
+]
+
+
+def _run(llm, params, prompts=PROMPTS):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0] for o in outputs]
+
+
+def _llm(model_dir, spec, **options):
+    options = {"dtype": "float32", "max_model_len": 256, **options}
+    return LLM(str(model_dir), speculative_config=spec, **options) if spec else LLM(str(model_dir), **options)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "qwen3-qknorm", "mistral"])
+def test_greedy_tokens_equal_decoding_without_drafts(tiny_model_dirs, name):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    plain = _run(_llm(tiny_model_dirs[name], None), params)
+    llm = _llm(tiny_model_dirs[name], SPEC)
+    spec = _run(llm, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for ours, reference in zip(spec, plain, strict=True):  # vLLM's shape: one entry per token
+        assert len(ours.logprobs) == len(ours.token_ids)
+        for mine, theirs, token in zip(ours.logprobs, reference.logprobs, ours.token_ids, strict=True):
+            assert set(mine) == set(theirs) and mine[token].logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
+    counters = llm.engine.spec.counters
+    assert counters.num_accepted_tokens > 0 and counters.num_drafts > 0
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+
+
+def test_the_embedded_model_copies_a_quoted_text_token_for_token(smollm2_dir):
+    text = "The invoice number is 4471-B, issued on 3 March to Zhang Wei of Harbin Steel. "
+    messages = [{"role": "user", "content": f"Repeat this text exactly, twice: {text}"}]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(str(smollm2_dir), dtype="float32", max_model_len=512).chat(messages, params)[0].outputs[0]
+    llm = LLM(str(smollm2_dir), dtype="float32", max_model_len=512, speculative_config=SPEC)
+    spec = llm.chat(messages, params)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert llm.engine.spec.counters.num_accepted_tokens >= 10  # it really copied
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_parallel_ranks_verify_drafts_as_one_rank(tiny_model_dirs, layout):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = _run(_llm(tiny_model_dirs["llama-gqa"], None), params, PROMPTS[:4])
+    with _llm(tiny_model_dirs["llama-gqa"], SPEC, **layout) as llm:
+        assert [o.token_ids for o in _run(llm, params, PROMPTS[:4])] == [o.token_ids for o in plain]
+        assert llm.engine.spec.counters.num_accepted_tokens > 0
+
+
+def test_stop_strings_n_and_structured_outputs_in_one_batch(tiny_model_dirs):
+    model_dir = tiny_model_dirs["llama-gqa"]
+    choice = StructuredOutputsParams(choice=["alpha", "beta"])
+    cases = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2),
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+    ]
+    prompts = PROMPTS[:3]
+    plain_llm, spec_llm = _llm(model_dir, None), _llm(model_dir, SPEC)
+    plain = [o.outputs for o in plain_llm.generate([{"prompt_token_ids": p} for p in prompts], cases)]
+    spec = [o.outputs for o in spec_llm.generate([{"prompt_token_ids": p} for p in prompts], cases)]
+    assert [[c.token_ids for c in o] for o in spec] == [[c.token_ids for c in o] for o in plain]
+    assert spec[2][0].text in ("alpha", "beta")
+    # A stop string inside a run of accepted drafts ends the output exactly where decoding one
+    # token at a time ends it.
+    full = plain[0][0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    stopped = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    ours = spec_llm.generate({"prompt_token_ids": prompts[0]}, stopped)[0].outputs[0]
+    theirs = plain_llm.generate({"prompt_token_ids": prompts[0]}, stopped)[0].outputs[0]
+    assert (
+        (ours.text, ours.finish_reason)
+        == (theirs.text, theirs.finish_reason)
+        == (full[: full.index(stop)], "stop")
+    )
+    assert spec_llm.engine.block_pool.num_free == spec_llm.engine.block_pool.num_blocks
+
+
+@pytest.mark.parametrize("policy", ["fixed", "feedback"])
+def test_preemption_on_a_tiny_pool_keeps_the_tokens(tiny_model_dirs, policy):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    options = {
+        "block_size": 8,
+        "kv_cache_memory_bytes": 24 * 2 * 2 * (1024 + 64),
+        "scheduling_policy": policy,
+    }
+    plain = _run(_llm(tiny_model_dirs["llama-gqa"], None), params, PROMPTS[:6])
+    llm = _llm(tiny_model_dirs["llama-gqa"], SPEC, max_model_len=128, **options)
+    assert [o.token_ids for o in _run(llm, params, PROMPTS[:6])] == [o.token_ids for o in plain]
+    assert llm.engine.scheduler.num_preemptions_total > 0  # the pool really was too small
+    assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+
+
+def test_seeded_sampling_reproduces(tiny_model_dirs):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True, seed=123)
+    llm = _llm(tiny_model_dirs["llama-gqa"], SPEC)
+    first = [o.token_ids for o in _run(llm, params, PROMPTS[:3])]
+    assert [o.token_ids for o in _run(llm, params, PROMPTS[:3])] == first

@@ -1,0 +1,142 @@
+"""Speculative decoding's parts: the n-gram proposer, the draft budget, and verification, whose
+sampling keeps the target distribution exactly (chi-square over many seeded draws)."""
+
+import pytest
+import torch
+
+from kunlun_runtime.config import SpeculativeConfig, parse_speculative_config
+from kunlun_runtime.engine.request import Request
+from kunlun_runtime.engine.sampling_params import SamplingParams
+from kunlun_runtime.engine.spec_decode import DraftBudget, SpecDecodeCounters, propose_ngram, verify
+from kunlun_runtime.errors import ConfigError
+
+# The 0.1 % critical values of chi-square for 5 and 4 degrees of freedom.
+CHI2_CRITICAL = {5: 20.52, 4: 18.47}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "expected"),
+    [
+        ([1, 2, 3, 9, 1, 2, 3], 3, [9, 1, 2]),  # the 3-gram [1, 2, 3] seen before: what followed
+        ([5, 1, 2, 7, 8, 1, 2], 2, [7, 8]),
+        ([1, 2, 1, 3, 1, 2], 4, [1, 3, 1, 2]),  # the longest match wins over a later shorter one
+        ([4, 4, 4, 4], 2, [4]),  # the latest occurrence: only one token followed it
+        ([1, 2, 3, 4], 3, []),  # nothing repeats
+        ([7], 3, []),
+    ],
+)
+def test_ngram_proposer(tokens, k, expected):
+    assert propose_ngram(tokens, k, min_n=1, max_n=3) == expected
+
+
+def test_ngram_proposer_honours_the_minimum_length():
+    assert propose_ngram([1, 2, 3, 9, 5, 3], 2, min_n=2, max_n=3) == []  # only a 1-gram repeats
+    assert propose_ngram([1, 2, 3, 9, 5, 3], 2, min_n=1, max_n=3) == [9, 5]
+
+
+def test_the_draft_budget_follows_acceptance():
+    budget = DraftBudget(4)
+    budget.update(4, 0)
+    budget.update(2, 0)
+    assert budget.current == 1
+    budget.update(1, 1)
+    budget.update(2, 2)
+    assert budget.current == 3
+    budget.update(0, 0)  # nothing proposed: nothing learnt
+    assert budget.current == 3
+
+
+def test_counters_count_per_position():
+    counters = SpecDecodeCounters()
+    counters.record(3, 2)
+    counters.record(4, 4)
+    assert (counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens) == (2, 7, 6)
+    assert counters.accepted_per_pos == [2, 2, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("value", "field", "message"),
+    [
+        ("{", "speculative_config", "not valid JSON"),
+        ('{"method": "eagle"}', "speculative_config.method", "must be one of"),
+        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens", r"in \[1, 32\]"),
+        (
+            {"prompt_lookup_min": 5, "prompt_lookup_max": 2},
+            "speculative_config.prompt_lookup_min",
+            "<= prompt_lookup_max",
+        ),
+        ({"draft_model": "x"}, "speculative_config.draft_model", "unknown key"),
+        ([1], "speculative_config", "must be a JSON object"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_key(value, field, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        parse_speculative_config(value)
+    assert error.value.field == field
+
+
+def test_a_good_config_parses():
+    config = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'
+    )
+    assert config == SpeculativeConfig("ngram", 5, 3, 1)
+
+
+def _request(params):
+    return Request("r", [1, 2, 3], params, max_total_tokens=64)
+
+
+LOGITS = torch.tensor(
+    [
+        [2.0, 1.0, 0.5, 0.0, -1.0, 0.3],  # after the last real token
+        [0.0, 1.5, 1.0, 0.2, 0.1, -0.5],  # after draft 0
+        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # after draft 1
+    ]
+)
+
+
+def test_greedy_verification_accepts_while_the_model_agrees():
+    request = _request(SamplingParams(temperature=0))
+    generator = torch.Generator().manual_seed(0)
+    emitted, accepted = verify(LOGITS, request, [0, 1], [], generator)
+    assert accepted == 2 and [t for t, _ in emitted] == [0, 1, 0]  # both drafts, then the bonus
+    emitted, accepted = verify(LOGITS, request, [0, 2], [], generator)
+    assert accepted == 1 and [t for t, _ in emitted] == [0, 1]  # the second replaced by the model's
+    emitted, accepted = verify(LOGITS, request, [3, 1], [], generator)
+    assert accepted == 0 and [t for t, _ in emitted] == [0]
+    assert request.output_token_ids == []  # restored
+
+
+def _chi_square(counts, probs, draws):
+    expected = probs * draws
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("draft", [0, 2, 4])  # a likely draft, a middling one, a rare one
+def test_sampled_verification_keeps_the_target_distribution(draft):
+    """The first emitted token follows p0 exactly whatever the draft; and, when the draft was
+    accepted, the next one follows p1 (the distribution after the draft)."""
+    params = SamplingParams(temperature=1.0)
+    request = _request(params)
+    p0 = torch.softmax(LOGITS[0].double(), -1)
+    p1 = torch.softmax(LOGITS[1].double(), -1)
+    draws = 20_000
+    first = torch.zeros(6, dtype=torch.float64)
+    second = torch.zeros(6, dtype=torch.float64)
+    for seed in range(draws):
+        emitted, accepted = verify(LOGITS[:2], request, [draft], [], torch.Generator().manual_seed(seed))
+        first[emitted[0][0]] += 1
+        if accepted:
+            second[emitted[1][0]] += 1
+    assert _chi_square(first, p0, draws) < CHI2_CRITICAL[5]
+    assert second.sum() > 0.8 * p0[draft] * draws  # accepted about p0(draft) of the time
+    assert _chi_square(second, p1, second.sum()) < CHI2_CRITICAL[5]
+
+
+def test_penalties_see_the_accepted_drafts():
+    """A frequency penalty at position 1 counts draft 0 as already output: there the model's
+    choice changes, as it would when decoding token by token."""
+    request = _request(SamplingParams(temperature=0, frequency_penalty=2.0))
+    logits = torch.tensor([[3.0, 0.0, 0.0], [3.0, 2.0, 0.0]])
+    emitted, accepted = verify(logits, request, [0], [], torch.Generator())
+    assert accepted == 1 and [t for t, _ in emitted] == [0, 1]  # 3 - 2 < 2 after token 0 once
