@@ -132,20 +132,12 @@ def parse_kv_events_config(value: KVEventsConfig | Mapping[str, Any] | str | Non
     text that is not a JSON object, a key vLLM does not have, a value of the wrong type or range."""
     if value is None or isinstance(value, KVEventsConfig):
         return None if value is None else value.validate()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ConfigError(
-                f"kv_events_config: not valid JSON ({error}); e.g. "
-                '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
-                field="kv_events_config",
-            ) from None
-    if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"kv_events_config: must be a JSON object of vLLM's KVEventsConfig keys, got {value!r}",
-            field="kv_events_config",
-        )
+    value = _json_object(
+        value,
+        "kv_events_config",
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}',
+        "of vLLM's KVEventsConfig keys",
+    )
     for key in value:
         _check_key(key in KV_EVENTS_KEYS, str(key), f"unknown key; the keys are {', '.join(KV_EVENTS_KEYS)}")
     for key in ("endpoint", "topic"):
@@ -196,19 +188,11 @@ def parse_speculative_config(
     None). Raises ConfigError naming ``speculative_config`` or ``speculative_config.<key>``."""
     if value is None or isinstance(value, SpeculativeConfig):
         return None if value is None else value.validate()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ConfigError(
-                f"speculative_config: not valid JSON ({error}); e.g. "
-                '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
-                field="speculative_config",
-            ) from None
-    if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"speculative_config: must be a JSON object, got {value!r}", field="speculative_config"
-        )
+    value = _json_object(
+        value,
+        "speculative_config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
+    )
     for key in value:
         _check(
             key in SPECULATIVE_KEYS,
@@ -216,6 +200,24 @@ def parse_speculative_config(
             f"unknown key; the keys are {', '.join(SPECULATIVE_KEYS)}",
         )
     return SpeculativeConfig(**value).validate()
+
+
+def _json_object(value: object, field_name: str, example: str, what: str = "") -> Mapping[str, Any]:
+    """``value`` as a mapping: JSON text is parsed; anything but an object is a ConfigError
+    naming ``field_name`` (with ``example`` of a good value)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"{field_name}: not valid JSON ({error}); e.g. '{example}'", field=field_name
+            ) from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{field_name}: must be a JSON object{' ' + what if what else ''}, got {value!r}",
+            field=field_name,
+        )
+    return value
 
 
 def _is_int(value: object) -> bool:
