@@ -253,6 +253,7 @@ class LLMEngine:
             structured_mask_seconds_total=self.structured.mask_seconds_total,
             structured_requests_total=tuple(self.structured.requests_total.items()),
             num_kv_event_batches_dropped=0 if self.kv_events is None else self.kv_events.num_dropped,
+            spec_decode=None if self.spec is None else self.spec.counters.totals(),
         )
 
     def reset_prefix_cache(self) -> bool:

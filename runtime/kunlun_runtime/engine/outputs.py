@@ -66,3 +66,6 @@ class EngineCounters:
     # KV event batches dropped because the publisher's queue was full (--kv-events-config's
     # max_queue_size): each a gap in the sequence numbers subscribers see; 0 with events off
     num_kv_event_batches_dropped: int = 0
+    # Speculative decoding's totals (drafts, draft tokens, accepted tokens, accepted per position);
+    # None with it off
+    spec_decode: tuple[int, int, int, tuple[int, ...]] | None = None

@@ -81,6 +81,9 @@ class SpecDecodeCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # position i: drafts accepted there
 
+    def totals(self) -> tuple[int, int, int, tuple[int, ...]]:
+        return self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, tuple(self.accepted_per_pos)
+
     def record(self, proposed: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += proposed

@@ -26,6 +26,7 @@ from kunlun_runtime.config import (
     SchedulingPolicyOption,
     parse_kv_events_config,
     parse_memory,
+    parse_speculative_config,
 )
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.options.lora import add_lora_engine_args, lora_engine_options
@@ -77,6 +78,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
     group.add_argument("--quantization", default=None, choices=get_args(QuantizationName))
     add_kernel_args(group)
     add_lora_engine_args(group)
+    group.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's speculative decoding config (n-gram drafts, no second model), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+    )
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
         "--config",
@@ -285,6 +293,7 @@ def _config_from_flags(args: argparse.Namespace, *, validate: bool = True) -> En
             else args.require_native_kernels
         ),
         **lora_engine_options(args),
+        speculative_config=parse_speculative_config(args.speculative_config),
         seed=args.seed,
     )
     return config.validate() if validate else config

@@ -36,6 +36,7 @@ from kunlun_runtime.server.lora_metrics import LoRARequestsInfo
 from kunlun_runtime.server.lora_routes import load_startup_adapters
 from kunlun_runtime.server.metrics import EngineMetrics, build_metrics
 from kunlun_runtime.server.served_model import DEFAULT_MAX_PROMPT_CHARS, ServedModel
+from kunlun_runtime.server.spec_metrics import SpecDecodeMetrics
 from kunlun_runtime.server.stats import StatsRecorder
 from kunlun_runtime.server.tool_calls import validate_tool_flags
 from kunlun_runtime.server.watchdog import (
@@ -145,7 +146,10 @@ class Lifecycle:
         lora_info = None
         if facts.enable_lora:
             lora_info = LoRARequestsInfo(self.registry, async_engine.lora_activity()[0])
-        stats = StatsRecorder(self.metrics, async_engine, lora_info)
+        spec_metrics = None
+        if async_engine.counters().spec_decode is not None:
+            spec_metrics = SpecDecodeMetrics(self.registry, facts.served_model_name)
+        stats = StatsRecorder(self.metrics, async_engine, lora_info, spec_metrics)
         stats.record(async_engine, [], ran_step=False)  # publish the idle gauges before the first request
         loop = asyncio.get_running_loop()
         async_engine.start(loop, stats)

@@ -22,6 +22,7 @@ from typing import Protocol
 from kunlun_runtime.engine.outputs import EngineCounters, RequestOutput, RequestTimes
 from kunlun_runtime.server.lora_metrics import LoRARequestsInfo
 from kunlun_runtime.server.metrics import EngineMetrics, FinishedRequestStats, StepStats
+from kunlun_runtime.server.spec_metrics import SpecDecodeMetrics
 
 
 class CountingEngine(Protocol):
@@ -89,10 +90,15 @@ def finished_stats(
 
 class StatsRecorder:
     def __init__(
-        self, metrics: EngineMetrics, engine: CountingEngine, lora_info: LoRARequestsInfo | None = None
+        self,
+        metrics: EngineMetrics,
+        engine: CountingEngine,
+        lora_info: LoRARequestsInfo | None = None,
+        spec_metrics: SpecDecodeMetrics | None = None,
     ) -> None:
         self.metrics = metrics
         self.lora_info = lora_info  # None: LoRA is off, and vLLM shows no such gauge then
+        self.spec_metrics = spec_metrics  # None: speculative decoding is off
         counters = engine.counters()
         self._last_totals = _totals(counters)
         self._last_structured = _structured_totals(counters)
@@ -148,6 +154,8 @@ class StatsRecorder:
                 self.metrics.record_finished(self._finished(output))
         if self.lora_info is not None:
             self.lora_info.update(*engine.lora_activity())
+        if self.spec_metrics is not None and counters.spec_decode is not None:
+            self.spec_metrics.update(counters.spec_decode)
 
     def _structured_delta(self, counters: EngineCounters) -> tuple[float, dict[str, int]]:
         """What the engine's structured-output counters gained since the previous record."""
