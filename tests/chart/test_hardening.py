@@ -13,7 +13,7 @@ from kunlun_device import cli as device_cli
 from kunlun_operator.policy.admission_policy import AdmissionPolicy, parse_policy
 from kunlun_operator.shell import cli as operator_cli
 from tests.chart.test_templates import PREFIX, containers, parse_cli
-from tests.chart.tools import Rendered, render
+from tests.chart.tools import NAMESPACE, RELEASE, Rendered, render
 
 UNPRIVILEGED = {
     "privileged": False,
@@ -142,9 +142,11 @@ def test_admission_policy_reaches_the_operator_as_a_file_it_parses(default_rende
     assert before[annotation] != after[annotation]  # a policy change rolls the operator
 
 
-def test_network_policy_is_off_by_default_and_admits_only_clients_and_prometheus(
+def test_network_policy_is_off_by_default_and_admits_only_clients_prometheus_and_the_operator(
     default_render: Rendered, tmp_path: Path
 ) -> None:
+    """The operator is admitted on the runtime port (its LoRA load/unload calls); it creates these
+    pods anyway, so this grants it nothing new."""
     assert default_render.all("NetworkPolicy") == []
     clients = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
     on = render(
@@ -152,6 +154,11 @@ def test_network_policy_is_off_by_default_and_admits_only_clients_and_prometheus
     )
     policies = on.all("NetworkPolicy")
     assert [p["metadata"]["namespace"] for p in policies] == ["ml", "chat"]
+    operator_labels = {
+        "app.kubernetes.io/name": "kunlun-inference",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "operator",
+    }
     assert policies[0]["spec"] == {
         "podSelector": {
             "matchLabels": {
@@ -170,9 +177,20 @@ def test_network_policy_is_off_by_default_and_admits_only_clients_and_prometheus
                         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
                     },
                 ],
-            }
+            },
+            {
+                "ports": [{"port": 8000, "protocol": "TCP"}],
+                "from": [
+                    {
+                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+                        "podSelector": {"matchLabels": operator_labels},
+                    }
+                ],
+            },
         ],
     }
+    pod_labels = on.one("Deployment", "-operator")["spec"]["template"]["metadata"]["labels"]
+    assert operator_labels.items() <= pod_labels.items()  # the selector picks the operator's pods
     for version in ("1.28.0", "1.31.0"):
         out = _validate(on, version, tmp_path)
         assert "ERROR" not in out and out.count("passed for resource networkpolicy/") == 2, out

@@ -56,12 +56,15 @@ def table_after(text: str, heading: str) -> list[dict[str, str]]:
     return [dict(zip(header, _cells(ln), strict=True)) for ln in block[2:]]
 
 
-def operator_calls(*, leaderworkerset: bool = False, routing: bool = False, dra: bool = False) -> set[Grant]:
+def operator_calls(
+    *, leaderworkerset: bool = False, routing: bool = False, dra: bool = False, lora: bool = False
+) -> set[Grant]:
     """The operator's calls; those on LeaderWorkerSet (rules marked `leaderworkerset`) only when
     ``leaderworkerset`` (the chart's leaderWorkerSet.installed), those of routed services (rules
     marked `routing`, with the rights it holds to grant its pickers) only when ``routing`` (the
     chart's routing.enabled), those of services claiming cards through DRA (rules marked `dra`) only
-    when ``dra`` (a device-plugin node pool with allocation dra or both)."""
+    when ``dra`` (a device-plugin node pool with allocation dra or both), the API-key Secrets of
+    LoRA run-time updates (rules marked `lora`) only when ``lora`` (operator.rbac.apiKeySecrets)."""
     assert OPERATOR_API_CALLS.is_file(), f"{OPERATOR_API_CALLS} is missing: no record of the operator's calls"
     rules = yaml.safe_load(OPERATOR_API_CALLS.read_text())
     return calls_from_api_calls_yaml(
@@ -71,7 +74,7 @@ def operator_calls(*, leaderworkerset: bool = False, routing: bool = False, dra:
             if (leaderworkerset or not r.get("leaderworkerset"))
             and (routing or not r.get("routing"))
             and (dra or not r.get("dra"))
-            and not r.get("lora")  # the API key of LoRA run-time updates: not granted by the chart yet
+            and (lora or not r.get("lora"))
         ]
     )
 
@@ -246,3 +249,56 @@ def test_dra_rights_and_the_operators_dra_flag_only_where_a_pool_uses_dra(alloca
         ("resource.k8s.io", "resourceslices", "patch"),
         ("resource.k8s.io", "resourceclaims", "get"),
     }
+
+
+API_KEY_CALLS = {("", "secrets", "get")}
+
+
+def api_key_grants(rendered: Rendered) -> dict[str | None, set[Grant]]:
+    """The grants of the ``-operator-api-keys`` roles by namespace (None: the ClusterRole), each
+    checked to be bound to the operator's ServiceAccount."""
+    out: dict[str | None, set[Grant]] = {}
+    sa = rendered.one("Deployment", "-operator")["spec"]["template"]["spec"]["serviceAccountName"]
+    for kind in ("ClusterRole", "Role"):
+        for role in rendered.all(kind):
+            if not role["metadata"]["name"].endswith("-operator-api-keys"):
+                continue
+            namespace = role["metadata"].get("namespace")
+            bindings = [
+                b
+                for b in rendered.all(f"{kind}Binding")
+                if b["metadata"]["name"] == role["metadata"]["name"]
+                and b["metadata"].get("namespace") == namespace
+            ]
+            assert [(b["roleRef"], b["subjects"]) for b in bindings] == [
+                (
+                    {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": role["metadata"]["name"]},
+                    [{"kind": "ServiceAccount", "name": sa, "namespace": "kunlun-system"}],
+                )
+            ]
+            out[namespace] = grants_of_rules(role["rules"])
+    return out
+
+
+@pytest.mark.parametrize("watch", [[], ["ml", "chat"]])
+def test_api_key_secrets_get_only_with_the_value_and_only_in_the_watched_namespaces(watch: list[str]) -> None:
+    """operator.rbac.apiKeySecrets grants exactly the `lora` calls (get secrets, never list or
+    watch): a Role in each watched namespace, a ClusterRole when the operator watches them all; off
+    by default, when the operator's ClusterRole holds no right on Secrets either."""
+    assert operator_calls(lora=True) - operator_calls() == API_KEY_CALLS
+    operator = {"watchNamespaces": watch}
+
+    def calls(*, lora: bool) -> set[Grant]:  # namespaced: kopf's KopfPeerings instead
+        peering = "kopfpeerings" if watch else "clusterkopfpeerings"
+        return {(g, peering if r == "clusterkopfpeerings" else r, v) for g, r, v in operator_calls(lora=lora)}
+
+    off = render(overrides={"operator": operator})
+    assert api_key_grants(off) == {}
+    assert grants_of_rules(off.one("ClusterRole", "-operator")["rules"]) == calls(lora=False)
+    on = render(overrides={"operator": {**operator, "rbac": {"apiKeySecrets": True}}})
+    expected: dict[str | None, set[Grant]] = (
+        {ns: API_KEY_CALLS for ns in watch} if watch else {None: API_KEY_CALLS}
+    )
+    assert api_key_grants(on) == expected
+    main = grants_of_rules(on.one("ClusterRole", "-operator")["rules"])
+    assert main == calls(lora=False) and main | API_KEY_CALLS == calls(lora=True)

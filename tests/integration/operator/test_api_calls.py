@@ -11,7 +11,8 @@ routing rules, which a third run (a routed service on a cluster serving Inferenc
 create, drift put back after a restart, switching back to the Service, deletion) must make exactly,
 but for the rights the operator holds only to grant them to the Endpoint Picker, and the DRA rules,
 which a fourth run (with --dra: a service with allocation dra created, its claim changed, switched
-back to the device plugin, dra again, deleted) must make exactly.
+back to the device plugin, dra again, deleted) must make exactly, and the LoRA rules, which a fifth
+run (a service loading its adapters at run time with an API key) must make exactly.
 """
 
 from __future__ import annotations
@@ -49,17 +50,17 @@ def add_unreported_pod(cluster: Cluster) -> None:
 
 
 def documented(
-    *, leaderworkerset: bool = False, routing: bool = False, dra: bool = False
+    *, leaderworkerset: bool = False, routing: bool = False, dra: bool = False, lora: bool = False
 ) -> set[tuple[str, str, str]]:
     """The table's calls, without the peering rules and the rights held only to grant them (``grant``);
-    only the ``leaderworkerset``, the ``routing`` or the ``dra`` rules when asked."""
+    only the ``leaderworkerset``, the ``routing``, the ``dra`` or the ``lora`` rules when asked."""
     text = resources.files("kunlun_operator").joinpath("api_calls.yaml").read_text()
     return {
         (rule["group"], res, verb)
         for rule in yaml.safe_load(text)
         if not rule.get("peering")
         and not rule.get("grant")
-        and not rule.get("lora")  # a LoRA service's API key: its own test runs a real runtime
+        and bool(rule.get("lora")) == lora
         and bool(rule.get("leaderworkerset")) == leaderworkerset
         and bool(rule.get("routing")) == routing
         and bool(rule.get("dra")) == dra
@@ -276,3 +277,34 @@ def test_a_dra_service_makes_exactly_the_documented_dra_calls(cluster: Cluster) 
     for rule in rules:
         for plural in rule["resources"] if "fieldSelector" in rule else ():
             assert set(cluster.kube.field_selectors(plural, rule["group"])) == {rule["fieldSelector"]}
+
+
+LORA = {
+    "model": {
+        "name": "qwen",
+        "source": {"hostPath": {"path": "/data/qwen"}},
+        "adapters": [{"name": "sql", "source": {"hostPath": {"path": "/data/sql"}}}],
+    },
+    "versions": {"driver": "5.0.21.26", "firmware": "1.0.2.14.1.54", "kml": "3.2.0"},
+    "runtime": {"lora": {"runtimeUpdates": True}},
+    "apiKeySecretRef": {"name": "qwen-key", "key": "token"},
+}
+
+
+def test_a_lora_service_updating_at_run_time_makes_exactly_the_documented_lora_calls(
+    cluster: Cluster,
+) -> None:
+    """The API key is read from its Secret by name (get, never list or watch) for the pods' calls."""
+    cluster.add_node("xpu-1")
+    cluster.core.create_namespaced_secret(
+        NAMESPACE, {"metadata": {"name": "qwen-key"}, "data": {"token": "a2V5"}}
+    )
+    cluster.start_operator()
+    cluster.create_service(copy.deepcopy(LORA))
+    wait_for(lambda: cluster.condition("AdaptersReady"), message="the AdaptersReady condition")
+    observed = {
+        (group, resource, verb)
+        for verb, group, resource, _ in cluster.kube.calls()
+        if resource == "secrets" and verb != "create"  # the test's own
+    }
+    assert observed == documented(lora=True)
