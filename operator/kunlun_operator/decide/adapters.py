@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kunlun_operator import names
 from kunlun_operator.builders.adapters import AdapterMount
 from kunlun_operator.decide.status import Condition
 from kunlun_operator.spec.values import InferenceSpec
@@ -31,6 +32,7 @@ class AdapterPod:
     name: str
     uid: str
     address: str  # status.podIP
+    port: int  # the containerPort named ``http`` (names.RUNTIME_PORT_NAME): where its runtime listens
     volumes: frozenset[str]  # the names of its volumes
 
 
@@ -82,25 +84,45 @@ class AdapterOutcome:
 
 def adapter_pod(pod: Mapping[str, Any]) -> AdapterPod | None:
     """The pod as ``AdapterPod`` when its containers are ready (the runtime answers; the readiness
-    gate on card health does not matter here) and it has an IP; else None."""
+    gate on card health does not matter here), it has an IP and a container port named ``http``
+    (a multi-node group's workers have none: only the leader serves the API); else None."""
     status = pod.get("status") or {}
     ready = any(
         c.get("type") == "ContainersReady" and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
-    if not ready or not status.get("podIP"):
+    port = runtime_port(pod)
+    if not ready or not status.get("podIP") or port is None:
         return None
     meta = pod["metadata"]
     volumes = frozenset(v["name"] for v in (pod.get("spec") or {}).get("volumes") or [] if v.get("name"))
-    return AdapterPod(meta["name"], meta.get("uid") or meta["name"], status["podIP"], volumes)
+    return AdapterPod(meta["name"], meta.get("uid") or meta["name"], status["podIP"], port, volumes)
 
 
-def parse_served(models: Mapping[str, Any]) -> tuple[ServedAdapter, ...]:
-    """The adapters of a ``GET /v1/models`` answer (entries with a ``parent``)."""
+def runtime_port(pod: Mapping[str, Any]) -> int | None:
+    """The pod's own ``http`` container port (the pod template's, so a pod keeps the port it was
+    built with); None when no container has one."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            number = port.get("containerPort")
+            if port.get("name") == names.RUNTIME_PORT_NAME and isinstance(number, int):
+                return number
+    return None
+
+
+def parse_served(models: Any) -> tuple[ServedAdapter, ...]:
+    """The adapters of a ``GET /v1/models`` answer (entries with a ``parent``).
+
+    Raises:
+        ValueError: the answer is not an OpenAI model list (e.g. a proxy's page in front of the pod).
+    """
+    data = models.get("data") if isinstance(models, Mapping) else None
+    if not isinstance(data, list):
+        raise ValueError(f"not an OpenAI model list: {str(models)[:200]!r}")
     return tuple(
         ServedAdapter(str(m["id"]), str(m.get("root") or ""))
-        for m in models.get("data") or []
-        if isinstance(m, Mapping) and m.get("parent")
+        for m in data
+        if isinstance(m, Mapping) and m.get("parent") and m.get("id")
     )
 
 

@@ -15,10 +15,9 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kunlun_operator import names
 from kunlun_operator.builders.adapters import AdapterMount
 from kunlun_operator.decide.adapters import (
     ADAPTER_RETRY_SECONDS,
@@ -45,9 +44,9 @@ class PodCallError(Exception):
 
 
 def pod_url(pod: AdapterPod) -> str:
-    """The runtime's base URL on the pod (its IP and the runtime port)."""
+    """The runtime's base URL on the pod: its IP and its own ``http`` container port."""
     host = f"[{pod.address}]" if ":" in pod.address else pod.address
-    return f"http://{host}:{names.RUNTIME_PORT}"
+    return f"http://{host}:{pod.port}"
 
 
 def call_pod(url: str, api_key: str | None, body: Mapping[str, Any] | None = None) -> Any:
@@ -112,9 +111,6 @@ def unreachable(pods: Iterable[AdapterPod], desired: Sequence[AdapterMount], mes
 class AdapterSyncer:
     """Makes every ready pod of a service serve exactly its adapters (``decide.adapters.plan_pod``)."""
 
-    def __init__(self, url_of: Callable[[AdapterPod], str] = pod_url) -> None:
-        self.url_of = url_of
-
     def sync(
         self, where: str, desired: Sequence[AdapterMount], pods: Iterable[AdapterPod], api_key: str | None
     ) -> AdapterOutcome:
@@ -126,10 +122,10 @@ class AdapterSyncer:
     def _sync_pod(
         self, where: str, desired: Sequence[AdapterMount], pod: AdapterPod, api_key: str | None
     ) -> PodAdapters:
-        base = self.url_of(pod)
+        base = pod_url(pod)
         try:
             served = parse_served(call_pod(f"{base}/v1/models", api_key))
-        except PodCallError as error:
+        except (PodCallError, ValueError) as error:
             logger.warning("%s: cannot list the adapters of pod %s: %s", where, pod.name, error)
             failed = tuple(AdapterState(m.name, "Failed", f"GET /v1/models: {error}") for m in desired)
             return PodAdapters(pod.name, failed)

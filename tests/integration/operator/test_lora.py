@@ -9,38 +9,45 @@ unloads adapters on it through the real API, and reports what the runtime refuse
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 
 from kunlun_operator import names
-from kunlun_operator.builders.adapters import LORA_MODULES_FILE, adapter_mounts
+from kunlun_operator.builders.adapters import LORA_MODULES_FILE, AdapterMount, adapter_mounts
 from kunlun_operator.builders.configmap import build_config_data
 from kunlun_operator.builders.pod_template import build_pod_spec, model_path
-from kunlun_operator.decide.adapters import AdapterPod, AdapterState
+from kunlun_operator.decide.adapters import AdapterOutcome, AdapterPod, AdapterState
+from kunlun_operator.shell.controller import Controller, ControllerConfig
+from kunlun_operator.shell.kube import KubeClient
+from kunlun_operator.shell.metrics import OperatorMetrics
 from kunlun_operator.shell.pod_adapters import AdapterSyncer
 from kunlun_operator.spec.service import parse_spec
 from kunlun_operator.spec.values import InferenceSpec
 from tests.integration.server.live import free_port, health_status
+from tests.support.kubeapi import running_fake_api
 from tests.support.lora_adapters import make_adapter
 from tests.support.tiny_models import make_tiny_model
 from tests.support.waiting import wait_for
-from tests.unit.operator.factories import make_raw_spec, make_ref
+from tests.unit.operator.factories import make_cr, make_raw_spec, make_ref
 
 pytestmark = pytest.mark.slow
 API_KEY = "lora-key"
 
 
-def _spec(adapters: list[dict[str, Any]]) -> InferenceSpec:
-    raw = make_raw_spec(
+def _raw(adapters: list[dict[str, Any]]) -> dict[str, Any]:
+    """The service's spec: the tiny model, ``adapters``, run-time updates, the API key's Secret."""
+    return make_raw_spec(
         model={
             "name": "tiny",
             "source": {"pvc": {"claimName": "models", "path": "tiny"}},
@@ -48,8 +55,12 @@ def _spec(adapters: list[dict[str, Any]]) -> InferenceSpec:
         },
         runtime={"lora": {"maxLoras": 2, "maxLoraRank": 16, "runtimeUpdates": True}},
         versions={"policy": "Off"},
+        apiKeySecretRef={"name": "tiny-key", "key": "token"},
     )
-    return parse_spec(raw)
+
+
+def _spec(adapters: list[dict[str, Any]]) -> InferenceSpec:
+    return parse_spec(_raw(adapters))
 
 
 def _pvc_adapter(name: str) -> dict[str, Any]:
@@ -106,10 +117,24 @@ def pod(host: Path) -> Iterator[tuple[str, AdapterPod, Path]]:
     try:
         wait_for(ready, timeout_seconds=300.0, message="the runtime")
         volumes = frozenset(v["name"] for v in pod_spec["volumes"])
-        yield base_url, AdapterPod("qwen-0", "uid-0", "127.0.0.1", volumes), host
+        yield base_url, AdapterPod("qwen-0", "uid-0", "127.0.0.1", port, volumes), host
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+class NodeView(AdapterSyncer):
+    """The operator's syncer, each adapter's container path given as the node holds it (the test
+    plays the kubelet's mounts: the runtime runs on this machine)."""
+
+    def __init__(self, host: Path) -> None:
+        self.host = host
+
+    def sync(
+        self, where: str, desired: Sequence[AdapterMount], pods: Iterable[AdapterPod], api_key: str | None
+    ) -> AdapterOutcome:
+        on_host = [dataclasses.replace(m, path=_on_host(self.host, m.path)) for m in desired]
+        return super().sync(where, on_host, pods, api_key)
 
 
 def _served(base_url: str) -> dict[str, str]:
@@ -123,11 +148,9 @@ def _sync(
     pod: tuple[str, AdapterPod, Path], spec: InferenceSpec, api_key: str = API_KEY
 ) -> tuple[AdapterState, ...]:
     """One pass of the operator's syncer on the pod, with the adapters' paths as the node holds them."""
-    base_url, runtime, host = pod
-    desired = [
-        dataclasses.replace(m, path=_on_host(host, m.path)) for m in adapter_mounts(spec, image_volumes=False)
-    ]
-    outcome = AdapterSyncer(url_of=lambda _: base_url).sync("ml/qwen", desired, [runtime], api_key)
+    _, runtime, host = pod
+    desired = adapter_mounts(spec, image_volumes=False)
+    outcome = NodeView(host).sync("ml/qwen", desired, [runtime], api_key)
     assert [p.pod for p in outcome.pods] == ["qwen-0"]
     return outcome.pods[0].states
 
@@ -177,3 +200,81 @@ def test_an_adapter_whose_volume_the_pod_lacks_waits_for_the_rollout(
     assert [(s.name, s.state) for s in states] == [("sql", "Loaded"), ("other", "Pending")]
     assert "is not mounted in this pod yet" in states[1].message
     assert "other" not in _served(base_url)
+
+
+def _service(adapters: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**make_cr(_raw(adapters)), "metadata": {"name": "qwen", "namespace": "ml"}}
+
+
+def _runtime_pod(runtime: AdapterPod, volumes: Iterable[str]) -> dict[str, Any]:
+    """The pod as the API holds it: the template's labels, its ``http`` port (where the test's
+    runtime listens) and volumes."""
+    return {
+        "metadata": {"name": runtime.name, "labels": names.selector_labels("qwen")},
+        "spec": {
+            "containers": [
+                {
+                    "name": "runtime",
+                    "image": "kunlun-runtime:test",
+                    "ports": [{"name": "http", "containerPort": runtime.port, "protocol": "TCP"}],
+                }
+            ],
+            "volumes": [{"name": v} for v in sorted(volumes)],
+        },
+    }
+
+
+def test_the_controller_applies_a_changed_adapter_list_to_the_pod_and_reports_it_on_the_service(
+    tmp_path: Path, pod: tuple[str, AdapterPod, Path]
+) -> None:
+    """Controller.sync_adapters on the fake API: the API key read from its Secret, the pod found by
+    its labels and called on its own port, status.adapters and AdaptersReady written on the CR."""
+    base_url, runtime, host = pod
+    with running_fake_api(tmp_path) as kube:
+        api = kube.client()
+        core, custom = kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api)
+        secret = {
+            "metadata": {"name": "tiny-key"},
+            "data": {"token": base64.b64encode(API_KEY.encode()).decode()},
+        }
+        core.create_namespaced_secret("ml", secret)
+        core.create_namespaced_pod("ml", _runtime_pod(runtime, runtime.volumes))
+        ready = {"type": "ContainersReady", "status": "True"}
+        core.patch_namespaced_pod_status(
+            "qwen-0", "ml", {"status": {"podIP": "127.0.0.1", "conditions": [ready]}}
+        )
+        kis = ("serving.kunlun.dev", "v1alpha1", "ml", "kunluninferenceservices")
+        custom.create_namespaced_custom_object(*kis, _service([_pvc_adapter("sql"), _pvc_adapter("tone")]))
+        controller = Controller(
+            KubeClient(api), ControllerConfig(), OperatorMetrics(), lambda *_: None, adapters=NodeView(host)
+        )
+
+        def status() -> tuple[list[dict[str, Any]], tuple[str, str, str]]:
+            got = custom.get_namespaced_custom_object(*kis, "qwen")["status"]
+            ready = next(c for c in got["conditions"] if c["type"] == "AdaptersReady")
+            return got["adapters"], (ready["status"], ready["reason"], ready["message"])
+
+        controller.reconcile_key("ml", "qwen", ())
+        loaded = [{"name": "sql", "state": "Loaded"}, {"name": "tone", "state": "Loaded"}]
+        assert status() == (
+            [{"pod": "qwen-0", "adapters": loaded}],
+            ("True", "AdaptersLoaded", "2 adapter(s) loaded on 1 ready pod(s)"),
+        )
+        assert set(_served(base_url)) == {"sql", "tone"}
+
+        # sql dropped, tone moved: unloaded, and replaced in place; no rollout needed.
+        template = kube.objects("deployments", "apps")[0]["spec"]["template"]
+        moved = {"name": "tone", "source": {"pvc": {"claimName": "adapters", "path": "tone-v2"}}}
+        custom.patch_namespaced_custom_object(*kis, "qwen", {"spec": {"model": {"adapters": [moved]}}})
+        controller.reconcile_key("ml", "qwen", ())
+        assert status()[0] == [{"pod": "qwen-0", "adapters": [{"name": "tone", "state": "Loaded"}]}]
+        volume = adapter_mounts(_spec([moved]), image_volumes=False)[0].volume
+        assert _served(base_url) == {"tone": _on_host(host, f"/adapters/{volume}/tone-v2")}
+        assert kube.objects("deployments", "apps")[0]["spec"]["template"] == template
+
+        # The Secret refused (no operator.rbac.apiKeySecrets): every adapter Failed with the 403.
+        kube.fail("get", "secrets", status=403, times=None)
+        controller.reconcile_key("ml", "qwen", ())
+        adapters, condition = status()
+        assert adapters[0]["adapters"][0]["state"] == "Failed"
+        assert condition[:2] == ("False", "AdapterLoadFailed") and "403" in condition[2]

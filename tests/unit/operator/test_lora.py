@@ -10,14 +10,18 @@ import pytest
 from kunlun_operator.builders.adapters import LORA_WRAPPER, AdapterMount, adapter_volume_name
 from kunlun_operator.builders.configmap import config_hash
 from kunlun_operator.builders.deployment import build_deployment
+from kunlun_operator.builders.leaderworkerset import build_leader_pod_spec, build_worker_pod_spec
+from kunlun_operator.builders.pod_template import build_pod_spec
 from kunlun_operator.decide.adapters import (
     AdapterAction,
     AdapterOutcome,
+    AdapterPod,
     AdapterState,
     PodAdapters,
     ServedAdapter,
     adapter_pod,
     adapters_condition,
+    parse_served,
     plan_pod,
 )
 from kunlun_operator.decide.reconcile import desired_objects, reconcile
@@ -196,18 +200,35 @@ def test_the_pod_plan_unloads_what_was_removed_loads_what_is_missing_and_replace
     assert [(s.name, s.state) for s in plan.settled] == [("sql", "Loaded"), ("far", "Pending")]
 
 
-def test_only_pods_whose_runtime_answers_are_called() -> None:
+def test_only_pods_whose_runtime_answers_are_called_on_their_own_http_port() -> None:
+    ports = [{"name": "kv-events", "containerPort": 5557}, {"name": "http", "containerPort": 8123}]
     pod = {
         "metadata": {"name": "qwen-1", "uid": "u1"},
-        "spec": {"volumes": [{"name": "model"}, {"name": "adapter-a"}]},
+        "spec": {
+            "containers": [{"name": "runtime", "ports": ports}],
+            "volumes": [{"name": "model"}, {"name": "adapter-a"}],
+        },
         "status": {"podIP": "10.0.0.7", "conditions": [{"type": "ContainersReady", "status": "True"}]},
     }
-    found = adapter_pod(pod)
-    assert found is not None and (found.address, found.volumes) == (
-        "10.0.0.7",
-        frozenset({"model", "adapter-a"}),
-    )
+    assert adapter_pod(pod) == AdapterPod("qwen-1", "u1", "10.0.0.7", 8123, frozenset({"model", "adapter-a"}))
     assert adapter_pod({**pod, "status": {"podIP": "10.0.0.7", "conditions": []}}) is None
+    # A multi-node group's worker: no HTTP port (only the leader serves the API), never called.
+    worker = build_worker_pod_spec(
+        build_pod_spec(make_ref(), _spec([SQL], runtimeUpdates=True), "img", image_volumes=False)
+    )
+    assert adapter_pod({**pod, "spec": worker}) is None
+    leader = build_leader_pod_spec(
+        build_pod_spec(make_ref(), _spec([SQL], runtimeUpdates=True), "img", image_volumes=False)
+    )
+    assert adapter_pod({**pod, "spec": leader}).port == 8000  # type: ignore[union-attr]
+
+
+def test_an_answer_that_is_not_a_model_list_is_an_error_not_a_crash() -> None:
+    for answer in ("<html>proxy</html>", ["x"], {"object": "list"}, {"data": "x"}):
+        with pytest.raises(ValueError, match="not an OpenAI model list"):
+            parse_served(answer)
+    served = {"data": [{"id": "tiny"}, {"parent": "tiny"}, {"id": "sql", "parent": "tiny", "root": "/a"}]}
+    assert parse_served(served) == (ServedAdapter("sql", "/a"),)
 
 
 def test_adapters_ready_and_status_report_each_pod() -> None:
