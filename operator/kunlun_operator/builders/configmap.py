@@ -84,15 +84,23 @@ def rendezvous_args(spec: InferenceSpec) -> list[str]:
     ]
 
 
+def literal_arg(value: object) -> str:
+    """``value`` as a container argument Kubernetes passes unchanged: it expands ``$(VAR)`` in
+    arguments from the container's environment, and ``$$`` is its escape for ``$`` (a model or
+    adapter directory named ``a$(HOME)`` stays that directory)."""
+    return str(value).replace("$", "$$")
+
+
 def runtime_args(spec: InferenceSpec, model_path: str, *, image_volumes: bool = False) -> list[str]:
-    """The container arguments: ``serve``, the flags, the rendezvous (multi-node), the KV events
-    (precise routing), then ``spec.runtime.extraArgs``."""
+    """The container arguments: ``serve``, the flags (their values literal: ``literal_arg``), the
+    rendezvous (multi-node), the KV events (precise routing; those two expanded by Kubernetes on
+    purpose), then ``spec.runtime.extraArgs``."""
     args = ["serve"]
     for flag, value in runtime_flags(spec, model_path, image_volumes=image_volumes):
         if value is None:
             args.append(flag)
         else:
-            args += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+            args += [flag, *map(literal_arg, value if isinstance(value, list) else [value])]
     return args + rendezvous_args(spec) + kv_events_args(spec) + list(spec.runtime.extra_args)
 
 

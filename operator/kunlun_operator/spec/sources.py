@@ -28,6 +28,9 @@ from kunlun_operator.spec.values import (
 #: lists adapters comma-separated), no ``=`` (``--lora-modules name=path``), no white space.
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/:-]{0,126}[A-Za-z0-9])?$")
 
+#: What no source path may hold (the CRD's pattern on every source ``path``, too).
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
 
 def parse_source(source: Mapping[str, Any], path: str) -> ModelSource:
     """The source object at ``path`` (``spec.model.source``): exactly one of pvc, hostPath, image.
@@ -49,14 +52,27 @@ def parse_source(source: Mapping[str, Any], path: str) -> ModelSource:
         )
         if parsed.path.startswith("/") or ".." in parsed.path.split("/"):
             raise SpecError(f"{sp}.path", f"must be relative inside the claim, got {parsed.path!r}")
-        return parsed
+        return _without_control_characters(parsed, sp)
     if kind == "hostPath":
-        return ModelSource(kind, path=read_str(body, "path", sp, required=True, pattern=re.compile(r"^/")))
+        parsed = ModelSource(kind, path=read_str(body, "path", sp, required=True, pattern=re.compile(r"^/")))
+        return _without_control_characters(parsed, sp)
     return ModelSource(
         kind,
         reference=read_str(body, "reference", sp, required=True),
         pull_policy=read_choice(body, "pullPolicy", sp, PULL_POLICIES, default="IfNotPresent"),
     )
+
+
+def _without_control_characters(source: ModelSource, path: str) -> ModelSource:
+    """``source`` unless its path holds a control character: a newline would split the adapter list
+    the runtime's wrapper reads one value a line (``builders/adapters.LORA_WRAPPER``).
+
+    Raises:
+        SpecError: naming ``path``'s ``path`` field.
+    """
+    if CONTROL_CHARACTER.search(source.path or ""):
+        raise SpecError(f"{path}.path", f"must not contain control characters, got {source.path!r}")
+    return source
 
 
 def parse_adapters(model: Mapping[str, Any], model_name: str) -> tuple[Adapter, ...]:

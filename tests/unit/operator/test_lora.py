@@ -141,8 +141,20 @@ def test_without_runtime_updates_an_adapter_change_rolls_the_pods() -> None:
         ([SQL], {"maxLoras": 0}, "spec.runtime.lora.maxLoras"),
         ([SQL], {"maxLoras": 4, "maxCpuLoras": 2}, "spec.runtime.lora.maxCpuLoras"),
         ([{"name": "x", "source": {}}], {}, "spec.model.adapters"),
+        ([{**SQL, "source": {"pvc": {"claimName": "a", "path": "x\nname=/etc"}}}], {}, "spec.model.adapters"),
+        ([{**HOST, "source": {"hostPath": {"path": "/data/a\tb"}}}], {}, "spec.model.adapters"),
     ],
-    ids=["duplicate", "model's name", "comma", "rank", "zero slots", "cpu below slots", "no source"],
+    ids=[
+        "duplicate",
+        "model's name",
+        "comma",
+        "rank",
+        "zero slots",
+        "cpu below slots",
+        "no source",
+        "newline in a claim path",
+        "tab in a host path",
+    ],
 )
 def test_bad_adapters_are_refused_by_the_crd_and_the_operator_naming_the_field(
     adapters: list[dict[str, Any]], lora: dict[str, Any], field: str
