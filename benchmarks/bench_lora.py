@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import engine_batches  # noqa: E402
+
 from kunlun_runtime import LLM, LoRARequest, SamplingParams  # noqa: E402
 from tests.support.lora_adapters import make_adapter  # noqa: E402
 
@@ -36,26 +38,9 @@ TARGETS = {8: 0.80, 1: 0.85}
 
 def run_batch(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None], max_tokens: int) -> dict:
     """Run one batch to the end on the engine; decode tok/s and mean TTFT."""
-    engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    began = time.perf_counter()
-    for index, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
-        engine.add_request(f"bench-{began}-{index}", {"prompt_token_ids": prompt}, params, lora_request=lora)
-    first: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            first.setdefault(out.request_id, now)
-            counts[out.request_id] = len(out.outputs[0].token_ids)
-    ended = time.perf_counter()
-    decode_tokens = sum(count - 1 for count in counts.values())
-    decode_seconds = ended - max(first.values())
-    return {
-        "decode_tok_s": decode_tokens / decode_seconds,
-        "ttft_s": statistics.mean(t - began for t in first.values()),
-    }
+    timing = engine_batches.run_batch(llm.engine, prompts, params, loras)
+    return {"decode_tok_s": timing.decode_tok_s, "ttft_s": statistics.mean(timing.first_token_seconds)}
 
 
 def measure_load(llm: LLM, base_dir: Path, scratch: Path, rank: int) -> dict:

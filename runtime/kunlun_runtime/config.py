@@ -153,8 +153,8 @@ SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "pr
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """vLLM's ``--speculative-config`` for model-free drafting: ``ngram`` proposes the tokens that
-    followed the latest earlier occurrence of the sequence's last n tokens (n from
-    ``prompt_lookup_max`` down to ``prompt_lookup_min``), at most ``num_speculative_tokens`` a step."""
+    followed the first occurrence of the sequence's last n tokens (n from ``prompt_lookup_max``
+    down to ``prompt_lookup_min``), at most ``num_speculative_tokens`` a step."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3

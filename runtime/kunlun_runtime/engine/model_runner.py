@@ -79,11 +79,19 @@ class ModelRunner:
             inputs.token_ids.extend(request.all_token_ids[start : start + real])
             inputs.token_ids.extend(drafts)
             inputs.positions.extend(range(start, start + count))
-            inputs.query_lens.append(count)
-            inputs.context_lens.append(start + count)
-            inputs.block_tables.append(block_tables[request.request_id])
-            if lora_slots:
-                inputs.lora_slots.append(lora_slots.get(request.request_id, BASE_SLOT))
+            # A decode with drafts runs as one one-token sequence per position over the same block
+            # table, each attending up to itself: the step stays a decode step (every K/V is written
+            # before any row attends), with its one-call kernels, where one sequence of 1 + k
+            # query tokens would take the prefill path over the whole context.
+            sequences = count if drafts else 1
+            table = block_tables[request.request_id]
+            for index in range(sequences):
+                length = count if sequences == 1 else 1
+                inputs.query_lens.append(length)
+                inputs.context_lens.append(start + index + length)
+                inputs.block_tables.append(table)
+                if lora_slots:
+                    inputs.lora_slots.append(lora_slots.get(request.request_id, BASE_SLOT))
             if request.wants_prompt_logprobs and start < len(request.prompt_token_ids) - 1:
                 num_prompt_rows = min(count, len(request.prompt_token_ids) - 1 - start)
                 prompt_rows[request.request_id] = (row0, num_prompt_rows, start)

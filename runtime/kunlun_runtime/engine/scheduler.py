@@ -113,9 +113,7 @@ class Scheduler:
         for request in self.waiting:
             request.waited_steps += 1
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
-        out.features = batch_features(
-            (s.request.num_computed_tokens, s.num_new_tokens) for s in out.scheduled
-        )
+        out.features = batch_features(chunk for s in out.scheduled for chunk in _chunks(s))
         self.step_index += 1
         return out
 
@@ -274,3 +272,12 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+
+
+def _chunks(item: ScheduledRequest) -> list[tuple[int, int]]:
+    """How a scheduled request computes: a decode with drafts runs as one one-token sequence per
+    position (the model runner's layout), anything else as one chunk."""
+    start = item.request.num_computed_tokens
+    if item.num_draft_tokens:
+        return [(start + index, 1) for index in range(item.num_new_tokens)]
+    return [(start, item.num_new_tokens)]

@@ -1,7 +1,7 @@
 """Speculative decoding without a second model: propose drafts on the host, verify them in the step.
 
-A decoding request's drafts (``ngram``: the tokens that followed the latest earlier occurrence of
-its last n tokens, prompt and output alike) are computed in the same forward as its last token,
+A decoding request's drafts (``ngram``: the tokens that followed the first occurrence of its last
+n tokens, prompt and output alike) are computed in the same forward as its last token,
 so one step yields the logits of every draft position. Verification keeps the output exactly that
 of decoding without drafts:
 
@@ -38,15 +38,18 @@ from kunlun_runtime.engine.sampler import (
     suppress_stop_tokens,
     truncate_distribution,
 )
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features
 
 
 def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens of
-    ``tokens``, for the largest n in [min_n, max_n] that occurs; [] when none does."""
+    """Up to ``k`` tokens that followed the first occurrence of the last n tokens of ``tokens``
+    (the suffix itself excluded), for the largest n in [min_n, max_n] that occurs; [] when none
+    does. The first, not the latest: a text being copied is in the prompt, before the output's
+    own repeats (on copy tasks it accepted 0.67 of its drafts against 0.52 with the latest)."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = list(tokens[length - n :])
-        for start in range(length - n - 1, -1, -1):  # latest first; the suffix itself excluded
+        for start in range(length - n):
             if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
                 follow = list(tokens[start + n : start + n + k])
                 if follow:
@@ -54,22 +57,79 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list
     return []
 
 
+class NgramIndex:
+    """Where each n-gram (n in [min_n, max_n]) of a request's tokens first occurs, extended as its
+    tokens grow, so a proposal is a few dictionary lookups rather than a scan of the context."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._first: dict[tuple[int, ...], int] = {}  # n-gram → the position just after its first occurrence
+        self._indexed = 0  # tokens whose n-grams ending there are in the index
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """``propose_ngram(tokens, k, min_n, max_n)``, from the index."""
+        length = len(tokens)
+        # The suffix's own occurrence must not count: index every n-gram ending before the last token.
+        for end in range(max(self._indexed, 1), length):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._first.setdefault(tuple(tokens[end - n : end]), end)
+        self._indexed = max(self._indexed, length)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            after = self._first.get(tuple(tokens[length - n :]))
+            if after is not None and after < length:
+                return list(tokens[after : after + k])
+        return []
+
+
 @dataclass(slots=True)
 class DraftBudget:
     """How many drafts a request gets: starts at the configured maximum, halves after a step that
-    accepted none, grows by one after a step that accepted all."""
+    accepted none (down to none at all), grows by one after a step that accepted all. At none it
+    rests ``REST_STEPS`` steps, then probes with one draft: text with nothing to copy pays for a
+    draft only now and then."""
 
+    REST_STEPS = 8
     maximum: int
-    current: int = 0
+    current: int = -1
+    resting: int = 0
 
     def __post_init__(self) -> None:
-        self.current = self.current or self.maximum
+        if self.current < 0:
+            self.current = self.maximum
+
+    def next(self) -> int:
+        """Drafts for the next step."""
+        if self.current == 0:
+            self.resting += 1
+            if self.resting >= self.REST_STEPS:
+                self.resting, self.current = 0, 1
+        return self.current
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed and accepted == 0:
-            self.current = max(1, self.current // 2)
+            self.current //= 2
         elif proposed and accepted == proposed:
             self.current = min(self.maximum, self.current + 1)
+
+
+def worth_drafting(cost: StepCostModel, decoding: Sequence[Request]) -> float:
+    """The acceptance probability a draft row must have to pay for itself in this step: what one
+    more decode row adds to the step's predicted time, over the time per token the step makes
+    without drafts (the engine's online step-time model; 0 until it has seen decode steps of two
+    sizes, which drafting itself makes). On a CPU a row costs little at batch 1 (the weights
+    stream once for every row) and nearly a token's time at batch 8, where the matmuls stop being
+    memory-bound."""
+    if not decoding or not cost.knows_decode_rows():
+        return 0.0
+    features = StepFeatures()
+    for request in decoding:
+        features = features + chunk_features(request.num_tokens - 1, 1)
+    longest = max(request.num_tokens for request in decoding)
+    base = cost.predict(features)
+    more = cost.predict(features + chunk_features(longest, 1))
+    if base is None or more is None or base <= 0:
+        return 0.0
+    return (more - base) / (base / len(decoding))
 
 
 @dataclass(slots=True)
@@ -94,30 +154,81 @@ class SpecDecodeCounters:
             self.accepted_per_pos[position] += 1
 
 
+INITIAL_ACCEPTANCE = 0.6  # a request's acceptance rate before its first verification
+ACCEPTANCE_MEMORY = 0.8  # weight of the past in a request's acceptance rate
+
+
 class Proposer:
-    """Drafts for the running requests about to decode, within their budgets and lengths."""
+    """Drafts for the running requests about to decode, within their budgets and lengths, and
+    only as many as their recent acceptance makes worth this step's cost."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._budgets: dict[str, DraftBudget] = {}
+        self._acceptance: dict[str, float] = {}  # per request: accepted / drafted, recent steps weighted
+        self._indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, request: Request, room: int) -> list[int]:
+    def propose(self, request: Request, room: int, threshold: float = 0.0) -> list[int]:
         """``request``'s drafts for its next step (``room``: tokens it may still add after the
-        next one). Requests with a grammar or prompt logprobs do not speculate."""
+        next one, and the step's rows left for drafts). The j-th draft is proposed while the
+        chance that it is accepted (the request's acceptance rate to the j-th power) is at least
+        ``threshold`` (``worth_drafting``). Requests with a grammar do not speculate."""
         if request.params.structured_outputs is not None or room <= 0:
             return []
         budget = self._budgets.setdefault(request.request_id, DraftBudget(self.config.num_speculative_tokens))
-        k = min(budget.current, room)
-        config = self.config
-        return propose_ngram(request.all_token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
+        k = min(budget.next(), room)
+        rate = self._acceptance.get(request.request_id, INITIAL_ACCEPTANCE)
+        worth = 0
+        while worth < k and rate ** (worth + 1) >= threshold:
+            worth += 1
+        k = worth
+        if k == 0:
+            return []
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = self._indexes[request.request_id] = NgramIndex(
+                self.config.prompt_lookup_min, self.config.prompt_lookup_max
+            )
+        return index.propose(request.all_token_ids, k)
 
     def accepted(self, request_id: str, proposed: int, accepted: int) -> None:
         budget = self._budgets.get(request_id)
         if budget is not None:
             budget.update(proposed, accepted)
+        if proposed:
+            rate = self._acceptance.get(request_id, INITIAL_ACCEPTANCE)
+            self._acceptance[request_id] = (
+                ACCEPTANCE_MEMORY * rate + (1 - ACCEPTANCE_MEMORY) * accepted / proposed
+            )
 
     def forget(self, request_id: str) -> None:
         self._budgets.pop(request_id, None)
+        self._acceptance.pop(request_id, None)
+        self._indexes.pop(request_id, None)
+
+
+def plain_greedy(request: Request) -> bool:
+    """Whether ``request``'s choice at every position is the argmax of its raw logits (greedy, no
+    penalties, no min_tokens to hold, no logprobs to report): its drafts verify in one batched
+    argmax with the others'."""
+    params = request.params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and len(request.output_token_ids) >= params.min_tokens
+    )
+
+
+def accept_greedy(choices: Sequence[int], drafts: Sequence[int]) -> tuple[list[int], int]:
+    """The tokens a plain greedy request emits given the model's choice at each position (after
+    its last token and after each draft): the drafts it agrees with, then its own choice."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
+        accepted += 1
+    return [*drafts[:accepted], choices[accepted]], accepted
 
 
 def verify(
@@ -177,13 +288,22 @@ class SpeculativeDecoder:
         self.eos_token_ids = list(eos_token_ids)
         self.counters = SpecDecodeCounters()
 
-    def propose(self, running: Sequence[Request]) -> None:
-        """Drafts for every running request about to decode (its last token not computed yet)."""
+    def propose(self, running: Sequence[Request], max_rows: int, cost: StepCostModel) -> None:
+        """Drafts for the running requests about to decode (their last token not computed yet),
+        in the scheduler's order, so that the decode rows with their drafts stay within
+        ``max_rows`` (a decode step of more rows leaves the small-batch kernels for the large-batch
+        matmuls) and each draft is likely enough to be accepted to pay for its row (``cost``: the
+        engine's step-time model)."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        spare = max_rows - len(decoding)
+        threshold = worth_drafting(cost, decoding)
         for request in running:
             request.spec_token_ids.clear()
-            if request.num_tokens - request.num_computed_tokens == 1:
-                room = request.max_total_tokens - request.num_tokens - 1  # after the next token
-                request.spec_token_ids.extend(self.proposer.propose(request, room))
+        for request in decoding:
+            room = min(request.max_total_tokens - request.num_tokens - 1, spare)  # after the next token
+            drafts = self.proposer.propose(request, room, threshold)
+            request.spec_token_ids.extend(drafts)
+            spare -= len(drafts)
 
     def sample(
         self,
@@ -207,18 +327,25 @@ class SpeculativeDecoder:
             sampled = sampler.sample(logits.index_select(0, rows), [requests[i] for i in plain], allowed)
             for i, result in zip(plain, sampled, strict=True):
                 results[i] = [result]
+        fast = {i for i, count in enumerate(counts) if count > 1 and plain_greedy(requests[i])}
+        choices = sampler.argmax(logits).tolist() if fast else []  # one pass over every row
         for i, count in enumerate(counts):
             if count == 1:
                 continue
             request = requests[i]
             drafts = request.spec_token_ids[: count - 1]
-            emitted, accepted = verify(
-                logits[offsets[i] : offsets[i + 1]],
-                request,
-                drafts,
-                self.eos_token_ids,
-                sampler.generator(request),
-            )
+            emitted: list[tuple[int, TokenLogprob | None]]
+            if i in fast:
+                tokens, accepted = accept_greedy(choices[offsets[i] : offsets[i + 1]], drafts)
+                emitted = [(token, None) for token in tokens]
+            else:
+                emitted, accepted = verify(
+                    logits[offsets[i] : offsets[i + 1]],
+                    request,
+                    drafts,
+                    self.eos_token_ids,
+                    sampler.generator(request),
+                )
             self.counters.record(len(drafts), accepted)
             self.proposer.accepted(request.request_id, len(drafts), accepted)
             results[i] = emitted

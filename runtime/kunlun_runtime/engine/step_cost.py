@@ -92,6 +92,12 @@ class StepCostModel:
     def num_observations(self) -> int:
         return len(self._rows)
 
+    def knows_decode_rows(self) -> bool:
+        """Whether the window holds pure decode steps of two or more batch sizes: only then can the
+        fit tell the price of one more decode row from the step's fixed cost."""
+        sizes = {row[2] for row, _ in self._rows if row[1] == 0.0}
+        return len(sizes) >= 2
+
     def observe(self, features: StepFeatures, seconds: float) -> None:
         """Record one step; negative or non-finite times are ignored (a clock glitch, not data)."""
         if not 0.0 <= seconds < float("inf"):

@@ -3,11 +3,22 @@ sampling keeps the target distribution exactly (chi-square over many seeded draw
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kunlun_runtime.config import SpeculativeConfig, parse_speculative_config
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
-from kunlun_runtime.engine.spec_decode import DraftBudget, SpecDecodeCounters, propose_ngram, verify
+from kunlun_runtime.engine.spec_decode import (
+    DraftBudget,
+    NgramIndex,
+    Proposer,
+    SpecDecodeCounters,
+    propose_ngram,
+    verify,
+    worth_drafting,
+)
+from kunlun_runtime.engine.step_cost import StepCostModel, chunk_features
 from kunlun_runtime.errors import ConfigError
 
 # The 0.1 % critical values of chi-square for 5 and 4 degrees of freedom.
@@ -19,8 +30,9 @@ CHI2_CRITICAL = {5: 20.52, 4: 18.47}
     [
         ([1, 2, 3, 9, 1, 2, 3], 3, [9, 1, 2]),  # the 3-gram [1, 2, 3] seen before: what followed
         ([5, 1, 2, 7, 8, 1, 2], 2, [7, 8]),
-        ([1, 2, 1, 3, 1, 2], 4, [1, 3, 1, 2]),  # the longest match wins over a later shorter one
-        ([4, 4, 4, 4], 2, [4]),  # the latest occurrence: only one token followed it
+        ([1, 2, 1, 3, 1, 2], 4, [1, 3, 1, 2]),  # the longest match wins over a shorter one
+        ([1, 2, 5, 6, 1, 2, 7, 8, 1, 2], 2, [5, 6]),  # the first occurrence: what the source says
+        ([4, 4, 4, 4], 2, [4]),  # after the first [4, 4, 4] only one token follows
         ([1, 2, 3, 4], 3, []),  # nothing repeats
         ([7], 3, []),
     ],
@@ -34,16 +46,20 @@ def test_ngram_proposer_honours_the_minimum_length():
     assert propose_ngram([1, 2, 3, 9, 5, 3], 2, min_n=1, max_n=3) == [9, 5]
 
 
-def test_the_draft_budget_follows_acceptance():
+def test_the_draft_budget_follows_acceptance_and_rests_when_nothing_is_accepted():
     budget = DraftBudget(4)
+    assert budget.next() == 4
     budget.update(4, 0)
     budget.update(2, 0)
-    assert budget.current == 1
+    assert budget.next() == 1
     budget.update(1, 1)
     budget.update(2, 2)
-    assert budget.current == 3
+    assert budget.next() == 3
     budget.update(0, 0)  # nothing proposed: nothing learnt
-    assert budget.current == 3
+    assert budget.next() == 3
+    for proposed in (3, 1):
+        budget.update(proposed, 0)
+    assert [budget.next() for _ in range(DraftBudget.REST_STEPS)] == [0] * (DraftBudget.REST_STEPS - 1) + [1]
 
 
 def test_counters_count_per_position():
@@ -140,3 +156,56 @@ def test_penalties_see_the_accepted_drafts():
     logits = torch.tensor([[3.0, 0.0, 0.0], [3.0, 2.0, 0.0]])
     emitted, accepted = verify(logits, request, [0], [], torch.Generator())
     assert accepted == 1 and [t for t, _ in emitted] == [0, 1]  # 3 - 2 < 2 after token 0 once
+
+
+def _decoding(count, length=200):
+    requests = []
+    for index in range(count):
+        request = Request(
+            f"r{index}", list(range(3, length)), SamplingParams(temperature=0), max_total_tokens=length + 50
+        )
+        request.num_computed_tokens = request.num_tokens - 1
+        requests.append(request)
+    return requests
+
+
+def test_a_draft_must_be_likelier_to_pay_the_larger_the_batch():
+    """From decode steps timed as a CPU times them (a fixed cost plus a price per row), the
+    acceptance a draft row needs: small at batch 1, high at batch 8; 0 before two batch sizes."""
+    cost = StepCostModel()
+    for _ in range(4):
+        cost.observe(chunk_features(199, 1), 0.009)
+    assert worth_drafting(cost, _decoding(1)) == 0.0  # one size seen: no price per row known yet
+    for rows in (2, 4, 8, 12, 16):
+        for _ in range(4):
+            features = chunk_features(199, 1)
+            for _ in range(rows - 1):
+                features = features + chunk_features(199, 1)
+            cost.observe(features, 0.0075 + 0.00115 * rows)
+    alone, eight = worth_drafting(cost, _decoding(1)), worth_drafting(cost, _decoding(8))
+    assert 0.05 < alone < 0.2 and 0.4 < eight < 0.7
+
+
+def test_a_request_drafts_as_far_as_its_acceptance_pays():
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+    request = Request("r", [1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(temperature=0), max_total_tokens=64)
+    assert proposer.propose(request, room=10) == [3, 4, 5, 6]  # no price: the whole budget
+    assert proposer.propose(request, room=10, threshold=0.3) == [3, 4]  # 0.6, 0.36 pay; 0.216 does not
+    proposer.accepted("r", 4, 4)
+    assert proposer.propose(request, room=10, threshold=0.3) == [3, 4, 5]  # 0.68 now
+    assert proposer.propose(request, room=2, threshold=0.0) == [3, 4]  # never beyond its room
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+    cuts=st.lists(st.integers(1, 60), max_size=6),
+    bounds=st.tuples(st.integers(1, 4), st.integers(0, 4)),
+    k=st.integers(1, 6),
+)
+def test_the_ngram_index_proposes_what_the_scan_proposes_as_tokens_grow(tokens, cuts, bounds, k):
+    min_n, extra = bounds
+    index = NgramIndex(min_n, min_n + extra)
+    for length in sorted({*cuts, len(tokens)}):
+        prefix = tokens[: min(length, len(tokens))]
+        assert index.propose(prefix, k) == propose_ngram(prefix, k, min_n, min_n + extra)

@@ -1,0 +1,34 @@
+"""The speculative-decoding benchmark still runs: ``--quick`` on a tiny model measures both
+workloads at batch 1 and 8 each way and reports every ratio and the acceptance (no timing
+thresholds: timings here are noise)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_reports_every_ratio_and_the_acceptance(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    results = tmp_path / "results.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "bench_speculative.py"), "--quick", "--model", str(model_dir),
+        "--dtype", "float32", "--json", str(results),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(results.read_text())
+    assert 0.0 <= report["acceptance_rate"] <= 1.0
+    for workload in ("copy", "free"):
+        for batch in (1, 8):
+            side = report[f"{workload}_batch{batch}"]
+            assert side["plain_tok_s"] > 0 and side["spec_tok_s"] > 0
+            assert side["ratio"] == pytest.approx(side["spec_tok_s"] / side["plain_tok_s"], rel=0.02)
+            assert side["met"] == (side["ratio"] >= side["target"])
+            assert f"{workload} batch {batch}: plain {side['plain_tok_s']:.1f} tok/s" in done.stdout
