@@ -71,7 +71,8 @@ def overlapped_steps(engine, steps: int, pool: ThreadPoolExecutor) -> float:
         sampled = engine._finish_step(sched, forward.result(), began, None)  # no constrained requests
         now = time.monotonic()
         pending = []
-        for tracked, token_id, logprob in sampled:
+        for tracked, tokens in sampled:  # one token each: no speculative decoding here
+            ((token_id, logprob),) = tokens
             engine._record_token(tracked, token_id, logprob, now)  # the next schedule needs only this
             pending.append((tracked, token_id))
     for tracked, token_id in pending:
