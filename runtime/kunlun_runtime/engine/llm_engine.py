@@ -215,12 +215,13 @@ class LLMEngine:
         prompt_text, request = self.input_processor.make_request(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival_time
         )
-        if lora_request is not None:
-            pinned = self._lora_adapters().pin(request_id, lora_request, lora_adapter, register=register_lora)
-            request.lora = pinned
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured.new_matcher(params.structured_outputs)
+        if lora_request is not None:  # last: a refusal above must leave no weights pinned
+            request.lora = self._lora_adapters().pin(
+                request_id, lora_request, lora_adapter, register=register_lora
+            )
         self._tracked[request_id] = self.output_processor.new_state(request, prompt_text, grammar)
         self.scheduler.add(request)
         return request

@@ -293,3 +293,20 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_a_stream_on_the_running_
     while engine.has_unfinished_requests():
         engine.step()
     assert all_free(llm)
+
+
+def test_a_request_refused_after_naming_an_adapter_holds_no_weights(llm, dirs):
+    """A refusal after the adapter was resolved (here an invalid regex constraint) pins nothing:
+    the weights a request holds are released with it, and a refused one never held any."""
+    from kunlun_runtime import StructuredOutputsParams
+
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    with pytest.raises(InvalidRequestError):
+        llm.engine.add_request(
+            "refused",
+            {"prompt_token_ids": PROMPT[:5]},
+            bad,
+            lora_request=LoRARequest("good", 1, str(dirs["a"])),
+        )
+    assert llm.engine.adapters._pinned == {}
+    assert all_free(llm)
