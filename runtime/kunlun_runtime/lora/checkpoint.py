@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,19 +33,16 @@ from safetensors.torch import load_file
 
 from kunlun_runtime.errors import InvalidRequestError
 from kunlun_runtime.lora.request import LoRARequest
+from kunlun_runtime.models.loader import FUSED_PROJECTIONS
 from kunlun_runtime.models.model_config import ModelConfig
 
-# HF projection → (our fused projection, its piece index).
+# HF projection → (our projection, its piece index): the loader's fused ones, and o and down alone.
 PIECES = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
+    **{name.rpartition(".")[2]: fused for name, fused in FUSED_PROJECTIONS.items()},
     "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
 }
-NUM_PIECES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
+NUM_PIECES = Counter(fused for fused, _ in PIECES.values())  # qkv 3, gate_up 2, o and down 1
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
 # The module a PEFT key belongs to, as PEFT names it when it matches rank/alpha patterns.
 _MODULE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_[AB](?:\.\w+)?\.weight$")

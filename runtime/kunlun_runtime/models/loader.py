@@ -24,7 +24,9 @@ from kunlun_runtime.models.model_config import ModelConfig, load_model_config
 from kunlun_runtime.models.sharding import shard_model_config, shard_weight
 from kunlun_runtime.models.weights import iter_weights
 
-_FUSED = {
+# HF projections loaded into one fused matrix → (that matrix, the piece's index); lora.checkpoint
+# fuses adapters the same way.
+FUSED_PROJECTIONS = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
@@ -111,7 +113,7 @@ def load_model(
         match = _LAYER_RE.match(name)
         if match:
             layer, proj, kind = match.groups()
-            fused, index = _FUSED[proj]
+            fused, index = FUSED_PROJECTIONS[proj]
             parts.setdefault(f"layers.{layer}.{fused}.{kind}", {})[index] = tensor
             continue
         state[name.removeprefix("model.")] = tensor
