@@ -19,6 +19,7 @@ from kunlun_operator import names
 from kunlun_operator.builders.adapters import LORA_MODULES_KEY, lora_flags, lora_modules_file
 from kunlun_operator.builders.common import build_metadata, header
 from kunlun_operator.builders.kv_events import kv_events_args, kv_events_flags
+from kunlun_operator.builders.speculative import speculative_flags
 from kunlun_operator.policy.feasibility import startup_budget_seconds
 from kunlun_operator.spec.service import ServiceRef
 from kunlun_operator.spec.values import InferenceSpec
@@ -55,7 +56,7 @@ def runtime_flags(
         flags.append(
             ("--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching", None)
         )
-    return flags + lora_flags(spec, image_volumes=image_volumes)
+    return flags + speculative_flags(spec) + lora_flags(spec, image_volumes=image_volumes)
 
 
 def rendezvous_args(spec: InferenceSpec) -> list[str]:

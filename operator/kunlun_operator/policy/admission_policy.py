@@ -49,6 +49,7 @@ RESERVED_FLAGS = frozenset(
         "--lora-modules",
         "--allow-runtime-lora-updating",
         "--no-allow-runtime-lora-updating",
+        "--speculative-config",  # spec.runtime.speculative
     }
 )
 #: Environment the operator or the device plugin sets, and loader/interpreter hooks that would run

@@ -26,6 +26,7 @@ from kunlun_operator.spec.fields import (
 from kunlun_operator.spec.quantity import parse_bytes, parse_duration_seconds, parse_parameters
 from kunlun_operator.spec.routing import check_routing, parse_routing
 from kunlun_operator.spec.sources import parse_adapters, parse_lora, parse_source
+from kunlun_operator.spec.speculative import parse_speculative
 from kunlun_operator.spec.values import (
     ALLOCATIONS,
     BLOCK_SIZES,
@@ -259,6 +260,7 @@ def _parse_runtime(rt: Mapping[str, Any], *, has_adapters: bool) -> RuntimeSpec:
         env=tuple(dict(v) for v in env),
         startup_timeout_seconds=read_int(rt, "startupTimeoutSeconds", p, minimum=30),
         lora=parse_lora(rt, has_adapters=has_adapters),
+        speculative=parse_speculative(rt),
     )
 
 

@@ -25,6 +25,7 @@ RoutingType = Literal["Service", "InferencePool"]
 FailureMode = Literal["FailOpen", "FailClose"]  # the InferencePool's endpointPickerRef.failureMode
 #: How the pods get their cards: the device plugin's extended resource, or a DRA ResourceClaim.
 Allocation = Literal["devicePlugin", "dra"]
+SpeculativeMethod = Literal["ngram", "suffix"]  # vLLM's model-free drafting methods
 
 SOURCE_KINDS: tuple[SourceKind, ...] = get_args(SourceKind)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
@@ -37,6 +38,7 @@ PULL_POLICIES: tuple[PullPolicy, ...] = get_args(PullPolicy)
 ROUTING_TYPES: tuple[RoutingType, ...] = get_args(RoutingType)
 FAILURE_MODES: tuple[FailureMode, ...] = get_args(FailureMode)
 ALLOCATIONS: tuple[Allocation, ...] = get_args(Allocation)
+SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 #: The most Endpoint Picker replicas ``spec.routing.picker.replicas`` allows.
 MAX_PICKER_REPLICAS = 10
 #: The autoscaling target used when ``spec.autoscaling.target`` is not set, per metric.
@@ -104,6 +106,22 @@ class LoRASpec:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeSpec:
+    """Speculative decoding (``spec.runtime.speculative``, vLLM's ``--speculative-config``). The
+    field names are vLLM's keys, which the flag's JSON uses as they are; a None field is unset:
+    left out of the flag, so the runtime's default applies."""
+
+    method: SpeculativeMethod = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None  # ngram only
+    prompt_lookup_min: int | None = None  # ngram only
+    suffix_decoding_max_tree_depth: int | None = None  # suffix only
+    suffix_decoding_max_cached_requests: int | None = None  # suffix only; 0: no cross-request tree
+    suffix_decoding_max_spec_factor: float | None = None  # suffix only
+    suffix_decoding_min_token_prob: float | None = None  # suffix only
+
+
+@dataclass(frozen=True, slots=True)
 class RuntimeSpec:
     image: str | None = None  # None: the compatibility-matrix entry's image (matrix.select_image)
     dtype: Dtype = "auto"
@@ -121,6 +139,7 @@ class RuntimeSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     startup_timeout_seconds: int | None = None
     lora: LoRASpec | None = None  # None: no adapters and no ``runtime.lora``; LoRA off
+    speculative: SpeculativeSpec | None = None  # None: no ``runtime.speculative``; off
 
 
 @dataclass(frozen=True, slots=True)
