@@ -20,6 +20,7 @@ from kunlun_device.xpu.health import HealthPolicy
 from kunlun_device.xpu.source import XpuSource
 from kunlun_operator.shell.metrics import OperatorMetrics
 from kunlun_runtime.server.metrics import EngineMetrics
+from kunlun_runtime.server.spec_metrics import SpecDecodeMetrics
 from tests.chart.promql_names import label_values_metric, metric_names
 from tests.chart.tools import REPO, Rendered
 
@@ -46,8 +47,11 @@ def scraped_names(registry: CollectorRegistry) -> set[str]:
 
 
 def runtime_names() -> set[str]:
+    """A runtime with speculative decoding on (its counters exist only then), one draft accepted at
+    its first position (the per-position series exist once a position was drafted)."""
     registry = CollectorRegistry()
     EngineMetrics(registry, "qwen-7b-chat", 4096)
+    SpecDecodeMetrics(registry, "qwen-7b-chat").update((1, 3, 1, (1,)))
     return scraped_names(registry)
 
 
@@ -124,6 +128,10 @@ def test_the_dashboard_and_alerts_cover_serving_and_chip_metrics(monitoring_rend
         "vllm:kv_cache_usage_perc",
         "vllm:num_preemptions_total",
         "vllm:request_success_total",
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
         "kunlun_xpu_temperature_celsius",
         "kunlun_xpu_healthy",
         "kunlun_xpu_ecc_errors_total",

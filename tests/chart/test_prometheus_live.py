@@ -1,9 +1,10 @@
 """A real Prometheus checks the monitoring end to end, on loopback (issue 22).
 
 Prometheus (Debian's package: `.tools/bin/prometheus`, from `make tools`) scrapes
-- a live runtime (tiny random model, `--max-num-seqs 1`, a metrics token) with the ServiceMonitor
-  the operator builds for a KunlunInferenceService (bearer token from the same Secret the runtime
-  reads), and
+- a live runtime (tiny random model, `--max-num-seqs 1`, a metrics token, speculative decoding as
+  the operator's `--speculative-config`, one greedy request on a repeating prompt so that drafts
+  were proposed) with the ServiceMonitor the operator builds for a KunlunInferenceService (bearer
+  token from the same Secret the runtime reads), and
 - the chip exporter, started with the chart's own exporter arguments (paths mapped) on the P800
   fixture host, with the chart's ServiceMonitor (`honorLabels`); a fake kubelet says the runtime
   pod holds cards 4 and 5,
@@ -92,11 +93,13 @@ class RuntimeDeployment:
     container: str
     model_name: str  # --served-model-name
     token_secret: tuple[str, str]  # (Secret, key) the runtime reads KUNLUN_METRICS_TOKEN from
+    speculative_config: str  # --speculative-config (the dashboard's speculative decoding row)
 
 
 def runtime_deployment() -> RuntimeDeployment:
     kis = yaml.safe_load((REPO / "examples" / "kis-minimal.yaml").read_text())
     kis["spec"]["metricsTokenSecretRef"] = {"name": "qwen2-7b-metrics", "key": "token"}
+    kis["spec"]["runtime"] = {"speculative": {"method": "ngram", "numSpeculativeTokens": 3}}
     spec = parse_spec(kis["spec"])
     ref = ServiceRef(kis["metadata"]["name"], SERVICE_NAMESPACE, "uid-1", 1)
     deployment = build_deployment(ref, spec, image="unused", config_hash="0", image_volumes=False, replicas=1)
@@ -112,6 +115,7 @@ def runtime_deployment() -> RuntimeDeployment:
         container=container["name"],
         model_name=args[args.index("--served-model-name") + 1],
         token_secret=(secret["name"], secret["key"]),
+        speculative_config=args[args.index("--speculative-config") + 1],
     )
 
 
@@ -179,8 +183,10 @@ def start_exporter(
 def start_runtime(
     started: contextlib.ExitStack, workdir: Path, runtime: RuntimeDeployment, token: str
 ) -> str:
-    """The live runtime (in this process, as the server tests run it); returns its base URL."""
+    """The live runtime (in this process, as the server tests run it), with the operator's
+    speculative config, after one request that made it propose drafts; returns its base URL."""
     # Imported here: they bring torch, which the other chart tests need not load at collection.
+    from kunlun_runtime.config import parse_speculative_config
     from tests.integration.server.live import serve_in_thread
     from tests.support.tiny_models import make_tiny_llama_without_transformers
 
@@ -191,9 +197,22 @@ def start_runtime(
             app_options={"metrics_token": token},
             served_model_name=runtime.model_name,
             max_num_seqs=1,
+            speculative_config=parse_speculative_config(runtime.speculative_config),
         )
     )
+    propose_drafts(server.base_url, runtime.model_name, token)
     return server.base_url
+
+
+def propose_drafts(base_url: str, model_name: str, token: str) -> None:
+    """One greedy request whose prompt repeats itself, so that n-gram drafts are found (the
+    speculative panels need the runtime's draft counters, the per-position one included, which
+    appear once a position was drafted)."""
+    body = {"model": model_name, "prompt": "abc " * 16, "max_tokens": 16, "temperature": 0.0}
+    httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).raise_for_status()
+    scrape = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
+    drafts = re.search(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} ([0-9.e+]+)$", scrape, re.M)
+    assert drafts and float(drafts.group(1)) > 0, "the runtime proposed no drafts:\n" + scrape
 
 
 @pytest.fixture(scope="module")
