@@ -5,6 +5,7 @@ parser taking what the operator builds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -220,3 +221,20 @@ def test_the_runtime_parses_the_config_the_operator_builds() -> None:
     )
     assert json.loads(_flag(runtime_args(_spec({}), "/m"))) == {"method": "ngram"}
     assert parse_speculative_config(_flag(runtime_args(_spec({}), "/m"))) == SpeculativeConfig()
+
+
+def test_the_runtime_parses_a_suffix_config_the_operator_builds() -> None:
+    from kunlun_runtime import config as runtime_config
+
+    if "suffix" not in runtime_config.SPECULATIVE_METHODS:
+        pytest.skip("this runtime does not serve method suffix")
+    parsed = runtime_config.parse_speculative_config(_flag(runtime_args(_spec(SUFFIX), "/m")))
+    assert parsed is not None
+    assert {key: value for key, value in dataclasses.asdict(parsed).items() if value is not None} == {
+        "method": "suffix",
+        "num_speculative_tokens": 32,
+        "suffix_decoding_max_tree_depth": 64,
+        "suffix_decoding_max_cached_requests": 0,
+        "suffix_decoding_max_spec_factor": 2.0,
+        "suffix_decoding_min_token_prob": 0.25,
+    }
