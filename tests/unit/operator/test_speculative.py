@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kunlun_operator.builders.configmap import config_hash, runtime_args
 from kunlun_operator.decide.reconcile import desired_objects
@@ -21,6 +24,7 @@ from tests.unit.operator.crd_schema import validate_cr
 from tests.unit.operator.factories import load_example, make_cr, make_facts, make_raw_spec, make_ref
 
 IMAGE = "ghcr.io/kunlun-inference/kunlun-runtime:0.1.0"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "operator.md"
 PATH = "spec.runtime.speculative"
 NGRAM = {"method": "ngram", "numSpeculativeTokens": 5, "promptLookupMax": 8, "promptLookupMin": 3}
 SUFFIX = {
@@ -238,3 +242,18 @@ def test_the_runtime_parses_a_suffix_config_the_operator_builds() -> None:
         "suffix_decoding_max_spec_factor": 2.0,
         "suffix_decoding_min_token_prob": 0.25,
     }
+
+
+def test_the_documented_flag_and_refusal_are_the_operators() -> None:
+    """docs/operator.md "Speculative decoding": its example is examples/kis-speculative.yaml's, with
+    the flag the builder makes of it and the operator's own refusal message."""
+    section = DOC.read_text().split("## Speculative decoding\n", 1)[1].split("\n## ", 1)[0]
+    snippet = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert snippet is not None
+    example = load_example("kis-speculative.yaml")["spec"]
+    assert yaml.safe_load(snippet.group(1))["runtime"]["speculative"] == example["runtime"]["speculative"]
+    flag = _flag(runtime_args(parse_spec(example), "/m"))
+    assert f"`--speculative-config '{flag}'`" in section
+    with pytest.raises(SpecError) as raised:
+        parse_spec(_raw({"method": "suffix", "promptLookupMax": 4}))
+    assert f"`{raised.value}`" in " ".join(section.split())
