@@ -6,6 +6,8 @@ forward, or in line), and what a grammar's verdict on a token means for its requ
 sample or schedule: the engine hands the masks to the sampler. The grammar engine releases the GIL,
 so the masks cost the step nothing while the forward runs; on the CPU platform, whose forward keeps
 every core busy, it measured no slower than in line and faster at batch 8 (docs/performance.md).
+Between ``start`` and ``result`` the matchers are the worker thread's: a request with drafts has
+its matcher advanced through them and rolled back there.
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ class GrammarMasks:
         overlap: bool = True,
     ) -> PendingMasks | None:
         """Start computing the allowed tokens of the constrained requests that sample this step, in
-        the rows the runner gives them (those whose scheduled tokens reach their end); None when no
-        such request samples. ``overlap`` False computes them now, in line (for comparison)."""
+        the rows the runner gives them (those whose scheduled tokens reach their end: one for the
+        last token, then one per draft, each masked by the grammar's state after the drafts before
+        it); None when no such request samples. ``overlap`` False computes them now, in line (for
+        comparison)."""
         rows: list[int] = []
         matchers: list[GrammarMatcher] = []
+        drafts: list[list[int]] = []
         row = 0
         for item in sched.scheduled:
             request = item.request
@@ -66,18 +71,19 @@ class GrammarMasks:
                 continue
             grammar = grammar_of(request.request_id)
             if grammar is not None:
-                rows.append(row)
+                rows.extend(range(row, row + 1 + item.num_draft_tokens))
                 matchers.append(grammar)
-            row += 1
+                drafts.append(request.spec_token_ids[: item.num_draft_tokens])
+            row += 1 + item.num_draft_tokens
         if not matchers:
             return None
         if not overlap:
             done: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
-            done.set_result(self.compiler.fill_bitmask(matchers))
+            done.set_result(self.compiler.fill_bitmask(matchers, drafts))
             return PendingMasks(tuple(rows), done)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return PendingMasks(tuple(rows), self._pool.submit(self.compiler.fill_bitmask, matchers))
+        return PendingMasks(tuple(rows), self._pool.submit(self.compiler.fill_bitmask, matchers, drafts))
 
     def close(self) -> None:
         if self._pool is not None:

@@ -315,7 +315,9 @@ class LLMEngine:
         """One scheduler step; returns an output for every request that progressed or finished.
         The KV events the step caused (blocks cached, evicted) leave as one batch after it."""
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self.model.decode_max_rows, self.scheduler.cost)
+            self.spec.propose(
+                self.scheduler.running, self.model.decode_max_rows, self.scheduler.cost, self._grammar_of
+            )
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._publish_kv_events()

@@ -127,7 +127,7 @@ class Sampler:
         constrained rows; returns (token id, logprob or None)."""
         logits = logits.clone()
         if allowed is not None:
-            self._mask(logits, allowed)
+            self.mask(logits, allowed)
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -149,9 +149,9 @@ class Sampler:
             results.append((token_id, logprob))
         return results
 
-    def _mask(self, logits: torch.Tensor, allowed: AllowedTokens) -> None:
-        """Mask the constrained rows. A row left with no token (a grammar in an error state) gets
-        EOS, so the request ends instead of the sampler failing."""
+    def mask(self, logits: torch.Tensor, allowed: AllowedTokens) -> None:
+        """Mask the constrained rows of ``logits``, in place. A row left with no token (a grammar in
+        an error state) gets EOS, so the request ends instead of the sampler failing."""
         apply_token_bitmask(logits, allowed.bitmask, allowed.rows)
         if self.eos_token_ids:  # without a host sync: a dead row's EOS logit becomes 0, others stay
             rows = torch.tensor(allowed.rows, dtype=torch.long, device=logits.device)

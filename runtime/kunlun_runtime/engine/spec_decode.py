@@ -18,11 +18,13 @@ temperature, top-k/p, min-p); its seeded generator draws the acceptance tests an
 order, so a seed reproduces. The KV of rejected positions is simply not counted: their blocks'
 hashes are never made, and the next step writes over them. How many drafts a request gets follows
 its recent acceptance (``DraftBudget``), so text with nothing to copy pays for at most one draft.
+A request with a structured-output constraint drafts only what its grammar accepts, and each of its
+positions is verified under its grammar's mask there (``spec_grammar``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +40,9 @@ from kunlun_runtime.engine.sampler import (
     suppress_stop_tokens,
     truncate_distribution,
 )
+from kunlun_runtime.engine.spec_grammar import grammar_drafts, masked_logits
 from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features
+from kunlun_runtime.structured.grammar import GrammarMatcher
 
 
 def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -172,8 +176,9 @@ class Proposer:
         """``request``'s drafts for its next step (``room``: tokens it may still add after the
         next one, and the step's rows left for drafts). The j-th draft is proposed while the
         chance that it is accepted (the request's acceptance rate to the j-th power) is at least
-        ``threshold`` (``worth_drafting``). Requests with a grammar do not speculate."""
-        if request.params.structured_outputs is not None or room <= 0:
+        ``threshold`` (``worth_drafting``). A constrained request's drafts are cut to its grammar
+        by the caller (``spec_grammar.grammar_drafts``)."""
+        if room <= 0:
             return []
         budget = self._budgets.setdefault(request.request_id, DraftBudget(self.config.num_speculative_tokens))
         k = min(budget.next(), room)
@@ -288,12 +293,19 @@ class SpeculativeDecoder:
         self.eos_token_ids = list(eos_token_ids)
         self.counters = SpecDecodeCounters()
 
-    def propose(self, running: Sequence[Request], max_rows: int, cost: StepCostModel) -> None:
+    def propose(
+        self,
+        running: Sequence[Request],
+        max_rows: int,
+        cost: StepCostModel,
+        grammar_of: Callable[[str], GrammarMatcher | None],
+    ) -> None:
         """Drafts for the running requests about to decode (their last token not computed yet),
         in the scheduler's order, so that the decode rows with their drafts stay within
         ``max_rows`` (a decode step of more rows leaves the small-batch kernels for the large-batch
         matmuls) and each draft is likely enough to be accepted to pay for its row (``cost``: the
-        engine's step-time model)."""
+        engine's step-time model); a constrained request's (``grammar_of``: its grammar's state)
+        only as far as its grammar accepts them."""
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         spare = max_rows - len(decoding)
         threshold = worth_drafting(cost, decoding)
@@ -301,7 +313,9 @@ class SpeculativeDecoder:
             request.spec_token_ids.clear()
         for request in decoding:
             room = min(request.max_total_tokens - request.num_tokens - 1, spare)  # after the next token
-            drafts = self.proposer.propose(request, room, threshold)
+            drafts = grammar_drafts(
+                grammar_of(request.request_id), self.proposer.propose(request, room, threshold)
+            )
             request.spec_token_ids.extend(drafts)
             spare -= len(drafts)
 
@@ -314,7 +328,9 @@ class SpeculativeDecoder:
         allowed: AllowedTokens | None,
     ) -> list[list[tuple[int, TokenLogprob | None]]]:
         """Each request's tokens from its rows of ``logits`` (``counts[i]`` rows: 1 + drafts):
-        the sampler's batch for requests without drafts, ``verify`` for the others."""
+        the sampler's batch for requests without drafts, ``verify`` for the others; every row of
+        a constrained request first masked by ``allowed`` (its rows index those of ``logits``)."""
+        logits = masked_logits(sampler, logits, allowed)
         offsets = [0]
         for count in counts:
             offsets.append(offsets[-1] + count)
@@ -322,9 +338,7 @@ class SpeculativeDecoder:
         results: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in requests]
         if plain:
             rows = torch.tensor([offsets[i] for i in plain], dtype=torch.long, device=logits.device)
-            if allowed is not None:  # its rows count requests; only requests without drafts have one
-                allowed = AllowedTokens(tuple(plain.index(row) for row in allowed.rows), allowed.bitmask)
-            sampled = sampler.sample(logits.index_select(0, rows), [requests[i] for i in plain], allowed)
+            sampled = sampler.sample(logits.index_select(0, rows), [requests[i] for i in plain])
             for i, result in zip(plain, sampled, strict=True):
                 results[i] = [result]
         fast = {i for i, count in enumerate(counts) if count > 1 and plain_greedy(requests[i])}

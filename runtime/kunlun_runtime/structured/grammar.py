@@ -20,6 +20,7 @@ own ``x-guidance`` settings, so a client cannot turn them off.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -93,6 +94,11 @@ class GrammarMatcher:
         """Advance by ``token_id``; False when the grammar does not allow it (the state is then
         an error state)."""
         return bool(self._matcher.consume_token(token_id))
+
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, in turn, the grammar accepts from its state (the state
+        unchanged): speculative decoding's drafts are cut there."""
+        return int(self._matcher.validate_tokens(list(token_ids)))
 
     @property
     def is_finished(self) -> bool:
@@ -188,11 +194,23 @@ class GrammarCompiler:
             self.requests_total[params.kind] += 1
         return GrammarMatcher(matcher, params.kind)
 
-    def fill_bitmask(self, matchers: Sequence[GrammarMatcher]) -> np.ndarray:
+    def fill_bitmask(
+        self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]] | None = None
+    ) -> np.ndarray:
         """The allowed next tokens of each matcher, as an int32 bitmask [len(matchers), ⌈V/32⌉]
         (bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed). Computed by llguidance's
-        threads without the GIL, so it can run while the model's forward does."""
+        threads without the GIL, so it can run while the model's forward does.
+
+        ``drafts`` (speculative decoding; one list per matcher, tokens its grammar accepts): matcher
+        ``i`` gets ``1 + len(drafts[i])`` consecutive rows, its allowed tokens now and after each of
+        its drafts in turn; llguidance advances it through them and rolls it back, so it ends in
+        the state it began in."""
         began = time.perf_counter()
+        if drafts is not None and any(drafts):
+            bitmask = self._fill_with_drafts(matchers, drafts)
+            with self._lock:
+                self.mask_seconds_total += time.perf_counter() - began
+            return bitmask
         bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
         if len(matchers) == 1:
             llguidance.numpy.fill_next_token_bitmask(matchers[0].llg_matcher, bitmask, 0)
@@ -203,6 +221,23 @@ class GrammarCompiler:
             )
         with self._lock:
             self.mask_seconds_total += time.perf_counter() - began
+        return bitmask
+
+    def _fill_with_drafts(
+        self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        starts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
+        # Zeros, not llguidance's all-allowed: the rows after a draft that stopped the grammar stay
+        # unwritten, and allow nothing (the sampler's rule for an empty row then gives EOS).
+        shape = llguidance.numpy.get_bitmask_shape(starts[-1], self.vocab_size)
+        bitmask = np.zeros(shape, dtype=np.int32)
+        assert self._executor is not None  # a matcher exists, so the vocabulary was built
+        rows = list(zip(matchers, starts[:-1], drafts, strict=True))
+        plain = [(m.llg_matcher, start) for m, start, tokens in rows if not tokens]
+        drafted = [(m.llg_matcher, start, list(tokens)) for m, start, tokens in rows if tokens]
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
         return bitmask
 
 
