@@ -95,6 +95,7 @@ SOURCES = tuple(dict.fromkeys(source for tier in TIERS.values() for source in ti
 HEADERS = (
     CSRC / "kernels.h",
     CSRC / "paged_cache.h",
+    CSRC / "attention_plan.h",
     CSRC / "avx512" / "bf16_vec.h",
     CSRC / "avx512" / "amx_linear.h",
     CSRC / "avx2" / "vec_avx2.h",

@@ -158,13 +158,15 @@ def _random_tables(lengths, num_blocks: int, seed: int) -> list[list[int]]:
     return tables
 
 
-def _check_decode_attention(heads, head_dim, lengths, window, threads, seed=0, cache_dtype=torch.float32):
+def _check_decode_attention(
+    heads, head_dim, lengths, window, threads, seed=0, cache_dtype=torch.float32, tables=None
+):
     """The kernel against apply_rotary + the runtime's paged path (scatter, gather, FP32 SDPA):
     the same pool contents bit for bit, the same attention within the bound."""
     num_heads, kv_heads = heads
     num_blocks = sum(-(-n // BLOCK) for n in lengths) + 3
     cache = _pool(kv_heads, head_dim, num_blocks, seed, cache_dtype)
-    tables = _random_tables(lengths, num_blocks, seed)
+    tables = tables or _random_tables(lengths, num_blocks, seed)
     q, k, v = _qkv_views(len(lengths), num_heads, kv_heads, head_dim, seed + 1)
     cos, sin = _cos_sin(head_dim, [n - 1 for n in lengths])
     meta = build_attention_metadata(
@@ -222,6 +224,20 @@ def test_decode_attention_merges_long_contexts_split_across_threads(window, leng
     # With 2 threads one 300-token sequence is split in 4 (2 inside the window), two in 2 and 1,
     # eight sequences not at all: the partial softmaxes must merge into the unsplit attention.
     _check_decode_attention((9, 3), 64, lengths, window, 2, len(lengths), cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("window", [0, 130, 400])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threads, cache_dtype):
+    # A decode row and its drafts run as one-token sequences at consecutive positions over one
+    # block table (rows 0-3 and 5-6); the kernel reads their common keys once for all of them
+    # (where no window cuts into them). Row 4 has the next length but another table: it must not
+    # join row 3's group. Each row's attention must still be its own.
+    lengths = (300, 301, 302, 303, 304, 70, 71)
+    own = _random_tables((304, 304, 71), sum(-(-n // BLOCK) for n in lengths) + 3, 5)
+    tables = [own[0]] * 4 + [own[1]] + [own[2]] * 2
+    _check_decode_attention((9, 3), 64, lengths, window, threads, 7, cache_dtype, tables=tables)
 
 
 def test_decode_attention_spreads_a_nan_only_to_the_heads_that_read_it():

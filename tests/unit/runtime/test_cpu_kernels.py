@@ -235,6 +235,47 @@ def test_decode_attention_merges_long_contexts_split_across_threads(window, leng
     _check_decode_attention(window, (9, 3), 64, 2, lengths=lengths, tables=tables, num_blocks=40)
 
 
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 130, 400])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threads):
+    # A decode row and its drafts run as one-token sequences at consecutive positions over one
+    # block table (rows 0-3 and 5-6); the kernel reads their common keys once for all of them
+    # (where no window cuts into them). Row 4 has the next length but another table: its keys are
+    # other blocks, so it must not join row 3's group. Each row's attention must be what the
+    # kernel computes for that row alone (which the tests above hold to the torch path), up to the
+    # order of summation: a row alone is split differently across threads.
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(2)).tolist()
+    long, other, short = order[:19], order[19:38], order[38:43]
+    lengths = (300, 301, 302, 303, 304, 70, 71)
+    case = {"lengths": lengths, "tables": [long, long, long, long, other, short, short], "num_blocks": 48}
+    from kunlun_runtime.layers.attention import build_attention_metadata
+
+    outputs = []
+    for together in (True, False):
+        cache, tables, q, k, v, (cos, sin), _ = _decode_case(window, (9, 3), 64, **case)
+        meta = build_attention_metadata([1] * 7, list(lengths), tables, 16, torch.device("cpu"))
+        cos, sin = cos.view(-1, 64), sin.view(-1, 64)
+        calls = [slice(0, 7)] if together else [slice(b, b + 1) for b in range(7)]
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outputs.append(
+                torch.cat([
+                    cpu_kernels.decode_attention(
+                        q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
+                        meta.block_tables[rows], meta.context_lens[rows], 0.125, window,
+                    )
+                    for rows in calls
+                ])
+            )  # fmt: skip
+        finally:
+            torch.set_num_threads(threads_before)
+    together, alone = outputs
+    _close(together, alone.float())
+    assert (together == alone).float().mean() > 0.99
+
+
 def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:
     """The kernel against apply_rotary + the torch paged path: same cache contents, same output."""
     from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention

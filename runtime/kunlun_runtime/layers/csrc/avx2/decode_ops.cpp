@@ -41,6 +41,7 @@
 
 #include "vec_avx2.h"
 #include "../kernels.h"
+#include "../attention_plan.h"
 #include "../paged_cache.h"
 
 #include <algorithm>
@@ -518,52 +519,54 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
   float* op = out.mutable_data_ptr<float>();
   const int64_t padded_dim = (D + 7) / 8 * 8;
   const AttentionShape<T> shape{H, KVH, D, padded_dim, &keys, &values, block_size, static_cast<float>(scale)};
-  // A task is one split of one sequence's keys, for all its query heads (each slot is read once).
-  // Sequences are split until there are two tasks per thread, down to kMinSplitKeys keys a split;
-  // the splits' partial results are merged here by their maxima (as flash-decoding does).
-  std::vector<int64_t> first_task(B + 1, 0), splits(B);
-  const int64_t wanted = (2 * at::get_num_threads() + B - 1) / B;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
-    splits[b] = std::max<int64_t>(1, std::min(wanted, (lengths[b] - start) / kMinSplitKeys));
-    first_task[b + 1] = first_task[b] + splits[b];
-  }
-  const int64_t tasks = first_task[B];
-  std::vector<float> maxima(tasks * H), sums(tasks * H), partial(tasks * H * padded_dim);
+  // A task is a range of keys for the query heads of one or more sequences (attention_plan.h):
+  // each slot it covers is read once for all of them.
+  const int64_t group = H / KVH;
+  const paged::AttentionPlan plan = paged::plan_attention(tables, lengths, B, max_blocks, block_size, window, H,
+                                                          at::get_num_threads(), kMinSplitKeys);
+  const int64_t tasks = static_cast<int64_t>(plan.tasks.size());
+  std::vector<float> maxima(plan.heads), sums(plan.heads), partial(plan.heads * padded_dim);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(H * padded_dim, 0.0f), rotate_scratch(D);  // rows zero padded
-    int64_t rotated_for = -1;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-      if (rotated_for != b) {
+    std::vector<float> queries, rotate_scratch(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const paged::AttentionTask& task = plan.tasks[t];
+      queries.assign(task.rows * H * padded_dim, 0.0f);  // rows zero padded
+      for (int64_t r = 0; r < task.rows; ++r) {
+        const int64_t b = task.first_row + r;
         for (int64_t h = 0; h < H; ++h) {
           rotate(q.const_data_ptr<float>() + b * q.stride(0) + h * q.stride(1), cp + b * D, sp + b * D, D,
-                 queries.data() + h * padded_dim, rotate_scratch.data());
+                 queries.data() + (((h / group) * task.rows + r) * group + h % group) * padded_dim,
+                 rotate_scratch.data());
         }
-        rotated_for = b;
       }
-      const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
-      const int64_t split = task - first_task[b], length = lengths[b] - start;
-      const int64_t k0 = start + length * split / splits[b], k1 = start + length * (split + 1) / splits[b];
-      (D % 8 == 0 ? attend_split<false, T> : attend_split<true, T>)(queries.data(), shape, tables + b * max_blocks, k0, k1,
-                                                               maxima.data() + task * H, sums.data() + task * H,
-                                                               partial.data() + task * H * padded_dim);
+      AttentionShape<T> task_shape = shape;
+      task_shape.H = task.rows * H;
+      (D % 8 == 0 ? attend_split<false, T> : attend_split<true, T>)(
+          queries.data(), task_shape, tables + task.first_row * max_blocks, task.key_begin, task.key_end,
+          maxima.data() + task.head_offset, sums.data() + task.head_offset,
+          partial.data() + task.head_offset * padded_dim);
     }
   });
   at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, h = item % H;
+      const paged::TaskPart* first = plan.parts.data() + plan.first_part[b];
+      const paged::TaskPart* last = plan.parts.data() + plan.first_part[b + 1];
       float largest = -INFINITY;
-      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) largest = std::max(largest, maxima[t * H + h]);
+      for (const paged::TaskPart* part = first; part != last; ++part) {
+        largest = std::max(largest, maxima[plan.head_index(*part, h, group)]);
+      }
       float total = 0.0f;
-      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) {
-        total += sums[t * H + h] * std::exp(maxima[t * H + h] - largest);
+      for (const paged::TaskPart* part = first; part != last; ++part) {
+        const int64_t i = plan.head_index(*part, h, group);
+        total += sums[i] * std::exp(maxima[i] - largest);
       }
       for (int64_t d = 0; d < D; d += 8) {
         __m256 merged = _mm256_setzero_ps();
-        for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) {
-          const __m256 weight = _mm256_set1_ps(std::exp(maxima[t * H + h] - largest) / total);
-          merged = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + (t * H + h) * padded_dim + d), merged);
+        for (const paged::TaskPart* part = first; part != last; ++part) {
+          const int64_t i = plan.head_index(*part, h, group);
+          const __m256 weight = _mm256_set1_ps(std::exp(maxima[i] - largest) / total);
+          merged = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d), merged);
         }
         store_ps(op + b * H * D + h * D + d, merged, D - d);  // masked only for a row tail
       }

@@ -30,6 +30,7 @@
 
 #include "bf16_vec.h"
 #include "../kernels.h"
+#include "../attention_plan.h"
 #include "../paged_cache.h"
 
 #include <algorithm>
@@ -355,56 +356,57 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   at::Tensor out = at::empty({B, H * D}, q.options());
   bf16* op = out.mutable_data_ptr<bf16>();
-  // A task is one split of one sequence's keys, for all its query heads (each slot is read once).
-  // Sequences are split until there are two tasks per thread, down to kMinSplitKeys keys a split;
-  // the splits' partial results are merged here by their maxima (as flash-decoding does).
-  std::vector<int64_t> first_task(B + 1, 0), splits(B);
-  const int64_t wanted = (2 * at::get_num_threads() + B - 1) / B;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
-    splits[b] = std::max<int64_t>(1, std::min(wanted, (lengths[b] - start) / kMinSplitKeys));
-    first_task[b + 1] = first_task[b] + splits[b];
-  }
-  const int64_t tasks = first_task[B];
-  std::vector<float> maxima(tasks * H), sums(tasks * H), partial(tasks * H * D);
+  // A task is a range of keys for the query heads of one or more sequences (attention_plan.h):
+  // each slot it covers is read once for all of them.
+  const int64_t group = H / KVH;
+  const paged::AttentionPlan plan = paged::plan_attention(tables, lengths, B, max_blocks, block_size, window, H,
+                                                          at::get_num_threads(), kMinSplitKeys);
+  const int64_t tasks = static_cast<int64_t>(plan.tasks.size());
+  std::vector<float> maxima(plan.heads), sums(plan.heads), partial(plan.heads * D);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated_q(D);
-    std::vector<bf16> queries(H * D);
-    int64_t rotated_for = -1;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-      if (rotated_for != b) {
+    std::vector<bf16> queries;
+    for (int64_t t = begin; t < end; ++t) {
+      const paged::AttentionTask& task = plan.tasks[t];
+      queries.resize(task.rows * H * D);
+      for (int64_t r = 0; r < task.rows; ++r) {
+        const int64_t b = task.first_row + r;
         for (int64_t h = 0; h < H; ++h) {
           rotate(q.const_data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1), cp + b * D, sp + b * D, D,
                  rotated_q.data());
+          bf16* query = queries.data() + (((h / group) * task.rows + r) * group + h % group) * D;
           for (int64_t d = 0; d < D; d += 16) {
             const __mmask16 mask = tail_mask(D - d);
-            store_bf16x16(queries.data() + h * D + d, _mm512_maskz_loadu_ps(mask, rotated_q.data() + d), mask);
+            store_bf16x16(query + d, _mm512_maskz_loadu_ps(mask, rotated_q.data() + d), mask);
           }
         }
-        rotated_for = b;
       }
-      const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[b] - window) : 0;
-      const int64_t split = task - first_task[b], length = lengths[b] - start;
-      const int64_t k0 = start + length * split / splits[b], k1 = start + length * (split + 1) / splits[b];
-      attend(queries.data(), H, KVH, D, keys, values, tables + b * max_blocks, block_size, k0, k1,
-             static_cast<float>(scale), maxima.data() + task * H, sums.data() + task * H,
-             partial.data() + task * H * D);
+      attend(queries.data(), task.rows * H, KVH, D, keys, values, tables + task.first_row * max_blocks, block_size,
+             task.key_begin, task.key_end, static_cast<float>(scale), maxima.data() + task.head_offset,
+             sums.data() + task.head_offset, partial.data() + task.head_offset * D);
     }
   });
   at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, h = item % H;
+      const paged::TaskPart* first = plan.parts.data() + plan.first_part[b];
+      const paged::TaskPart* last = plan.parts.data() + plan.first_part[b + 1];
       float largest = -INFINITY;
-      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) largest = std::max(largest, maxima[t * H + h]);
+      for (const paged::TaskPart* part = first; part != last; ++part) {
+        largest = std::max(largest, maxima[plan.head_index(*part, h, group)]);
+      }
       float total = 0.0f;
-      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) total += sums[t * H + h] * std::exp(maxima[t * H + h] - largest);
+      for (const paged::TaskPart* part = first; part != last; ++part) {
+        const int64_t i = plan.head_index(*part, h, group);
+        total += sums[i] * std::exp(maxima[i] - largest);
+      }
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 mask = tail_mask(D - d);
         __m512 merged = _mm512_setzero_ps();
-        for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) {
-          const __m512 weight = _mm512_set1_ps(std::exp(maxima[t * H + h] - largest) / total);
-          merged = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, partial.data() + (t * H + h) * D + d), merged);
+        for (const paged::TaskPart* part = first; part != last; ++part) {
+          const int64_t i = plan.head_index(*part, h, group);
+          const __m512 weight = _mm512_set1_ps(std::exp(maxima[i] - largest) / total);
+          merged = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, partial.data() + i * D + d), merged);
         }
         store_bf16x16(op + b * H * D + h * D + d, merged, mask);
       }
