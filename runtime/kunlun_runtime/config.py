@@ -8,10 +8,11 @@ vLLM where they overlap. Nothing here touches torch or the model files: the mode
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeGuard, get_args
 
 from kunlun_runtime.errors import ConfigError
 
@@ -146,39 +147,140 @@ def parse_kv_events_config(value: KVEventsConfig | Mapping[str, Any] | str | Non
     return KVEventsConfig(**value).validate()
 
 
-SPECULATIVE_METHODS = ("ngram",)
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SPECULATIVE_METHODS = ("ngram", "suffix")
+# The keys each method reads beside method and num_speculative_tokens. A key of the other method is
+# refused rather than ignored: a wrong method never runs quietly with settings meant for another.
+SPECULATIVE_METHOD_KEYS: dict[str, tuple[str, ...]] = {
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+    "suffix": (
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    ),
+}
+# What a key left out means, per method (vLLM's defaults; suffix drafts up to vLLM's tree depth, 24).
+SPECULATIVE_DEFAULTS: dict[str, dict[str, int | float]] = {
+    "ngram": {"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+    "suffix": {
+        "num_speculative_tokens": 24,
+        "suffix_decoding_max_tree_depth": 24,
+        "suffix_decoding_max_cached_requests": 10000,
+        "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.1,
+    },
+}
+SPECULATIVE_KEYS: tuple[str, ...] = (
+    "method",
+    "num_speculative_tokens",
+    *(key for keys in SPECULATIVE_METHOD_KEYS.values() for key in keys),
+)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class SpeculativeConfig:
-    """vLLM's ``--speculative-config`` for model-free drafting: ``ngram`` proposes the tokens that
-    followed the first occurrence of the sequence's last n tokens (n from ``prompt_lookup_max``
-    down to ``prompt_lookup_min``), at most ``num_speculative_tokens`` a step."""
+    """vLLM's ``--speculative-config`` for model-free drafting, at most ``num_speculative_tokens``
+    drafts a step. ``ngram`` proposes the tokens that followed the first occurrence of the
+    sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``);
+    ``suffix`` follows the most frequent continuations in suffix trees of the request's own tokens
+    and of its tenant's earlier outputs (engine/suffix_tree.py, engine/suffix_cache.py).
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 3
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    A key left out (None) takes its method's default (``SPECULATIVE_DEFAULTS``) at construction,
+    so ``num_speculative_tokens`` and the method's own keys are always set; the other method's
+    keys stay None, and ``validate`` refuses any that is set. The constructor is written out
+    (``init=False``) because a default that depends on ``method`` is not a dataclass default."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None
+    prompt_lookup_min: int | None
+    suffix_decoding_max_tree_depth: int | None
+    suffix_decoding_max_cached_requests: int | None
+    suffix_decoding_max_spec_factor: float | None
+    suffix_decoding_min_token_prob: float | None
+
+    def __init__(
+        self,
+        method: str = "ngram",
+        num_speculative_tokens: int | None = None,
+        prompt_lookup_max: int | None = None,
+        prompt_lookup_min: int | None = None,
+        suffix_decoding_max_tree_depth: int | None = None,
+        suffix_decoding_max_cached_requests: int | None = None,
+        suffix_decoding_max_spec_factor: float | None = None,
+        suffix_decoding_min_token_prob: float | None = None,
+    ) -> None:
+        values: dict[str, object] = {
+            "method": method,
+            "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_max": prompt_lookup_max,
+            "prompt_lookup_min": prompt_lookup_min,
+            "suffix_decoding_max_tree_depth": suffix_decoding_max_tree_depth,
+            "suffix_decoding_max_cached_requests": suffix_decoding_max_cached_requests,
+            "suffix_decoding_max_spec_factor": suffix_decoding_max_spec_factor,
+            "suffix_decoding_min_token_prob": suffix_decoding_min_token_prob,
+        }
+        for key, default in SPECULATIVE_DEFAULTS.get(method, {}).items():
+            if values[key] is None:
+                values[key] = default
+        for key, value in values.items():  # frozen: set once, as a dataclass's own __init__ does
+            object.__setattr__(self, key, value)
 
     def validate(self) -> SpeculativeConfig:
-        def check(ok: bool, key: str, message: str) -> None:
-            _check(ok, f"speculative_config.{key}", message)
-
-        check(
+        _check_speculative(
             self.method in SPECULATIVE_METHODS,
             "method",
             f"must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}",
         )
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, key)
-            check(_is_int(value) and 1 <= value <= 32, key, f"must be an integer in [1, 32], got {value!r}")
-        check(
-            self.prompt_lookup_min <= self.prompt_lookup_max,
-            "prompt_lookup_min",
-            f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}",
-        )
+        for method, keys in SPECULATIVE_METHOD_KEYS.items():
+            for key in keys:
+                _check_speculative(
+                    method == self.method or getattr(self, key) is None,
+                    key,
+                    f"applies to method {method} only, not {self.method}",
+                )
+        _check_speculative_int("num_speculative_tokens", self.num_speculative_tokens, 1, 32)
+        if self.method == "ngram":
+            low = _check_speculative_int("prompt_lookup_min", self.prompt_lookup_min, 1, 32)
+            high = _check_speculative_int("prompt_lookup_max", self.prompt_lookup_max, 1, 32)
+            _check_speculative(
+                low <= high, "prompt_lookup_min", f"must be <= prompt_lookup_max ({high}), got {low}"
+            )
+        else:
+            self._validate_suffix()
         return self
+
+    def _validate_suffix(self) -> None:
+        _check_speculative_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1, 64)
+        _check_speculative_int(
+            "suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0
+        )
+        factor = self.suffix_decoding_max_spec_factor
+        _check_speculative(
+            _is_real(factor) and 0 < factor < math.inf,
+            "suffix_decoding_max_spec_factor",
+            f"must be a number > 0, got {factor!r}",
+        )
+        probability = self.suffix_decoding_min_token_prob
+        _check_speculative(
+            _is_real(probability) and 0 <= probability <= 1,
+            "suffix_decoding_min_token_prob",
+            f"must be a number in [0, 1], got {probability!r}",
+        )
+
+
+def _check_speculative(ok: bool, key: str, message: str) -> None:
+    _check(ok, f"speculative_config.{key}", message)
+
+
+def _check_speculative_int(key: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` if it is an integer in [low, high] (no upper bound when ``high`` is None); else a
+    ConfigError naming ``speculative_config.<key>``."""
+    if _is_int(value) and value >= low and (high is None or value <= high):
+        return value
+    within = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    field_name = f"speculative_config.{key}"
+    raise ConfigError(f"{field_name}: must be an integer {within}, got {value!r}", field=field_name)
 
 
 def parse_speculative_config(
@@ -220,8 +322,12 @@ def _json_object(value: object, field_name: str, example: str, what: str = "") -
     return value
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_endpoint(key: str, endpoint: object) -> None:

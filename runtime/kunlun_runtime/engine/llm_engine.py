@@ -425,7 +425,7 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         self.sampler.forget(request.request_id)
         if self.spec is not None:
-            self.spec.forget(request.request_id)
+            self.spec.forget(request)
         if self.adapters is not None:
             self.adapters.release(request.request_id)
         del self._tracked[request.request_id]

@@ -1,9 +1,10 @@
 """Speculative decoding without a second model: propose drafts on the host, verify them in the step.
 
 A decoding request's drafts (``ngram``: the tokens that followed the first occurrence of its last
-n tokens, prompt and output alike) are computed in the same forward as its last token,
-so one step yields the logits of every draft position. Verification keeps the output exactly that
-of decoding without drafts:
+n tokens, prompt and output alike; ``suffix``: the likeliest continuation of its longest matching
+suffix in suffix trees of its own tokens and of its tenant's earlier outputs, ``suffix_cache``)
+are computed in the same forward as its last token, so one step yields the logits of every draft
+position. Verification keeps the output exactly that of decoding without drafts:
 
 - greedy: a draft is accepted while it equals the model's choice at its position; the first
   mismatch is replaced by the model's choice, and when every draft is accepted the model's next
@@ -42,6 +43,7 @@ from kunlun_runtime.engine.sampler import (
 )
 from kunlun_runtime.engine.spec_grammar import grammar_drafts, masked_logits
 from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features
+from kunlun_runtime.engine.suffix_cache import SuffixCache, SuffixIndex, SuffixParams, tenant_of
 from kunlun_runtime.structured.grammar import GrammarMatcher
 
 
@@ -170,7 +172,15 @@ class Proposer:
         self.config = config
         self._budgets: dict[str, DraftBudget] = {}
         self._acceptance: dict[str, float] = {}  # per request: accepted / drafted, recent steps weighted
-        self._indexes: dict[str, NgramIndex] = {}
+        self._indexes: dict[str, NgramIndex | SuffixIndex] = {}
+        # suffix: its settings, and the tenants' outputs its drafts may also come from (None
+        # under ngram, or with suffix_decoding_max_cached_requests 0)
+        self._suffix = SuffixParams.from_config(config) if config.method == "suffix" else None
+        self._suffix_cache = (
+            SuffixCache(self._suffix.max_tree_depth, self._suffix.max_cached_requests)
+            if self._suffix is not None and self._suffix.max_cached_requests > 0
+            else None
+        )
 
     def propose(self, request: Request, room: int, threshold: float = 0.0) -> list[int]:
         """``request``'s drafts for its next step (``room``: tokens it may still add after the
@@ -191,10 +201,17 @@ class Proposer:
             return []
         index = self._indexes.get(request.request_id)
         if index is None:
-            index = self._indexes[request.request_id] = NgramIndex(
-                self.config.prompt_lookup_min, self.config.prompt_lookup_max
-            )
+            index = self._indexes[request.request_id] = self._new_index(request)
         return index.propose(request.all_token_ids, k)
+
+    def _new_index(self, request: Request) -> NgramIndex | SuffixIndex:
+        """The method's index of ``request``'s tokens: its n-grams' first occurrences, or its suffix
+        tree beside its tenant's cached outputs."""
+        if self._suffix is not None:
+            return SuffixIndex(self._suffix, self._suffix_cache, tenant_of(request))
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        assert low is not None and high is not None  # an ngram SpeculativeConfig has both
+        return NgramIndex(low, high)
 
     def accepted(self, request_id: str, proposed: int, accepted: int) -> None:
         budget = self._budgets.get(request_id)
@@ -206,10 +223,13 @@ class Proposer:
                 ACCEPTANCE_MEMORY * rate + (1 - ACCEPTANCE_MEMORY) * accepted / proposed
             )
 
-    def forget(self, request_id: str) -> None:
-        self._budgets.pop(request_id, None)
-        self._acceptance.pop(request_id, None)
-        self._indexes.pop(request_id, None)
+    def forget(self, request: Request) -> None:
+        """Drop finished ``request``'s state; under suffix its output joins its tenant's cache."""
+        self._budgets.pop(request.request_id, None)
+        self._acceptance.pop(request.request_id, None)
+        self._indexes.pop(request.request_id, None)
+        if self._suffix_cache is not None:
+            self._suffix_cache.add(tenant_of(request), request.output_token_ids)
 
 
 def plain_greedy(request: Request) -> bool:
@@ -365,5 +385,6 @@ class SpeculativeDecoder:
             results[i] = emitted
         return results
 
-    def forget(self, request_id: str) -> None:
-        self.proposer.forget(request_id)
+    def forget(self, request: Request) -> None:
+        """``request`` finished (its output complete)."""
+        self.proposer.forget(request)
