@@ -340,6 +340,10 @@ class LLMEngine:
                     tracked.request.num_computed_tokens += 1
             if len(tokens) > 1 and not tracked.request.is_finished:
                 self.kv.cache_computed_blocks(tracked.request)
+        for item in sched.scheduled:  # rejected drafts give back the blocks made for them
+            request = item.request
+            if item.num_draft_tokens and not request.is_finished and not request.protected:
+                self.kv.release_beyond(request, request.num_tokens)
         self._publish_kv_events()
         return outputs
 

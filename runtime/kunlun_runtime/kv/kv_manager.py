@@ -152,6 +152,17 @@ class KVManager:
         )
         self._hashes[request.request_id] = hashes
 
+    def release_beyond(self, request: KVRequest, num_tokens: int) -> None:
+        """Return the request's blocks past the first ``num_tokens`` tokens' (tail first): the room
+        a step made for drafts that were rejected. Those blocks hold no computed token, so none is
+        in the prefix cache."""
+        blocks = self._blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        self.pool.free(list(reversed(blocks[keep:])))
+        del blocks[keep:]
+
     def free(self, request: KVRequest) -> None:
         """Return all of the request's blocks (tail first, so the shared head stays cached longest)."""
         blocks = self._blocks.pop(request.request_id, [])
