@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds llama.cpp (llama-server, llama-bench, llama-quantize) from the sources vendored in the
-# llama-cpp-python sdist, for the side-by-side comparisons of bench_engine.py (INT8 vs Q8_0) and
-# bench_serving.py (HTTP vs llama-server), and writes Q8_0 and BF16 GGUFs of the embedded SmolLM2
+# Builds llama.cpp (llama-server, llama-bench, llama-quantize, llama-lookup and
+# llama-speculative-simple) from the sources vendored in the llama-cpp-python sdist, for the
+# side-by-side comparisons of bench_engine.py (INT8 vs Q8_0), bench_serving.py (HTTP vs
+# llama-server) and bench_speculative.py (n-gram drafts vs llama.cpp's model-free speculation:
+# llama-lookup's n-gram cache and ngram-simple), and writes Q8_0 and BF16 GGUFs of the embedded SmolLM2
 # next to it (requantized from the Q4_1 GGUF our default model is imported from, so both engines
 # run the same weights). Nothing it makes is committed, shipped or used by the runtime.
 #
@@ -32,9 +34,10 @@ case "${LLAMA_CPP_ISA:-native}" in
 esac
 # shellcheck disable=SC2086  # isa_flags holds several arguments
 cmake -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release $isa_flags -DLLAMA_CURL=OFF \
-  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
   -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" >"$out/configure.log" 2>&1
-cmake --build "$out/build" -j"$(nproc)" --target llama-server llama-bench llama-quantize >"$out/build.log" 2>&1
+cmake --build "$out/build" -j"$(nproc)" \
+  --target llama-server llama-bench llama-quantize llama-lookup llama-speculative-simple >"$out/build.log" 2>&1
 
 gguf=$("$python" -c 'from kunlun_runtime.models.default_model import default_model_gguf; print(default_model_gguf())')
 for format in Q8_0 BF16; do
@@ -44,3 +47,4 @@ done
 echo "built; compare with:"
 echo "  LLAMA_BENCH=$out/build/bin/llama-bench LLAMA_BENCH_GGUF=$out/smollm2-Q8_0.gguf $python benchmarks/bench_engine.py"
 echo "  LLAMA_SERVER=$out/build/bin/llama-server LLAMA_ARG_FLASH_ATTN=off $python benchmarks/bench_serving.py --num-clients 8 --max-tokens 128"
+echo "  LLAMA_LOOKUP=$out/build/bin/llama-lookup LLAMA_LOOKUP_GGUF=$out/smollm2-BF16.gguf $python benchmarks/bench_speculative.py"
