@@ -14,8 +14,17 @@ last first token), the ratio speculative / plain, the mean accepted tokens per v
 and the acceptance rate. Targets (issue: speculative decoding): copy ≥ 2.0× at batch 1 and ≥ 1.3×
 at batch 8; free ≥ 0.97× (no loss).
 
+With ``LLAMA_LOOKUP`` (llama.cpp's ``llama-lookup``; ``llama-speculative-simple`` beside it) and
+``LLAMA_LOOKUP_GGUF`` (the same weights, BF16 to match ``--dtype auto``), batch 1 also runs
+llama.cpp's model-free speculation on the same prompts rendered to text, in the same interleaving:
+its plain decoding, ``llama-lookup`` and ``ngram-simple`` (see llama_lookup.py), with the same
+draft length and our smallest n-gram; reported: their decode tok/s, acceptance, and our
+speculative tok/s against each (the programs decode one sequence, so batch 8 has no llama.cpp side).
+
     .venv/bin/python benchmarks/bench_speculative.py                  # embedded SmolLM2, --dtype auto
     .venv/bin/python benchmarks/bench_speculative.py --quick --model DIR   # smoke run (the test suite)
+    LLAMA_LOOKUP=DIR/build/bin/llama-lookup LLAMA_LOOKUP_GGUF=DIR/smollm2-BF16.gguf \
+      .venv/bin/python benchmarks/bench_speculative.py               # DIR from build_llama_cpp.sh
 """
 
 from __future__ import annotations
@@ -28,8 +37,11 @@ import sys
 from pathlib import Path
 
 import engine_batches  # benchmarks/, beside this script
+import llama_lookup
 
 from kunlun_runtime import LLM, SamplingParams
+from kunlun_runtime.models.default_model import resolve_default_model
+from kunlun_runtime.models.tokenizer import Tokenizer
 
 TARGETS = {("copy", 1): 2.0, ("copy", 8): 1.3, ("free", 1): 0.97, ("free", 8): 0.97}
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 8, "prompt_lookup_min": 3}
@@ -87,11 +99,14 @@ def free_tasks(count: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": topics[index % len(topics)]}] for index in range(count)]
 
 
+def prompt_texts(tokenizer: Tokenizer, conversations: list[list[dict[str, str]]]) -> list[str]:
+    return [tokenizer.render_chat(conversation, True) for conversation in conversations]
+
+
 def run_batch(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: int) -> dict:
     tokenizer = llm.engine.tokenizer
     prompts = [
-        tokenizer.encode(tokenizer.render_chat(conversation, True), add_special_tokens=False)
-        for conversation in conversations
+        tokenizer.encode(text, add_special_tokens=False) for text in prompt_texts(tokenizer, conversations)
     ]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     timing = engine_batches.run_batch(llm.engine, prompts, params)
@@ -108,7 +123,28 @@ def measure(llm: LLM, tasks, batch: int, max_tokens: int) -> float:
     return tokens / seconds
 
 
-def main(argv: list[str] | None = None) -> int:
+def measure_llama(
+    llama: llama_lookup.LlamaLookup, tokenizer: Tokenizer, tasks, side: str, max_tokens: int
+) -> list[llama_lookup.LlamaRun]:
+    """One llama.cpp run per task (its programs decode one sequence), checking that llama.cpp
+    tokenized each prompt to as many tokens as ours."""
+    runs = []
+    for text in prompt_texts(tokenizer, tasks):
+        command = llama_lookup.build_command(
+            llama, side, text, max_tokens, SPEC["num_speculative_tokens"], SPEC["prompt_lookup_min"]
+        )
+        run = llama_lookup.run(command)
+        ours = len(tokenizer.encode(text, add_special_tokens=False))
+        if run.prompt_tokens != ours:
+            print(
+                f"WARNING: llama.cpp {side}: prompt of {run.prompt_tokens} tokens, ours {ours}",
+                file=sys.stderr,
+            )
+        runs.append(run)
+    return runs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -118,35 +154,84 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, one repeat")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama.cpp's -t (default: 2)")
+    parser.add_argument("--llama-flash-attn", choices=("off", "on"), default="off", help="llama.cpp's -fa")
+    parser.add_argument(
+        "--llama-only",
+        action="store_true",
+        help="run only llama.cpp's sides (a check of that side; no comparison with ours)",
+    )
     args = parser.parse_args(argv)
-    scale, tasks_per_workload = 1.0, 8
-    max_model_len: int | None = 4096
     if args.quick:  # prompts of a sentence or two: they fit a tiny test model's context
-        args.max_tokens, args.repeats, scale, max_model_len = 8, 1, 0.025, None
+        args.max_tokens, args.repeats = 8, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    scale, tasks_per_workload = (0.025, 8) if args.quick else (1.0, 8)
+    max_model_len: int | None = None if args.quick else 4096
+    llama = llama_lookup.from_env(args.llama_threads, args.llama_flash_attn, max_model_len or 4096)
+    if args.llama_only and llama is None:
+        raise SystemExit(f"--llama-only needs {llama_lookup.LOOKUP_ENV} and {llama_lookup.GGUF_ENV}")
     options = {
         "dtype": args.dtype,
         "max_model_len": max_model_len,
         "max_num_batched_tokens": 4096,
         "enable_prefix_caching": False,
     }
-    model = args.model
-    plain = LLM(model, **options)
-    spec = LLM(model, speculative_config=SPEC, **options)
+    engines = {}
+    if not args.llama_only:
+        engines = {
+            "plain": LLM(args.model, **options),
+            "spec": LLM(args.model, speculative_config=SPEC, **options),
+        }
+    plain, spec = engines.get("plain"), engines.get("spec")
+    tokenizer = plain.engine.tokenizer if plain else Tokenizer(Path(args.model or resolve_default_model()))
     workloads = {"copy": copy_tasks(tasks_per_workload, scale), "free": free_tasks(tasks_per_workload)}
-    for llm in (plain, spec):  # warm-up: kernels, allocator
+    for llm in engines.values():  # warm-up: kernels, allocator
         run_batch(llm, workloads["free"][:1], 4)
     rates: dict[tuple[str, int, str], list[float]] = {}
-    counters_before = spec.engine.spec.counters.totals() if spec.engine.spec else (0, 0, 0, ())
+    llama_runs: dict[str, dict[str, list[list[llama_lookup.LlamaRun]]]] = {name: {} for name in workloads}
+    counters_before = spec.engine.spec.counters.totals() if spec and spec.engine.spec else (0, 0, 0, ())
     for repeat in range(args.repeats):
         for name, tasks in workloads.items():
             for batch in (1, 8):
-                order = [("plain", plain), ("spec", spec)]
+                order = list(engines)
+                if llama is not None and batch == 1:
+                    order += llama_lookup.SIDES
                 if repeat % 2:
                     order.reverse()
-                for side, llm in order:
-                    rates.setdefault((name, batch, side), []).append(
-                        measure(llm, tasks, batch, args.max_tokens)
-                    )
+                for side in order:
+                    if side in engines:
+                        rate = measure(engines[side], tasks, batch, args.max_tokens)
+                        rates.setdefault((name, batch, side), []).append(rate)
+                    else:
+                        assert llama is not None
+                        runs = measure_llama(llama, tokenizer, tasks, side, args.max_tokens)
+                        llama_runs[name].setdefault(side, []).append(runs)
+    report: dict = {}
+    ok = True
+    if plain and spec:
+        report, ok = ours_report(plain, spec, counters_before, rates, workloads)
+    if llama is not None:
+        report["llama_cpp"] = {
+            "gguf": str(llama.gguf),
+            "threads": llama.threads,
+            "flash_attn": llama.flash_attn,
+        }
+        for name in workloads:
+            ours = report.get(f"{name}_batch1")
+            report["llama_cpp"][f"{name}_batch1"] = llama_lookup.report(name, llama_runs[name], ours)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    for llm in engines.values():
+        llm.close()
+    return 0 if ok or args.quick else 1
+
+
+def ours_report(plain: LLM, spec: LLM, counters_before, rates, workloads) -> tuple[dict, bool]:
+    """Our figures per workload and batch against the targets, printed; whether all were met."""
     assert spec.engine.spec is not None
     drafts, drafted, accepted, _ = spec.engine.spec.counters.totals()
     drafts, drafted, accepted = (
@@ -185,11 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         f"acceptance: {report['acceptance_rate']:.3f} of drafted tokens, "
         f"{report['mean_accepted_per_verification']:.2f} accepted per verification"
     )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    plain.close()
-    spec.close()
-    return 0 if ok or args.quick else 1
+    return report, ok
 
 
 if __name__ == "__main__":
