@@ -1,14 +1,19 @@
-"""Speculative decoding (n-gram drafts) in the engine: under greedy decoding the tokens equal
-decoding without drafts, token for token, on the hidden-shape models, the embedded model, and
-under tensor and pipeline parallelism; it interacts correctly with logprobs, stop strings,
-n > 1, structured outputs, preemption and the feedback scheduler; seeds reproduce."""
+"""Speculative decoding (n-gram and suffix drafts) in the engine: under greedy decoding the tokens
+equal decoding without drafts, token for token, on the hidden-shape models (both methods), the
+embedded model, and under tensor and pipeline parallelism; it interacts correctly with logprobs,
+stop strings, n > 1, structured outputs, preemption and the feedback scheduler; seeds reproduce;
+suffix drafts come from the same tenant's earlier outputs, never another's."""
 
 import pytest
 
 from kunlun_runtime import LLM, SamplingParams, StructuredOutputsParams
 from kunlun_runtime.engine import spec_decode
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 16},
+}
+SPEC = SPECS["ngram"]
 # Copy-heavy prompts (a phrase repeated, as a quoted context is), and plain ones.
 PHRASES = [[17, 42, 99, 7, 150, 33], [5, 6, 7, 8], [200, 201, 13, 201, 200, 64, 12]]
 PROMPTS = [phrase * (3 + k) for k, phrase in enumerate(PHRASES)] + [
@@ -33,11 +38,12 @@ def _llm(model_dir, spec, **options):
     return LLM(str(model_dir), speculative_config=spec, **options) if spec else LLM(str(model_dir), **options)
 
 
+@pytest.mark.parametrize("method", sorted(SPECS))
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "qwen3-qknorm", "mistral"])
-def test_greedy_tokens_equal_decoding_without_drafts(tiny_model_dirs, name):
+def test_greedy_tokens_equal_decoding_without_drafts(tiny_model_dirs, name, method):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     plain = _run(_llm(tiny_model_dirs[name], None), params)
-    llm = _llm(tiny_model_dirs[name], SPEC)
+    llm = _llm(tiny_model_dirs[name], SPECS[method])
     spec = _run(llm, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     for ours, reference in zip(spec, plain, strict=True):  # vLLM's shape: one entry per token
@@ -62,11 +68,12 @@ def test_the_embedded_model_copies_a_quoted_text_token_for_token(smollm2_dir):
     assert llm.engine.spec.counters.num_accepted_tokens >= 10  # it really copied
 
 
+@pytest.mark.parametrize("method", sorted(SPECS))
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
-def test_parallel_ranks_verify_drafts_as_one_rank(tiny_model_dirs, layout):
+def test_parallel_ranks_verify_drafts_as_one_rank(tiny_model_dirs, layout, method):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = _run(_llm(tiny_model_dirs["llama-gqa"], None), params, PROMPTS[:4])
-    with _llm(tiny_model_dirs["llama-gqa"], SPEC, **layout) as llm:
+    with _llm(tiny_model_dirs["llama-gqa"], SPECS[method], **layout) as llm:
         assert [o.token_ids for o in _run(llm, params, PROMPTS[:4])] == [o.token_ids for o in plain]
         assert llm.engine.spec.counters.num_accepted_tokens > 0
 
@@ -120,3 +127,31 @@ def test_seeded_sampling_reproduces(tiny_model_dirs):
     llm = _llm(tiny_model_dirs["llama-gqa"], SPEC)
     first = [o.token_ids for o in _run(llm, params, PROMPTS[:3])]
     assert [o.token_ids for o in _run(llm, params, PROMPTS[:3])] == first
+
+
+def _serve(llm, request_id, prompt, params, cache_salt):
+    """One request through the engine under ``cache_salt``: its tokens and the drafts it accepted."""
+    engine = llm.engine
+    accepted = engine.spec.counters.num_accepted_tokens
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt)
+    token_ids = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                token_ids = list(output.outputs[0].token_ids)
+    return token_ids, engine.spec.counters.num_accepted_tokens - accepted
+
+
+def test_suffix_drafts_come_from_the_same_tenants_earlier_outputs(tiny_model_dirs):
+    """The same question again from the same tenant drafts the cached answer and accepts more of
+    it; from another tenant (another cache_salt) it drafts exactly as the first time, from its own
+    tokens only."""
+    llm = _llm(tiny_model_dirs["llama-gqa"], SPECS["suffix"])
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = PROMPTS[4]  # nothing in it to copy
+    first = _serve(llm, "first", prompt, params, "tenant-a")
+    again = _serve(llm, "again", prompt, params, "tenant-a")
+    other = _serve(llm, "other", prompt, params, "tenant-b")
+    assert first[0] == again[0] == other[0]  # greedy: the same tokens whatever was drafted
+    assert other[1] == first[1]
+    assert again[1] > first[1]
