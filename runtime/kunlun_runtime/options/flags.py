@@ -82,8 +82,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, default_dtype: str = "au
         "--speculative-config",
         default=None,
         metavar="JSON",
-        help="vLLM's speculative decoding config (n-gram drafts, no second model), e.g. "
-        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+        help="vLLM's speculative decoding config (n-gram or suffix drafts, no second model), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' or \'{"method": "suffix"}\'',
     )
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
