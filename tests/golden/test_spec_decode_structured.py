@@ -1,9 +1,9 @@
 """Speculative decoding with structured outputs: a constrained request speculates, and under greedy
-decoding its tokens equal decoding without drafts, token for token (JSON schema, regex, choice) on
-the hidden-shape models and on the embedded model copying values from its prompt into a JSON
-object; a draft its grammar forbids is never computed nor emitted, a rejected draft never leaves
-its grammar advanced; sampled outputs hold to the grammar; masks computed during the forward give
-the tokens of masks computed in line."""
+decoding its tokens equal decoding without drafts, token for token (JSON schema, regex, choice;
+n-gram and suffix drafts) on the hidden-shape models and on the embedded model copying values
+from its prompt into a JSON object; a draft its grammar forbids is never computed nor emitted, a
+rejected draft never leaves its grammar advanced; sampled outputs hold to the grammar; masks
+computed during the forward give the tokens of masks computed in line."""
 
 import json
 import re
@@ -16,6 +16,7 @@ from kunlun_runtime import LLM, SamplingParams, StructuredOutputsParams
 from kunlun_runtime.engine import spec_decode
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}  # the grammar cuts its drafts the same way
 RECORD = {
     "type": "object",
     "properties": {
@@ -57,9 +58,11 @@ def _tokens(llm, params, prompts=PROMPTS):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
-def test_constrained_greedy_tokens_equal_decoding_without_drafts(tiny_model_dirs, name):
-    plain, spec = _llm(tiny_model_dirs[name], None), _llm(tiny_model_dirs[name], SPEC)
+@pytest.mark.parametrize(
+    ("name", "config"), [("llama-gqa", SPEC), ("qwen2-bias", SPEC), ("qwen3-qknorm", SUFFIX)]
+)
+def test_constrained_greedy_tokens_equal_decoding_without_drafts(tiny_model_dirs, name, config):
+    plain, spec = _llm(tiny_model_dirs[name], None), _llm(tiny_model_dirs[name], config)
     counters = spec.engine.spec.counters
     for kind, constraint in CONSTRAINTS.items():
         params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=constraint)
