@@ -10,10 +10,19 @@ import httpx
 import openai
 
 from tests.integration.server.live import start_serve_process
+from tests.support.tiny_models import VOCAB_SIZE
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
-# Prompts that repeat themselves, as a quoted context does: the n-gram drafts have something to copy.
-PROMPTS = [[17, 42, 99, 7, 150, 33] * 3, [5, 6, 7, 8] * 4, [200, 201, 13, 201, 200, 64, 12] * 5]
+# Prompts that repeat themselves, as a quoted context does: the n-gram drafts have something to
+# copy. The last holds every token id, so whatever the model picks first has a continuation to
+# draft: the first decode step drafts for sure (whether later drafts pay is decided from measured
+# step times, which the first decode step has not seen yet).
+PROMPTS = [
+    [17, 42, 99, 7, 150, 33] * 3,
+    [5, 6, 7, 8] * 4,
+    [200, 201, 13, 201, 200, 64, 12] * 5,
+    list(range(VOCAB_SIZE)),
+]
 
 
 def _counter(metrics: str, name: str) -> float:
