@@ -1,6 +1,8 @@
-"""Speculative decoding benchmark: n-gram drafts against our own decoding without them, side by side.
+"""Speculative decoding benchmark: n-gram and suffix drafts against our own decoding without them,
+side by side.
 
-Two workloads, on one engine each way (same weights, dtype and flags but ``--speculative-config``):
+Two workloads, on one engine per side (same weights, dtype and flags but ``--speculative-config``:
+none, ``SPECS["ngram"]``, ``SPECS["suffix"]``; ``--methods`` picks):
 
 - ``copy``: tasks that repeat their prompt, as users' RAG, editing and extraction do: quote a
   paragraph of a ~1,500-token context verbatim; rewrite a ~1,000-token text with one name changed;
@@ -10,7 +12,7 @@ Two workloads, on one engine each way (same weights, dtype and flags but ``--spe
 Each runs at batch 1 (every prompt alone) and batch 8 (eight prompts at once), greedy, alternating
 which engine goes first in every repetition (only ratios from one run mean anything on a shared
 machine). Reported: decode tok/s (output tokens after the first over the time after the batch's
-last first token), the ratio speculative / plain, the mean accepted tokens per verification step
+last first token), the ratio speculative / plain per method, the mean accepted tokens per verification step
 and the acceptance rate. Targets (issue: speculative decoding): copy ≥ 2.0× at batch 1 and ≥ 1.3×
 at batch 8; free ≥ 0.97× (no loss).
 
@@ -45,6 +47,7 @@ from kunlun_runtime.models.tokenizer import Tokenizer
 
 TARGETS = {("copy", 1): 2.0, ("copy", 8): 1.3, ("free", 1): 0.97, ("free", 8): 0.97}
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 8, "prompt_lookup_min": 3}
+SPECS = {"ngram": SPEC, "suffix": {"method": "suffix"}}  # suffix: vLLM's defaults (up to 24 drafts)
 
 CITIES = ["Harbin", "Shenyang", "Dalian", "Changchun", "Jinan", "Qingdao", "Taiyuan", "Hohhot"]
 GOODS = ["steel coil", "copper wire", "cement", "glass panels", "rail sleepers", "transformers"]
@@ -154,6 +157,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, one repeat")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument(
+        "--methods",
+        type=lambda text: text.split(","),
+        default=list(SPECS),
+        help="drafting methods to run beside the plain engine (default: ngram,suffix)",
+    )
     parser.add_argument("--llama-threads", type=int, default=2, help="llama.cpp's -t (default: 2)")
     parser.add_argument("--llama-flash-attn", choices=("off", "on"), default="off", help="llama.cpp's -fa")
     parser.add_argument(
@@ -180,20 +189,19 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_batched_tokens": 4096,
         "enable_prefix_caching": False,
     }
-    engines = {}
+    engines: dict[str, LLM] = {}
     if not args.llama_only:
-        engines = {
-            "plain": LLM(args.model, **options),
-            "spec": LLM(args.model, speculative_config=SPEC, **options),
-        }
-    plain, spec = engines.get("plain"), engines.get("spec")
+        engines["plain"] = LLM(args.model, **options)
+        for method in args.methods:
+            engines[method] = LLM(args.model, speculative_config=SPECS[method], **options)
+    plain = engines.get("plain")
     tokenizer = plain.engine.tokenizer if plain else Tokenizer(Path(args.model or resolve_default_model()))
     workloads = {"copy": copy_tasks(tasks_per_workload, scale), "free": free_tasks(tasks_per_workload)}
     for llm in engines.values():  # warm-up: kernels, allocator
         run_batch(llm, workloads["free"][:1], 4)
     rates: dict[tuple[str, int, str], list[float]] = {}
     llama_runs: dict[str, dict[str, list[list[llama_lookup.LlamaRun]]]] = {name: {} for name in workloads}
-    counters_before = spec.engine.spec.counters.totals() if spec and spec.engine.spec else (0, 0, 0, ())
+    counters_before = {method: _counters(engines[method]) for method in engines if method != "plain"}
     for repeat in range(args.repeats):
         for name, tasks in workloads.items():
             for batch in (1, 8):
@@ -212,8 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                         llama_runs[name].setdefault(side, []).append(runs)
     report: dict = {}
     ok = True
-    if plain and spec:
-        report, ok = ours_report(plain, spec, counters_before, rates, workloads)
+    if plain is not None:
+        for method in args.methods:
+            report[method], met = ours_report(
+                method, engines[method], counters_before[method], rates, workloads
+            )
+            ok &= met
     if llama is not None:
         report["llama_cpp"] = {
             "gguf": str(llama.gguf),
@@ -221,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             "flash_attn": llama.flash_attn,
         }
         for name in workloads:
-            ours = report.get(f"{name}_batch1")
+            ours = report.get("ngram", {}).get(f"{name}_batch1")  # n-gram against llama.cpp's n-gram sides
             report["llama_cpp"][f"{name}_batch1"] = llama_lookup.report(name, llama_runs[name], ours)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
@@ -230,19 +242,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok or args.quick else 1
 
 
-def ours_report(plain: LLM, spec: LLM, counters_before, rates, workloads) -> tuple[dict, bool]:
-    """Our figures per workload and batch against the targets, printed; whether all were met."""
-    assert spec.engine.spec is not None
-    drafts, drafted, accepted, _ = spec.engine.spec.counters.totals()
+def _counters(llm: LLM) -> tuple[int, int, int, tuple[int, ...]]:
+    assert llm.engine.spec is not None
+    return llm.engine.spec.counters.totals()
+
+
+def ours_report(method: str, spec: LLM, counters_before, rates, workloads) -> tuple[dict, bool]:
+    """One method's figures per workload and batch against the plain engine and the targets,
+    printed; whether all were met."""
+    drafts, drafted, accepted, _ = _counters(spec)
     drafts, drafted, accepted = (
         drafts - counters_before[0],
         drafted - counters_before[1],
         accepted - counters_before[2],
     )
     report: dict = {
-        "model": str(plain.engine.model_dir),
-        "dtype": str(plain.engine.dtype),
-        "speculative_config": SPEC,
+        "model": str(spec.engine.model_dir),
+        "dtype": str(spec.engine.dtype),
+        "speculative_config": SPECS[method],
         "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
         "mean_accepted_per_verification": round(accepted / drafts, 3) if drafts else 0.0,
     }
@@ -250,7 +267,7 @@ def ours_report(plain: LLM, spec: LLM, counters_before, rates, workloads) -> tup
     for name in workloads:
         for batch in (1, 8):
             base = statistics.median(rates[name, batch, "plain"])
-            ours = statistics.median(rates[name, batch, "spec"])
+            ours = statistics.median(rates[name, batch, method])
             ratio = ours / base
             target = TARGETS[name, batch]
             met = ratio >= target
@@ -263,11 +280,11 @@ def ours_report(plain: LLM, spec: LLM, counters_before, rates, workloads) -> tup
                 "met": met,
             }
             print(
-                f"{name} batch {batch}: plain {base:.1f} tok/s, speculative {ours:.1f} tok/s = {ratio:.3f}x "
+                f"{method} {name} batch {batch}: plain {base:.1f} tok/s, speculative {ours:.1f} tok/s = {ratio:.3f}x "
                 f"(target >= {target}: {'met' if met else 'MISSED'})"
             )
     print(
-        f"acceptance: {report['acceptance_rate']:.3f} of drafted tokens, "
+        f"{method} acceptance: {report['acceptance_rate']:.3f} of drafted tokens, "
         f"{report['mean_accepted_per_verification']:.2f} accepted per verification"
     )
     return report, ok

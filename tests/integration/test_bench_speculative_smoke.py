@@ -1,6 +1,6 @@
 """The speculative-decoding benchmark still runs: ``--quick`` on a tiny model measures both
-workloads at batch 1 and 8 each way and reports every ratio and the acceptance (no timing
-thresholds: timings here are noise)."""
+workloads at batch 1 and 8, plain and with each drafting method, and reports every ratio and the
+acceptance (no timing thresholds: timings here are noise)."""
 
 import json
 import subprocess
@@ -24,11 +24,15 @@ def test_quick_run_reports_every_ratio_and_the_acceptance(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     report = json.loads(results.read_text())
-    assert 0.0 <= report["acceptance_rate"] <= 1.0
-    for workload in ("copy", "free"):
-        for batch in (1, 8):
-            side = report[f"{workload}_batch{batch}"]
-            assert side["plain_tok_s"] > 0 and side["spec_tok_s"] > 0
-            assert side["ratio"] == pytest.approx(side["spec_tok_s"] / side["plain_tok_s"], rel=0.02)
-            assert side["met"] == (side["ratio"] >= side["target"])
-            assert f"{workload} batch {batch}: plain {side['plain_tok_s']:.1f} tok/s" in done.stdout
+    for method in ("ngram", "suffix"):
+        assert report[method]["speculative_config"]["method"] == method
+        assert 0.0 <= report[method]["acceptance_rate"] <= 1.0
+        for workload in ("copy", "free"):
+            for batch in (1, 8):
+                side = report[method][f"{workload}_batch{batch}"]
+                assert side["plain_tok_s"] > 0 and side["spec_tok_s"] > 0
+                assert side["ratio"] == pytest.approx(side["spec_tok_s"] / side["plain_tok_s"], rel=0.02)
+                assert side["met"] == (side["ratio"] >= side["target"])
+                assert (
+                    f"{method} {workload} batch {batch}: plain {side['plain_tok_s']:.1f} tok/s" in done.stdout
+                )
