@@ -205,13 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         for name, tasks in workloads.items():
             for batch in (1, 8):
-                order = list(engines)
+                # Ours by engine name, llama.cpp's by side (both have a "plain").
+                order = [("ours", side) for side in engines]
                 if llama is not None and batch == 1:
-                    order += llama_lookup.SIDES
+                    order += [("llama.cpp", side) for side in llama_lookup.SIDES]
                 if repeat % 2:
                     order.reverse()
-                for side in order:
-                    if side in engines:
+                for engine, side in order:
+                    if engine == "ours":
                         rate = measure(engines[side], tasks, batch, args.max_tokens)
                         rates.setdefault((name, batch, side), []).append(rate)
                     else:

@@ -46,7 +46,7 @@ PROMPTS = [
 def every_draft_is_worth_its_row(monkeypatch):
     """Whether a draft pays for its row depends on measured step times (noise); these tests are
     about what verification emits, so every request drafts as its budget allows."""
-    monkeypatch.setattr(spec_decode, "worth_drafting", lambda cost, decoding: 0.0)
+    monkeypatch.setattr(spec_decode, "draft_rows_worth_running", lambda cost, decoding, chances: len(chances))
 
 
 def _llm(model_dir, spec, **options):
@@ -121,7 +121,7 @@ def test_a_draft_the_grammar_forbids_is_never_verified_and_a_rejected_one_leaves
 
     steps = iter(range(1000))
 
-    def propose(request, room, threshold=0.0):
+    def propose(request, room):
         n = len(request.output_token_ids)
         if n + 2 >= len(reference):
             return []

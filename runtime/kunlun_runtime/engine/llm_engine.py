@@ -106,7 +106,10 @@ class LLMEngine:
         hasher = PrefixHasher.create(config.prefix_caching_hash_algo, os.environ.get("PYTHONHASHSEED"))
         self.kv = KVManager(self.block_pool, config.block_size, config.enable_prefix_caching, hasher)
         self.scheduler = Scheduler(
-            SchedulerLimits.from_config(config), self.kv, utilization=self._utilization_reader()
+            SchedulerLimits.from_config(config),
+            self.kv,
+            utilization=self._utilization_reader(),
+            pass_rows=self.model.decode_pass_rows,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, group=self.group)
         self.adapters: EngineAdapters | None = None

@@ -68,12 +68,18 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(
-        self, limits: SchedulerLimits, kv: KVManager, utilization: Callable[[], float | None] | None = None
+        self,
+        limits: SchedulerLimits,
+        kv: KVManager,
+        utilization: Callable[[], float | None] | None = None,
+        pass_rows: int | None = None,
     ) -> None:
-        """``utilization`` reads the device's utilisation ratio (None where unknown); feedback only."""
+        """``utilization`` reads the device's utilisation ratio (None where unknown); feedback only.
+        ``pass_rows``: the decode rows the model's kernels serve per read of the weights (None:
+        no such limit), for the step-time model."""
         self.limits = limits
         self.kv = kv
-        self.cost = StepCostModel()
+        self.cost = StepCostModel(pass_rows=pass_rows)
         self.policy: SchedulingPolicy = build_policy(
             limits.scheduling_policy,
             self.cost,

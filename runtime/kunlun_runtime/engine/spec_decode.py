@@ -118,24 +118,34 @@ class DraftBudget:
             self.current = min(self.maximum, self.current + 1)
 
 
-def worth_drafting(cost: StepCostModel, decoding: Sequence[Request]) -> float:
-    """The acceptance probability a draft row must have to pay for itself in this step: what one
-    more decode row adds to the step's predicted time, over the time per token the step makes
-    without drafts (the engine's online step-time model; 0 until it has seen decode steps of two
-    sizes, which drafting itself makes). On a CPU a row costs little at batch 1 (the weights
-    stream once for every row) and nearly a token's time at batch 8, where the matmuls stop being
-    memory-bound."""
-    if not decoding or not cost.knows_decode_rows():
-        return 0.0
+def draft_rows_worth_running(
+    cost: StepCostModel, decoding: Sequence[Request], chances: Sequence[float]
+) -> int:
+    """How many of the step's candidate drafts (their chances of acceptance, likeliest first) to
+    run: the count that makes the most expected tokens per second of the step, by the engine's
+    online step-time model; every one until that model has seen decode steps of two sizes (which
+    drafting itself makes). A whole count is chosen, not a price per row, because a row's price
+    is not the same everywhere: on a CPU whose linears read the weights once per pass of 8 rows,
+    the first row of a new pass costs several rows' time and only pays with enough likely drafts
+    after it; rows are cheap at batch 1 and nearly a token's time each at batch 8."""
+    if not chances or not decoding or not cost.knows_decode_rows():
+        return len(chances)
     features = StepFeatures()
     for request in decoding:
         features = features + chunk_features(request.num_tokens - 1, 1)
     longest = max(request.num_tokens for request in decoding)
-    base = cost.predict(features)
-    more = cost.predict(features + chunk_features(longest, 1))
-    if base is None or more is None or base <= 0:
-        return 0.0
-    return (more - base) / (base / len(decoding))
+    seconds = cost.predict(features)
+    if seconds is None or seconds <= 0:
+        return len(chances)
+    best, best_rate = 0, len(decoding) / seconds
+    expected = float(len(decoding))
+    for count, chance in enumerate(chances, 1):
+        expected += chance
+        features = features + chunk_features(longest, 1)
+        seconds = cost.predict(features)
+        if seconds is not None and seconds > 0 and expected / seconds > best_rate:
+            best, best_rate = count, expected / seconds
+    return best
 
 
 @dataclass(slots=True)
@@ -182,27 +192,27 @@ class Proposer:
             else None
         )
 
-    def propose(self, request: Request, room: int, threshold: float = 0.0) -> list[int]:
-        """``request``'s drafts for its next step (``room``: tokens it may still add after the
-        next one, and the step's rows left for drafts). The j-th draft is proposed while the
-        chance that it is accepted (the request's acceptance rate to the j-th power) is at least
-        ``threshold`` (``worth_drafting``). A constrained request's drafts are cut to its grammar
-        by the caller (``spec_grammar.grammar_drafts``)."""
+    def propose(self, request: Request, room: int) -> list[int]:
+        """``request``'s drafts for its next step, at most its budget and ``room`` (tokens it may
+        still add after the next one, and the step's rows left for drafts). How many of them
+        the step runs is the caller's choice (``chance``, ``draft_rows_worth_running``). A
+        constrained request's drafts are cut to its grammar by the caller
+        (``spec_grammar.grammar_drafts``)."""
         if room <= 0:
             return []
         budget = self._budgets.setdefault(request.request_id, DraftBudget(self.config.num_speculative_tokens))
         k = min(budget.next(), room)
-        rate = self._acceptance.get(request.request_id, INITIAL_ACCEPTANCE)
-        worth = 0
-        while worth < k and rate ** (worth + 1) >= threshold:
-            worth += 1
-        k = worth
         if k == 0:
             return []
         index = self._indexes.get(request.request_id)
         if index is None:
             index = self._indexes[request.request_id] = self._new_index(request)
         return index.propose(request.all_token_ids, k)
+
+    def chance(self, request_id: str, position: int) -> float:
+        """The chance that the request's draft at ``position`` (0: the first) is accepted: its
+        recent acceptance rate to the power of the drafts up to it."""
+        return self._acceptance.get(request_id, INITIAL_ACCEPTANCE) ** (position + 1)
 
     def _new_index(self, request: Request) -> NgramIndex | SuffixIndex:
         """The method's index of ``request``'s tokens: its n-grams' first occurrences, or its suffix
@@ -320,24 +330,37 @@ class SpeculativeDecoder:
         cost: StepCostModel,
         grammar_of: Callable[[str], GrammarMatcher | None],
     ) -> None:
-        """Drafts for the running requests about to decode (their last token not computed yet),
-        in the scheduler's order, so that the decode rows with their drafts stay within
-        ``max_rows`` (a decode step of more rows leaves the small-batch kernels for the large-batch
-        matmuls) and each draft is likely enough to be accepted to pay for its row (``cost``: the
-        engine's step-time model); a constrained request's (``grammar_of``: its grammar's state)
-        only as far as its grammar accepts them."""
+        """Drafts for the running requests about to decode (their last token not computed yet):
+        each proposes up to its budget (a constrained request's, ``grammar_of`` its grammar's
+        state, only as far as its grammar accepts them), and the step runs the likeliest of all
+        of them, as many as make the step's tokens per second highest by the engine's step-time
+        model (``cost``) and the decode rows stay within ``max_rows`` (a decode step of more rows
+        leaves the small-batch kernels for the large-batch matmuls)."""
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         spare = max_rows - len(decoding)
-        threshold = worth_drafting(cost, decoding)
         for request in running:
             request.spec_token_ids.clear()
+        proposals = []
         for request in decoding:
             room = min(request.max_total_tokens - request.num_tokens - 1, spare)  # after the next token
-            drafts = grammar_drafts(
-                grammar_of(request.request_id), self.proposer.propose(request, room, threshold)
+            proposals.append(
+                grammar_drafts(grammar_of(request.request_id), self.proposer.propose(request, room))
             )
-            request.spec_token_ids.extend(drafts)
-            spare -= len(drafts)
+        # Every draft by its chance, likeliest first; a request's own in order (its chances fall).
+        candidates = sorted(
+            (
+                (self.proposer.chance(request.request_id, position), position, index)
+                for index, (request, drafts) in enumerate(zip(decoding, proposals, strict=True))
+                for position in range(len(drafts))
+            ),
+            key=lambda candidate: (-candidate[0], candidate[1]),
+        )
+        run = min(max(spare, 0), draft_rows_worth_running(cost, decoding, [c[0] for c in candidates]))
+        counts = [0] * len(decoding)
+        for _, _, index in candidates[:run]:
+            counts[index] += 1
+        for request, drafts, count in zip(decoding, proposals, counts, strict=True):
+            request.spec_token_ids.extend(drafts[:count])
 
     def sample(
         self,

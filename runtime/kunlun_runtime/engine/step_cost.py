@@ -1,13 +1,16 @@
 """An online model of one engine step's time as a function of the batch's composition.
 
     seconds ≈ c0 + c_prefill · prefill tokens + c_decode · decode sequences + c_attend · attended tokens
-              + c_mixed · [the step has any prefill]
+              + c_mixed · [the step has any prefill] (+ c_pass · extra weight passes)
 
 ``attended tokens`` is Σ (new tokens × context length after the step) over the batch: the work of
 attention, which grows with context while the other terms do not. ``c_mixed`` is the fixed price of
 leaving the pure-decode path: on CPUs with our kernels a pure decode step is one fused C++ call,
 and any prefill chunk sends the whole step through the per-layer path, a cost several times the
-decode step it joins whatever the chunk's size (docs/scheduling.md). The coefficients are an exact
+decode step it joins whatever the chunk's size (docs/scheduling.md). ``c_pass`` (only for a model
+built with ``pass_rows``) is the price of each further read of the weights a pure decode step of
+more than ``pass_rows`` rows makes, where the decode kernels serve that many rows per read: on
+such a CPU the row after a full pass costs several rows' time. The coefficients are an exact
 least-squares fit over a sliding window of the latest observations (so the model follows drift:
 another tenant on the device, thermal throttling), with non-negative slopes (a bigger batch never
 predicts a shorter step). Pure Python: no torch, no clock; the caller supplies the seconds.
@@ -22,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFAULT_WINDOW = 256
-_NUM_TERMS = 5  # intercept + four features
+_NUM_TERMS = 5  # intercept + four features (six terms with the weight passes)
 _RIDGE = 1e-9  # per row, on RMS-scaled columns: keeps rank-deficient windows solvable
 
 
@@ -77,13 +80,17 @@ class StepCostModel:
     a fit costs a few dozen float operations whatever the window.
     """
 
-    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(self, window: int = DEFAULT_WINDOW, pass_rows: int | None = None) -> None:
         if window < 1:
             raise ValueError(f"window: must be >= 1, got {window}")
+        if pass_rows is not None and pass_rows < 1:
+            raise ValueError(f"pass_rows: must be >= 1, got {pass_rows}")
         self.window = window
+        self.pass_rows = pass_rows
+        self._terms = _NUM_TERMS + (pass_rows is not None)
         self._rows: deque[tuple[tuple[float, ...], float]] = deque()
-        self._gram = [[0.0] * _NUM_TERMS for _ in range(_NUM_TERMS)]
-        self._rhs = [0.0] * _NUM_TERMS
+        self._gram = [[0.0] * self._terms for _ in range(self._terms)]
+        self._rhs = [0.0] * self._terms
         self._since_rebuild = 0
         self._coefficients: tuple[float, ...] | None = None
         self._stale = False
@@ -102,7 +109,7 @@ class StepCostModel:
         """Record one step; negative or non-finite times are ignored (a clock glitch, not data)."""
         if not 0.0 <= seconds < float("inf"):
             return
-        row = features.row()
+        row = self._row(features)
         self._rows.append((row, float(seconds)))
         self._accumulate(row, float(seconds), 1.0)
         if len(self._rows) > self.window:
@@ -113,22 +120,31 @@ class StepCostModel:
             self._rebuild()
         self._stale = True
 
+    def _row(self, features: StepFeatures) -> tuple[float, ...]:
+        row = features.row()
+        if self.pass_rows is None:
+            return row
+        extra = 0
+        if features.num_prefill_tokens == 0 and features.num_decode_seqs > 0:
+            extra = -(-features.num_decode_seqs // self.pass_rows) - 1
+        return (*row, float(extra))
+
     def _accumulate(self, row: tuple[float, ...], seconds: float, sign: float) -> None:
-        for a in range(_NUM_TERMS):
+        for a in range(self._terms):
             self._rhs[a] += sign * row[a] * seconds
-            for b in range(_NUM_TERMS):
+            for b in range(self._terms):
                 self._gram[a][b] += sign * row[a] * row[b]
 
     def _rebuild(self) -> None:
-        self._gram = [[0.0] * _NUM_TERMS for _ in range(_NUM_TERMS)]
-        self._rhs = [0.0] * _NUM_TERMS
+        self._gram = [[0.0] * self._terms for _ in range(self._terms)]
+        self._rhs = [0.0] * self._terms
         for row, seconds in self._rows:
             self._accumulate(row, seconds, 1.0)
         self._since_rebuild = 0
 
     @property
     def coefficients(self) -> tuple[float, ...] | None:
-        """(c0, c_prefill, c_decode, c_attend, c_mixed), or None before the first observation."""
+        """(c0, c_prefill, c_decode, c_attend, c_mixed[, c_pass]), or None before the first observation."""
         if self._stale:
             self._coefficients = _fit_nonnegative(self._gram, self._rhs, len(self._rows))
             self._stale = False
@@ -139,17 +155,17 @@ class StepCostModel:
         coefficients = self.coefficients
         if coefficients is None:
             return None
-        return sum(c * x for c, x in zip(coefficients, features.row(), strict=True))
+        return sum(c * x for c, x in zip(coefficients, self._row(features), strict=True))
 
 
 def _fit_nonnegative(gram: list[list[float]], rhs: list[float], num_rows: int) -> tuple[float, ...] | None:
     """Least squares with every coefficient >= 0: refit without the term that came out most negative."""
     if num_rows == 0:
         return None
-    active = [True] * _NUM_TERMS
+    active = [True] * len(rhs)
     while True:
         solution = _fit(gram, rhs, num_rows, active)
-        negative = [i for i in range(_NUM_TERMS) if active[i] and solution[i] < 0.0]
+        negative = [i for i in range(len(rhs)) if active[i] and solution[i] < 0.0]
         if not negative:
             return tuple(solution)
         worst = min(negative, key=lambda i: solution[i] * _scale(gram, num_rows, i))
@@ -163,7 +179,7 @@ def _scale(gram: list[list[float]], num_rows: int, column: int) -> float:
 
 def _fit(gram: list[list[float]], rhs: list[float], num_rows: int, active: list[bool]) -> list[float]:
     """Ridge-stabilised normal equations on RMS-scaled columns; inactive terms are 0."""
-    columns = [i for i in range(_NUM_TERMS) if active[i]]
+    columns = [i for i in range(len(rhs)) if active[i]]
     scales = [_scale(gram, num_rows, i) for i in columns]
     matrix = [
         [gram[a][b] / (sa * sb) for b, sb in zip(columns, scales, strict=True)]
@@ -172,7 +188,7 @@ def _fit(gram: list[list[float]], rhs: list[float], num_rows: int, active: list[
     for index in range(len(columns)):
         matrix[index][index] += _RIDGE * num_rows
     solved = _solve(matrix, [rhs[a] / sa for a, sa in zip(columns, scales, strict=True)])
-    solution = [0.0] * _NUM_TERMS
+    solution = [0.0] * len(rhs)
     for column, scale, value in zip(columns, scales, solved, strict=True):
         solution[column] = value / scale
     return solution

@@ -170,6 +170,8 @@ class DecoderModel(nn.Module):
         self.decode_weights: list[torch.Tensor] | None = None
         self.decode_lora: list[torch.Tensor] | None = None
         self.decode_max_rows = cpu_kernels.MAX_ROWS
+        # The decode rows our linears serve per read of the weights (None: no native kernels).
+        self.decode_pass_rows: int | None = None
         self.native_kernels = False  # set by enable_native_kernels
         # The activations' dtype where it differs from the weights' (FP32 over BF16 weights on CPUs
         # without native BF16); None: the embedding's dtype. Set by the loader.
@@ -209,6 +211,8 @@ class DecoderModel(nn.Module):
             elif isinstance(module, Attention):
                 module.attn.native = True
         self.decode_weights = self._collect_decode_weights()
+        quantized = any(isinstance(module, Int8Linear) for module in self.layers.modules())
+        self.decode_pass_rows = cpu_kernels.weight_pass_rows(self.activation_dtype, quantized)
         self.native_kernels = True
         return True
 

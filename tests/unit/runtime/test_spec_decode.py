@@ -14,9 +14,9 @@ from kunlun_runtime.engine.spec_decode import (
     NgramIndex,
     Proposer,
     SpecDecodeCounters,
+    draft_rows_worth_running,
     propose_ngram,
     verify,
-    worth_drafting,
 )
 from kunlun_runtime.engine.step_cost import StepCostModel, chunk_features
 from kunlun_runtime.errors import ConfigError
@@ -169,31 +169,52 @@ def _decoding(count, length=200):
     return requests
 
 
-def test_a_draft_must_be_likelier_to_pay_the_larger_the_batch():
-    """From decode steps timed as a CPU times them (a fixed cost plus a price per row), the
-    acceptance a draft row needs: small at batch 1, high at batch 8; 0 before two batch sizes."""
-    cost = StepCostModel()
+def _cpu_like_cost(pass_rows=None, pass_seconds=0.0):
+    """A step-time model fed decode steps timed as a CPU times them: a fixed cost plus a price
+    per row, and (with ``pass_rows``) a further read of the weights per pass of that many rows."""
+    cost = StepCostModel(pass_rows=pass_rows)
     for _ in range(4):
         cost.observe(chunk_features(199, 1), 0.009)
-    assert worth_drafting(cost, _decoding(1)) == 0.0  # one size seen: no price per row known yet
-    for rows in (2, 4, 8, 12, 16):
+    assert not cost.knows_decode_rows()
+    for rows in (2, 4, 8, 9, 12, 16):
         for _ in range(4):
             features = chunk_features(199, 1)
             for _ in range(rows - 1):
                 features = features + chunk_features(199, 1)
-            cost.observe(features, 0.0075 + 0.00115 * rows)
-    alone, eight = worth_drafting(cost, _decoding(1)), worth_drafting(cost, _decoding(8))
-    assert 0.05 < alone < 0.2 and 0.4 < eight < 0.7
+            passes = -(-rows // pass_rows) - 1 if pass_rows else 0
+            cost.observe(features, 0.0075 + 0.00115 * rows + pass_seconds * passes)
+    return cost
 
 
-def test_a_request_drafts_as_far_as_its_acceptance_pays():
+def test_the_step_runs_as_many_drafts_as_raise_its_tokens_per_second():
+    cost = StepCostModel()
+    cost.observe(chunk_features(199, 1), 0.009)
+    assert draft_rows_worth_running(cost, _decoding(1), [0.1] * 5) == 5  # no price per row known yet
+    cost = _cpu_like_cost()
+    # Batch 1: a row costs 1.15 ms beside an 8.65 ms token; the fourth draft (0.3) would lower
+    # the expected tokens per second. Batch 8: beside a 2.1 ms token, still the first three.
+    assert draft_rows_worth_running(cost, _decoding(1), [0.9, 0.8, 0.6, 0.3, 0.1, 0.05]) == 3
+    assert draft_rows_worth_running(cost, _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 3
+    assert draft_rows_worth_running(cost, _decoding(8), [0.4, 0.3]) == 0
+
+
+def test_a_new_pass_over_the_weights_is_paid_for_by_the_drafts_after_it():
+    # 8 rows per read of the weights, 6 ms a further read: at batch 8 the first draft row starts
+    # a second pass. One likely draft cannot pay for it; eight nearly certain ones can.
+    cost = _cpu_like_cost(pass_rows=8, pass_seconds=0.006)
+    assert draft_rows_worth_running(cost, _decoding(8), [0.95]) == 0
+    assert draft_rows_worth_running(cost, _decoding(8), [0.95] * 8) == 8
+    assert draft_rows_worth_running(cost, _decoding(4), [0.95, 0.9, 0.2, 0.1, 0.1]) == 2  # within the pass
+
+
+def test_a_request_proposes_its_budget_and_its_drafts_chances_fall_with_position():
     proposer = Proposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
     request = Request("r", [1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(temperature=0), max_total_tokens=64)
-    assert proposer.propose(request, room=10) == [3, 4, 5, 6]  # no price: the whole budget
-    assert proposer.propose(request, room=10, threshold=0.3) == [3, 4]  # 0.6, 0.36 pay; 0.216 does not
+    assert proposer.propose(request, room=10) == [3, 4, 5, 6]
+    assert proposer.propose(request, room=2) == [3, 4]  # never beyond its room
+    assert [round(proposer.chance("r", j), 3) for j in range(3)] == [0.6, 0.36, 0.216]
     proposer.accepted("r", 4, 4)
-    assert proposer.propose(request, room=10, threshold=0.3) == [3, 4, 5]  # 0.68 now
-    assert proposer.propose(request, room=2, threshold=0.0) == [3, 4]  # never beyond its room
+    assert proposer.chance("r", 0) == pytest.approx(0.68)
 
 
 @settings(max_examples=200, deadline=None)

@@ -114,3 +114,24 @@ def test_negative_or_non_finite_times_are_not_data(bad):
 def test_a_window_below_one_is_refused():
     with pytest.raises(ValueError, match="window"):
         StepCostModel(window=0)
+
+
+def test_with_pass_rows_it_learns_the_price_of_each_further_read_of_the_weights():
+    # Pure decode steps of 1..16 rows where every row past each 8 starts another pass costing 5 ms
+    # (mixed steps pay none: their linears are not the decode kernels). The fit recovers it, and
+    # the ninth row is predicted to cost a pass more than the eighth.
+    true_pass = 0.005
+    model, rng = StepCostModel(pass_rows=8), random.Random(3)
+    for _ in range(200):
+        features = random_features(rng)
+        passes = -(-features.num_decode_seqs // 8) - 1 if features.num_prefill_tokens == 0 else 0
+        model.observe(features, synthetic_seconds(features) + true_pass * max(passes, 0))
+    assert model.coefficients is not None and len(model.coefficients) == 6
+    assert model.coefficients[:5] == pytest.approx(TRUE, rel=1e-4, abs=1e-12)
+    assert model.coefficients[5] == pytest.approx(true_pass, rel=1e-4)
+    eight, nine = StepFeatures(0, 8, 8000), StepFeatures(0, 9, 9000)
+    assert model.predict(nine) - model.predict(eight) == pytest.approx(
+        3e-4 + 1000 * 1e-8 + true_pass, rel=1e-3
+    )
+    with pytest.raises(ValueError, match="pass_rows"):
+        StepCostModel(pass_rows=0)
