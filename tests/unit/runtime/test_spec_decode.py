@@ -9,15 +9,15 @@ from hypothesis import strategies as st
 from kunlun_runtime.config import SpeculativeConfig, parse_speculative_config
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
-from kunlun_runtime.engine.spec_decode import (
+from kunlun_runtime.engine.spec_decode import SpecDecodeCounters
+from kunlun_runtime.engine.spec_propose import (
     DraftBudget,
     NgramIndex,
     Proposer,
-    SpecDecodeCounters,
     draft_rows_worth_running,
     propose_ngram,
-    verify,
 )
+from kunlun_runtime.engine.spec_verify import verify
 from kunlun_runtime.engine.step_cost import StepCostModel, chunk_features
 from kunlun_runtime.errors import ConfigError
 

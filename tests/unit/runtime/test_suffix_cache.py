@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kunlun_runtime.config import SpeculativeConfig
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
-from kunlun_runtime.engine.spec_decode import Proposer
+from kunlun_runtime.engine.spec_propose import Proposer
 from kunlun_runtime.engine.suffix_cache import SuffixCache, SuffixIndex, SuffixParams
 from kunlun_runtime.lora.request import LoRARequest
 from tests.support.suffix_reference import path_counts, reference_draft, substring_counts

@@ -1,0 +1,192 @@
+"""Speculative decoding's proposing side: what each decoding request drafts and how many of
+all the drafts a step runs.
+
+``ngram`` drafts come from an index of the first occurrences of a request's n-grams, ``suffix``
+drafts from ``suffix_cache``'s trees; a request drafts up to its budget, which follows its
+acceptance (``DraftBudget``), and the step runs the likeliest drafts of all its requests, as many
+as its step-time model says raise the step's tokens per second (``draft_rows_worth_running``).
+Must not: verify drafts or touch logits (``spec_verify``), or know the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kunlun_runtime.config import SpeculativeConfig
+from kunlun_runtime.engine.request import Request
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features
+from kunlun_runtime.engine.suffix_cache import SuffixCache, SuffixIndex, SuffixParams, tenant_of
+
+
+def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``k`` tokens that followed the first occurrence of the last n tokens of ``tokens``
+    (the suffix itself excluded), for the largest n in [min_n, max_n] that occurs; [] when none
+    does. The first, not the latest: a text being copied is in the prompt, before the output's
+    own repeats (on copy tasks it accepted 0.67 of its drafts against 0.52 with the latest)."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = list(tokens[length - n :])
+        for start in range(length - n):
+            if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
+                follow = list(tokens[start + n : start + n + k])
+                if follow:
+                    return follow
+    return []
+
+
+class NgramIndex:
+    """Where each n-gram (n in [min_n, max_n]) of a request's tokens first occurs, extended as its
+    tokens grow, so a proposal is a few dictionary lookups rather than a scan of the context."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._first: dict[tuple[int, ...], int] = {}  # n-gram → the position just after its first occurrence
+        self._indexed = 0  # tokens whose n-grams ending there are in the index
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """``propose_ngram(tokens, k, min_n, max_n)``, from the index."""
+        length = len(tokens)
+        # The suffix's own occurrence must not count: index every n-gram ending before the last token.
+        for end in range(max(self._indexed, 1), length):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._first.setdefault(tuple(tokens[end - n : end]), end)
+        self._indexed = max(self._indexed, length)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            after = self._first.get(tuple(tokens[length - n :]))
+            if after is not None and after < length:
+                return list(tokens[after : after + k])
+        return []
+
+
+@dataclass(slots=True)
+class DraftBudget:
+    """How many drafts a request gets: starts at the configured maximum, halves after a step that
+    accepted none (down to none at all), grows by one after a step that accepted all. At none it
+    rests ``REST_STEPS`` steps, then probes with one draft: text with nothing to copy pays for a
+    draft only now and then."""
+
+    REST_STEPS = 8
+    maximum: int
+    current: int = -1
+    resting: int = 0
+
+    def __post_init__(self) -> None:
+        if self.current < 0:
+            self.current = self.maximum
+
+    def next(self) -> int:
+        """Drafts for the next step."""
+        if self.current == 0:
+            self.resting += 1
+            if self.resting >= self.REST_STEPS:
+                self.resting, self.current = 0, 1
+        return self.current
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed and accepted == 0:
+            self.current //= 2
+        elif proposed and accepted == proposed:
+            self.current = min(self.maximum, self.current + 1)
+
+
+def draft_rows_worth_running(
+    cost: StepCostModel, decoding: Sequence[Request], chances: Sequence[float]
+) -> int:
+    """How many of the step's candidate drafts (their chances of acceptance, likeliest first) to
+    run: the count that makes the most expected tokens per second of the step, by the engine's
+    online step-time model; every one until that model has seen decode steps of two sizes (which
+    drafting itself makes). A whole count is chosen, not a price per row, because a row's price
+    is not the same everywhere: on a CPU whose linears read the weights once per pass of 8 rows,
+    the first row of a new pass costs several rows' time and only pays with enough likely drafts
+    after it; rows are cheap at batch 1 and nearly a token's time each at batch 8."""
+    if not chances or not decoding or not cost.knows_decode_rows():
+        return len(chances)
+    features = StepFeatures()
+    for request in decoding:
+        features = features + chunk_features(request.num_tokens - 1, 1)
+    longest = max(request.num_tokens for request in decoding)
+    seconds = cost.predict(features)
+    if seconds is None or seconds <= 0:
+        return len(chances)
+    best, best_rate = 0, len(decoding) / seconds
+    expected = float(len(decoding))
+    for count, chance in enumerate(chances, 1):
+        expected += chance
+        features = features + chunk_features(longest, 1)
+        seconds = cost.predict(features)
+        if seconds is not None and seconds > 0 and expected / seconds > best_rate:
+            best, best_rate = count, expected / seconds
+    return best
+
+
+INITIAL_ACCEPTANCE = 0.6  # a request's acceptance rate before its first verification
+ACCEPTANCE_MEMORY = 0.8  # weight of the past in a request's acceptance rate
+
+
+class Proposer:
+    """Drafts for the running requests about to decode, within their budgets and lengths, and
+    only as many as their recent acceptance makes worth this step's cost."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._budgets: dict[str, DraftBudget] = {}
+        self._acceptance: dict[str, float] = {}  # per request: accepted / drafted, recent steps weighted
+        self._indexes: dict[str, NgramIndex | SuffixIndex] = {}
+        # suffix: its settings, and the tenants' outputs its drafts may also come from (None
+        # under ngram, or with suffix_decoding_max_cached_requests 0)
+        self._suffix = SuffixParams.from_config(config) if config.method == "suffix" else None
+        self._suffix_cache = (
+            SuffixCache(self._suffix.max_tree_depth, self._suffix.max_cached_requests)
+            if self._suffix is not None and self._suffix.max_cached_requests > 0
+            else None
+        )
+
+    def propose(self, request: Request, room: int) -> list[int]:
+        """``request``'s drafts for its next step, at most its budget and ``room`` (tokens it may
+        still add after the next one, and the step's rows left for drafts). How many of them
+        the step runs is the caller's choice (``chance``, ``draft_rows_worth_running``). A
+        constrained request's drafts are cut to its grammar by the caller
+        (``spec_grammar.grammar_drafts``)."""
+        if room <= 0:
+            return []
+        budget = self._budgets.setdefault(request.request_id, DraftBudget(self.config.num_speculative_tokens))
+        k = min(budget.next(), room)
+        if k == 0:
+            return []
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = self._indexes[request.request_id] = self._new_index(request)
+        return index.propose(request.all_token_ids, k)
+
+    def chance(self, request_id: str, position: int) -> float:
+        """The chance that the request's draft at ``position`` (0: the first) is accepted: its
+        recent acceptance rate to the power of the drafts up to it."""
+        return self._acceptance.get(request_id, INITIAL_ACCEPTANCE) ** (position + 1)
+
+    def _new_index(self, request: Request) -> NgramIndex | SuffixIndex:
+        """The method's index of ``request``'s tokens: its n-grams' first occurrences, or its suffix
+        tree beside its tenant's cached outputs."""
+        if self._suffix is not None:
+            return SuffixIndex(self._suffix, self._suffix_cache, tenant_of(request))
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        assert low is not None and high is not None  # an ngram SpeculativeConfig has both
+        return NgramIndex(low, high)
+
+    def accepted(self, request_id: str, proposed: int, accepted: int) -> None:
+        budget = self._budgets.get(request_id)
+        if budget is not None:
+            budget.update(proposed, accepted)
+        if proposed:
+            rate = self._acceptance.get(request_id, INITIAL_ACCEPTANCE)
+            self._acceptance[request_id] = (
+                ACCEPTANCE_MEMORY * rate + (1 - ACCEPTANCE_MEMORY) * accepted / proposed
+            )
+
+    def forget(self, request: Request) -> None:
+        """Drop finished ``request``'s state; under suffix its output joins its tenant's cache."""
+        self._budgets.pop(request.request_id, None)
+        self._acceptance.pop(request.request_id, None)
+        self._indexes.pop(request.request_id, None)
+        if self._suffix_cache is not None:
+            self._suffix_cache.add(tenant_of(request), request.output_token_ids)
