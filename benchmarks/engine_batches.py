@@ -21,14 +21,24 @@ class BatchTiming:
 
 
 def run_batch(
-    engine: Any, prompts: Sequence[list[int]], params: Any, loras: Sequence[Any] | None = None
+    engine: Any,
+    prompts: Sequence[list[int]],
+    params: Any,
+    loras: Sequence[Any] | None = None,
+    cache_salt: str | None = None,
 ) -> BatchTiming:
-    """Add every prompt (token ids; with its LoRA request where given) at once, step until all
-    finish, and time it."""
+    """Add every prompt (token ids; with its LoRA request where given; all under ``cache_salt``,
+    one tenant) at once, step until all finish, and time it."""
     began = time.perf_counter()
     for index, prompt in enumerate(prompts):
         lora = None if loras is None else loras[index]
-        engine.add_request(f"bench-{began}-{index}", {"prompt_token_ids": prompt}, params, lora_request=lora)
+        engine.add_request(
+            f"bench-{began}-{index}",
+            {"prompt_token_ids": prompt},
+            params,
+            lora_request=lora,
+            cache_salt=cache_salt,
+        )
     first: dict[str, float] = {}
     counts: dict[str, int] = {}
     while engine.has_unfinished_requests():

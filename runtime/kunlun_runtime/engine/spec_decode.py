@@ -105,7 +105,8 @@ class SpeculativeDecoder:
             ),
             key=lambda candidate: (-candidate[0], candidate[1]),
         )
-        run = min(max(spare, 0), draft_rows_worth_running(cost, decoding, [c[0] for c in candidates]))
+        del candidates[max(spare, 0) :]  # the step's rows: no more drafts than that can run
+        run = draft_rows_worth_running(cost, decoding, [candidate[0] for candidate in candidates])
         counts = [0] * len(decoding)
         for _, _, index in candidates[:run]:
             counts[index] += 1

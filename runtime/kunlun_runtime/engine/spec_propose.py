@@ -120,8 +120,9 @@ def draft_rows_worth_running(
     return best
 
 
-INITIAL_ACCEPTANCE = 0.6  # a request's acceptance rate before its first verification
+INITIAL_ACCEPTANCE = 0.6  # the acceptance rate assumed before any verification
 ACCEPTANCE_MEMORY = 0.8  # weight of the past in a request's acceptance rate
+PRIOR_MEMORY = 0.95  # weight of the past in the rate across requests (a new request's prior)
 
 
 class Proposer:
@@ -132,6 +133,9 @@ class Proposer:
         self.config = config
         self._budgets: dict[str, DraftBudget] = {}
         self._acceptance: dict[str, float] = {}  # per request: accepted / drafted, recent steps weighted
+        # Across requests, recent verifications weighted: where a new request starts, so a workload
+        # whose drafts mostly fail (free text) does not try each new request at an optimistic rate.
+        self._prior = INITIAL_ACCEPTANCE
         self._indexes: dict[str, NgramIndex | SuffixIndex] = {}
         # suffix: its settings, and the tenants' outputs its drafts may also come from (None
         # under ngram, or with suffix_decoding_max_cached_requests 0)
@@ -162,7 +166,7 @@ class Proposer:
     def chance(self, request_id: str, position: int) -> float:
         """The chance that the request's draft at ``position`` (0: the first) is accepted: its
         recent acceptance rate to the power of the drafts up to it."""
-        return self._acceptance.get(request_id, INITIAL_ACCEPTANCE) ** (position + 1)
+        return self._acceptance.get(request_id, self._prior) ** (position + 1)
 
     def _new_index(self, request: Request) -> NgramIndex | SuffixIndex:
         """The method's index of ``request``'s tokens: its n-grams' first occurrences, or its suffix
@@ -178,10 +182,11 @@ class Proposer:
         if budget is not None:
             budget.update(proposed, accepted)
         if proposed:
-            rate = self._acceptance.get(request_id, INITIAL_ACCEPTANCE)
+            rate = self._acceptance.get(request_id, self._prior)
             self._acceptance[request_id] = (
                 ACCEPTANCE_MEMORY * rate + (1 - ACCEPTANCE_MEMORY) * accepted / proposed
             )
+            self._prior = PRIOR_MEMORY * self._prior + (1 - PRIOR_MEMORY) * accepted / proposed
 
     def forget(self, request: Request) -> None:
         """Drop finished ``request``'s state; under suffix its output joins its tenant's cache."""

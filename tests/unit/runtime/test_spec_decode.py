@@ -217,6 +217,17 @@ def test_a_request_proposes_its_budget_and_its_drafts_chances_fall_with_position
     assert proposer.chance("r", 0) == pytest.approx(0.68)
 
 
+def test_a_new_request_starts_from_the_acceptance_across_requests():
+    # Drafts that keep failing for others (free text) lower where a new request starts.
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+    assert proposer.chance("new", 0) == pytest.approx(0.6)
+    for index in range(40):
+        proposer.accepted(f"old-{index}", 4, 0)
+    assert proposer.chance("new", 0) < 0.1
+    proposer.accepted("new", 2, 2)  # its own verifications move it from there
+    assert 0.1 < proposer.chance("new", 0) < 0.3
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60),
