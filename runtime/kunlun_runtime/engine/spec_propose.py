@@ -90,6 +90,9 @@ class DraftBudget:
             self.current = min(self.maximum, self.current + 1)
 
 
+DRAFT_MARGIN = 0.05  # the predicted gain in tokens per second a step's drafts must bring
+
+
 def draft_rows_worth_running(
     cost: StepCostModel, decoding: Sequence[Request], chances: Sequence[float]
 ) -> int:
@@ -99,7 +102,8 @@ def draft_rows_worth_running(
     drafting itself makes). A whole count is chosen, not a price per row, because a row's price
     is not the same everywhere: on a CPU whose linears read the weights once per pass of 8 rows,
     the first row of a new pass costs several rows' time and only pays with enough likely drafts
-    after it; rows are cheap at batch 1 and nearly a token's time each at batch 8."""
+    after it; rows are cheap at batch 1 and nearly a token's time each at batch 8. Drafts are run
+    only for a predicted gain of at least ``DRAFT_MARGIN``."""
     if not chances or not decoding or not cost.knows_decode_rows():
         return len(chances)
     features = StepFeatures()
@@ -109,7 +113,8 @@ def draft_rows_worth_running(
     seconds = cost.predict(features)
     if seconds is None or seconds <= 0:
         return len(chances)
-    best, best_rate = 0, len(decoding) / seconds
+    plain_rate = len(decoding) / seconds
+    best, best_rate = 0, plain_rate
     expected = float(len(decoding))
     for count, chance in enumerate(chances, 1):
         expected += chance
@@ -117,7 +122,9 @@ def draft_rows_worth_running(
         seconds = cost.predict(features)
         if seconds is not None and seconds > 0 and expected / seconds > best_rate:
             best, best_rate = count, expected / seconds
-    return best
+    # The chances are estimates (recent acceptance) and the times a fit: a predicted gain within
+    # their error is as likely a loss, and a loss is what speculation must not bring.
+    return best if best_rate >= (1 + DRAFT_MARGIN) * plain_rate else 0
 
 
 INITIAL_ACCEPTANCE = 0.6  # the acceptance rate assumed before any verification

@@ -199,11 +199,14 @@ def test_the_step_runs_as_many_drafts_as_raise_its_tokens_per_second():
 
 
 def test_a_new_pass_over_the_weights_is_paid_for_by_the_drafts_after_it():
-    # 8 rows per read of the weights, 6 ms a further read: at batch 8 the first draft row starts
-    # a second pass. One likely draft cannot pay for it; eight nearly certain ones can.
-    cost = _cpu_like_cost(pass_rows=8, pass_seconds=0.006)
+    # 8 rows per read of the weights, 3 ms a further read: at batch 8 the first draft row starts
+    # a second pass. One likely draft cannot pay for it; eight nearly certain ones can; at 6 ms a
+    # pass they would gain too little to be worth the risk.
+    cost = _cpu_like_cost(pass_rows=8, pass_seconds=0.003)
     assert draft_rows_worth_running(cost, _decoding(8), [0.95]) == 0
     assert draft_rows_worth_running(cost, _decoding(8), [0.95] * 8) == 8
+    costly = _cpu_like_cost(pass_rows=8, pass_seconds=0.006)
+    assert draft_rows_worth_running(costly, _decoding(8), [0.95] * 8) == 0
     assert draft_rows_worth_running(cost, _decoding(4), [0.95, 0.9, 0.2, 0.1, 0.1]) == 2  # within the pass
 
 
