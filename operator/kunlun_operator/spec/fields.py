@@ -7,6 +7,7 @@ before it applies the CRD's defaults), so its result is never None.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, overload
@@ -158,6 +159,36 @@ def read_int(
     if maximum is not None and value > maximum:
         raise SpecError(field, f"must be ≤ {maximum}, got {value}")
     return value
+
+
+def read_number(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    above: float | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> float | None:
+    """The number at ``key`` as a float (an integer is a number too); None when absent.
+
+    Raises:
+        SpecError: not a finite number (booleans are not numbers), not above ``above``, or
+            outside ``[minimum, maximum]``; naming the field.
+    """
+    value = data.get(key)
+    if value is None:
+        return None
+    field = f"{path}.{key}"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SpecError(field, f"must be a number, got {value!r}")
+    if above is not None and value <= above:
+        raise SpecError(field, f"must be > {above:g}, got {value}")
+    if minimum is not None and value < minimum:
+        raise SpecError(field, f"must be ≥ {minimum:g}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(field, f"must be ≤ {maximum:g}, got {value}")
+    return float(value)
 
 
 @overload

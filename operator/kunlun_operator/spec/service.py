@@ -19,6 +19,7 @@ from kunlun_operator.spec.fields import (
     read_int,
     read_int_or_str,
     read_list,
+    read_number,
     read_obj,
     read_str,
     read_string_map,
@@ -300,7 +301,7 @@ def _parse_autoscaling(a: Mapping[str, Any]) -> AutoscalingSpec:
         min_replicas=read_int(a, "minReplicas", p, minimum=1, default=1),
         max_replicas=read_int(a, "maxReplicas", p, minimum=1),
         metric=read_choice(a, "metric", p, METRICS, default="requestsWaiting"),
-        target=_number(a, "target", p),
+        target=read_number(a, "target", p, above=0.0),
     )
     if parsed.enabled and parsed.max_replicas is None:
         raise SpecError(f"{p}.maxReplicas", "is required when autoscaling is enabled")
@@ -311,15 +312,6 @@ def _parse_autoscaling(a: Mapping[str, Any]) -> AutoscalingSpec:
     if parsed.metric == "kvCacheUsage" and parsed.target is not None and parsed.target > 1:
         raise SpecError(f"{p}.target", f"kvCacheUsage is a ratio in (0, 1]; got {parsed.target}")
     return parsed
-
-
-def _number(data: Mapping[str, Any], key: str, path: str) -> float | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise SpecError(f"{path}.{key}", f"must be a number > 0, got {value!r}")
-    return float(value)
 
 
 def _parse_scheduling(s: Mapping[str, Any]) -> SchedulingSpec:

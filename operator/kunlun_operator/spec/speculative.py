@@ -9,12 +9,11 @@ Must not talk to the API. Invariant: every ``SpecError`` names the field.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from kunlun_operator.errors import SpecError
-from kunlun_operator.spec.fields import read_choice, read_int, read_obj
+from kunlun_operator.spec.fields import read_choice, read_int, read_number, read_obj
 from kunlun_operator.spec.values import SPECULATIVE_METHODS, SpeculativeMethod, SpeculativeSpec
 
 PATH = "spec.runtime.speculative"
@@ -65,8 +64,10 @@ def parse_speculative(rt: Mapping[str, Any]) -> SpeculativeSpec | None:
         prompt_lookup_min=_integer(raw, "promptLookupMin"),
         suffix_decoding_max_tree_depth=_integer(raw, "suffixDecodingMaxTreeDepth"),
         suffix_decoding_max_cached_requests=_integer(raw, "suffixDecodingMaxCachedRequests"),
-        suffix_decoding_max_spec_factor=_number(raw, "suffixDecodingMaxSpecFactor", above=0.0),
-        suffix_decoding_min_token_prob=_number(raw, "suffixDecodingMinTokenProb", minimum=0.0, maximum=1.0),
+        suffix_decoding_max_spec_factor=read_number(raw, "suffixDecodingMaxSpecFactor", PATH, above=0.0),
+        suffix_decoding_min_token_prob=read_number(
+            raw, "suffixDecodingMinTokenProb", PATH, minimum=0.0, maximum=1.0
+        ),
     )
     lookup_max = parsed.prompt_lookup_max or RUNTIME_PROMPT_LOOKUP_MAX
     if parsed.prompt_lookup_min is not None and parsed.prompt_lookup_min > lookup_max:
@@ -81,31 +82,3 @@ def parse_speculative(rt: Mapping[str, Any]) -> SpeculativeSpec | None:
 def _integer(raw: Mapping[str, Any], name: str) -> int | None:
     minimum, maximum = INTEGER_BOUNDS[name]
     return read_int(raw, name, PATH, minimum=minimum, maximum=maximum)
-
-
-def _number(
-    raw: Mapping[str, Any],
-    name: str,
-    *,
-    above: float | None = None,
-    minimum: float | None = None,
-    maximum: float | None = None,
-) -> float | None:
-    """The number at ``name`` as a float (an integer is a number too); None when unset.
-
-    Raises:
-        SpecError: not a finite number, or out of bounds; naming the field.
-    """
-    value = raw.get(name)
-    if value is None:
-        return None
-    field = f"{PATH}.{name}"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise SpecError(field, f"must be a number, got {value!r}")
-    if above is not None and value <= above:
-        raise SpecError(field, f"must be > {above:g}, got {value}")
-    if minimum is not None and value < minimum:
-        raise SpecError(field, f"must be ≥ {minimum:g}, got {value}")
-    if maximum is not None and value > maximum:
-        raise SpecError(field, f"must be ≤ {maximum:g}, got {value}")
-    return float(value)
