@@ -12,11 +12,19 @@
 // several rows as H · rows heads, unchanged.
 //
 // Long ranges are split across threads, as flash-decoding does; each (row, head)'s partial results
-// (maximum, sum of exponentials, unnormalised output) are merged by their maxima.
+// (maximum, sum of exponentials, unnormalised output) are merged by their maxima. Tasks differ
+// widely in size (a split of a long range for many rows, a draft's tail of a few keys), so threads
+// take them heaviest first, each the next one left when it finishes (run_tasks): a static split of
+// the task list gave one thread every long split and the other the tails, and a decode row with
+// drafts ran at half speed.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 namespace kunlun_cpu::paged {
@@ -35,6 +43,7 @@ struct AttentionPlan {
   std::vector<AttentionTask> tasks;
   std::vector<int64_t> first_part;  // [B + 1]: row b's parts are parts[first_part[b], first_part[b + 1])
   std::vector<TaskPart> parts;
+  std::vector<int64_t> order;       // task indices, heaviest (rows × keys) first
   int64_t heads = 0;                // results held by all tasks together
 
   // Where head h (of H, in KV-head groups of `group`) of `part`'s row sits among the results.
@@ -94,7 +103,26 @@ inline AttentionPlan plan_attention(const int64_t* tables, const int64_t* length
     plan.first_part[b + 1] = plan.first_part[b] + static_cast<int64_t>(row_parts[b].size());
     plan.parts.insert(plan.parts.end(), row_parts[b].begin(), row_parts[b].end());
   }
+  plan.order.resize(plan.tasks.size());
+  std::iota(plan.order.begin(), plan.order.end(), int64_t{0});
+  auto work = [&](int64_t t) { return plan.tasks[t].rows * (plan.tasks[t].key_end - plan.tasks[t].key_begin); };
+  std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) { return work(a) > work(b); });
   return plan;
+}
+
+// Runs `worker(take)` once on each intra-op thread (as many as there are tasks, at most): take()
+// returns the index of the next task to run, heaviest first, or -1 when none is left, so per-thread
+// scratch lives in the worker and a thread that finishes early takes more.
+template <typename Worker>
+void run_tasks(const AttentionPlan& plan, Worker worker) {
+  const int64_t count = static_cast<int64_t>(plan.order.size());
+  std::atomic<int64_t> next{0};
+  auto take = [&]() -> int64_t {
+    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    return i < count ? plan.order[i] : -1;
+  };
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { worker(take); });
 }
 
 }  // namespace kunlun_cpu::paged

@@ -361,12 +361,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t group = H / KVH;
   const paged::AttentionPlan plan = paged::plan_attention(tables, lengths, B, max_blocks, block_size, window, H,
                                                           at::get_num_threads(), kMinSplitKeys);
-  const int64_t tasks = static_cast<int64_t>(plan.tasks.size());
   std::vector<float> maxima(plan.heads), sums(plan.heads), partial(plan.heads * D);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  paged::run_tasks(plan, [&](auto take) {
     std::vector<float> rotated_q(D);
     std::vector<bf16> queries;
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = take(); t >= 0; t = take()) {
       const paged::AttentionTask& task = plan.tasks[t];
       queries.resize(task.rows * H * D);
       for (int64_t r = 0; r < task.rows; ++r) {
