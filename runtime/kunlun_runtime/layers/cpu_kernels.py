@@ -101,26 +101,18 @@ HEADERS = (
     CSRC / "avx2" / "vec_avx2.h",
 )
 PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
-# The largest batches our linears take instead of oneDNN: BF16 runs 3-16 rows in one AMX pass,
-# streaming the weight once for all of them, and beats oneDNN over that whole range; the INT8
-# kernels are compute-bound above 8.
+# The largest batches our linears take instead of oneDNN, each streaming the weight once for all
+# its rows: BF16 runs 3-16 rows in one AMX pass where AMX is granted, and 9-16 rows in one AVX-512
+# pass otherwise; the INT8 kernels are compute-bound above 8.
 MAX_ROWS = 16
 INT8_MAX_ROWS = 8
-# Without AMX the AVX-512 linears stream the weights once per pass of this many rows.
-AVX512_PASS_ROWS = 8
 
 
-def weight_pass_rows(activations: torch.dtype, quantized: bool) -> int:
-    """The most decode rows our linears serve with one read of the weights, for activations of
-    ``activations`` on this machine: all they take on the AVX2 tier (a tile's rows share each
-    weight block while it is in L1) and for BF16 where AMX runs them as one pass; per 8 rows on
-    AVX-512 otherwise, where the row after a full pass streams every weight again."""
-    most = INT8_MAX_ROWS if quantized else MAX_ROWS
-    if activations == torch.float32:
-        return most
-    if not quantized and cpu_capabilities().tier is IsaTier.AMX:
-        return most
-    return min(most, AVX512_PASS_ROWS)
+def weight_pass_rows(quantized: bool) -> int:
+    """The most decode rows our linears serve with one read of the weights, on every tier: a
+    larger batch runs in passes, each streaming every weight again (the scheduler's step-cost
+    model prices them)."""
+    return INT8_MAX_ROWS if quantized else MAX_ROWS
 
 
 def tier_for_dtype(dtype: torch.dtype) -> KernelTier | None:

@@ -212,7 +212,7 @@ class DecoderModel(nn.Module):
                 module.attn.native = True
         self.decode_weights = self._collect_decode_weights()
         quantized = any(isinstance(module, Int8Linear) for module in self.layers.modules())
-        self.decode_pass_rows = cpu_kernels.weight_pass_rows(self.activation_dtype, quantized)
+        self.decode_pass_rows = cpu_kernels.weight_pass_rows(quantized)
         self.native_kernels = True
         return True
 

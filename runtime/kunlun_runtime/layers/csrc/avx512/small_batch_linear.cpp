@@ -1,11 +1,15 @@
 // Small-batch (decode) linear kernels for x86 CPUs with AVX-512 BF16.
 //
-// At decode a linear layer multiplies 1..8 activation rows by a weight matrix read from DRAM once
+// At decode a linear layer multiplies a few activation rows by a weight matrix read from DRAM once
 // per step, so it is bound by how fast the weight streams in. oneDNN's BF16 GEMM, built for large
 // M, falls well short of the memory bandwidth at M = 1. These kernels
-// stream each weight row once for all (up to 8) activation rows, accumulate in FP32 and round
-// once; a larger M runs in passes of 8 rows, and 3..16 rows of whole tiles go to the AMX kernel
-// (amx_linear.cpp) where the CPU grants AMX:
+// stream each weight row once for all activation rows (up to 16 in BF16, 8 in INT8), accumulate
+// in FP32 and round once; a larger M runs in passes, and 3..16 rows of whole tiles go to the AMX
+// kernel (amx_linear.cpp) where the CPU grants AMX. Up to 8 rows a block takes 2 or 4 weight rows
+// (independent accumulators hide the dot products' latency); 9..16 rows take one weight row each
+// and add the rows' lanes in one transpose: a decode batch of 8 with its speculative drafts then
+// still reads each weight once (as two passes of 8 it read them twice, 1.4x the step's linear time
+// on a 2-core Zen 5):
 //
 //   kunlun_cpu::linear_bf16(x bf16 [M, K], w bf16 [N, K], bias fp32 [N]?)              -> bf16 [M, N]
 //   kunlun_cpu::linear_int8(x bf16 [M, K], w int8 [N, K], scales fp32 [N], bias fp32 [N]?) -> bf16 [M, N]
@@ -37,7 +41,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 16;      // BF16 rows per pass
+constexpr int64_t kMaxInt8Rows = 8;  // INT8 rows per pass
 constexpr int64_t kMinAmxRows = 3;  // from this many rows on, the AMX kernel (amx_linear.cpp)
 // Software prefetch distance along the weight stream, in bytes: the hardware prefetcher alone leaves
 // each core well below its share of the memory bandwidth; this distance did best on the Xeon (AMX)
@@ -81,11 +86,22 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      const float value = _mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
-      out[m * N + n0 + r] = c10::BFloat16(value);
-    }
+  // Each output sums its lanes in one order whatever M is, so a row's result does not depend on
+  // the rows beside it (a decode row gives the same bits with or without speculative drafts).
+  if constexpr (M > 8) {  // R == 1: the rows' lane sums in one transpose
+    static_assert(R == 1 && M <= 16);
+    __m512 lanes[16];
+    for (int m = 0; m < 16; ++m) lanes[m] = m < M ? acc[m][0] : _mm512_setzero_ps();
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, kunlun_cpu::vec::transpose_sum16_halving(lanes));
+    for (int m = 0; m < M; ++m) out[m * N + n0] = c10::BFloat16(sums[m] + (bias ? bias[n0] : 0.0f));
+  } else {
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) {
+        const float value = kunlun_cpu::vec::sum_halving(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+        out[m * N + n0 + r] = c10::BFloat16(value);
+      }
+  }
 }
 
 // Elements of a row per INT16 activation scale, and per INT32 accumulation: each lane adds 16
@@ -134,10 +150,11 @@ inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks,
     }
 }
 
-// Rows per block: enough independent accumulators to hide the FMA latency, within 32 registers.
+// Weight rows per block: enough independent accumulators to hide the FMA latency, within 32
+// registers.
 template <int M>
 constexpr int rows_per_block() {
-  return M <= 4 ? 4 : 2;
+  return M <= 4 ? 4 : (M <= 8 ? 2 : 1);
 }
 
 // Runs `block<M, R>` over all output channels, R at a time, split across threads; the channels
@@ -186,29 +203,22 @@ void linear_int8_rows(const int16_t* xq, const float* x_scales, int64_t blocks, 
       [&](int64_t n) { int8_block<M, 1>(xq, x_scales, blocks, wp, scales, bias, op, K, N, n); });
 }
 
-template <typename Fn>
-void dispatch_rows(int64_t M, Fn fn) {
-  switch (M) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    default: fn(std::integral_constant<int, 8>{}); break;
+// Calls fn(std::integral_constant<int, rows>) for 1 <= rows <= MAX.
+template <int MAX, int R = 1, typename Fn>
+void dispatch_rows(int64_t rows, Fn fn) {
+  if constexpr (R < MAX) {
+    if (rows != R) return dispatch_rows<MAX, R + 1>(rows, fn);
   }
+  fn(std::integral_constant<int, R>{});
 }
 
-
-// Calls fn(rows, first_row) for the rows of x in passes of up to kMaxRows: each pass streams the
-// weight once, so a batch of 16 reads it twice (still cheaper than a GEMM built for large M).
-template <typename Fn>
+// Calls fn(rows, first_row) for the rows of x in passes of up to MAX rows: each pass streams the
+// weight once, so a batch of 2 * MAX reads it twice (still cheaper than a GEMM built for large M).
+template <int MAX, typename Fn>
 void for_each_pass(int64_t M, Fn fn) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int64_t rows = std::min(kMaxRows, M - m0);
+  for (int64_t m0 = 0; m0 < M; m0 += MAX) {
     auto call = [&](auto r) { fn(r, m0); };
-    dispatch_rows(rows, call);
+    dispatch_rows<MAX>(std::min<int64_t>(MAX, M - m0), call);
   }
 }
 
@@ -225,7 +235,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t K = w.size(1), N = w.size(0);
-  for_each_pass(x.size(0), [&](auto rows, int64_t m0) {
+  for_each_pass<kMaxRows>(x.size(0), [&](auto rows, int64_t m0) {
     linear_bf16_rows<decltype(rows)::value>(xp + m0 * K, w, bias_ptr, op + m0 * N);
   });
   return out;
@@ -280,7 +290,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* bias_ptr = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   auto* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t N = w.size(0);
-  for_each_pass(M, [&](auto rows, int64_t m0) {
+  for_each_pass<kMaxInt8Rows>(M, [&](auto rows, int64_t m0) {
     linear_int8_rows<decltype(rows)::value>(xq.data() + m0 * K, x_scales.data() + m0 * blocks, blocks, w,
                                             scales.const_data_ptr<float>(), bias_ptr, op + m0 * N);
   });
