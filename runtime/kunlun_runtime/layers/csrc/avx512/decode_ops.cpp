@@ -160,23 +160,106 @@ inline void rotate(const bf16* x, const bf16* cos, const bf16* sin, int64_t D, f
 constexpr int64_t kKeyChunk = 64;       // keys scored per pass (their K and V rows stay in L1)
 constexpr int64_t kMinSplitKeys = 64;   // a sequence's keys are split across threads down to this
 
+// Query heads whose P · V accumulators (CHUNKS vectors each) stay in registers together with one
+// value row: the value row is loaded and widened once for all of them.
+template <int CHUNKS>
+constexpr int64_t head_tile() {
+  return CHUNKS <= 2 ? 8 : (CHUNKS <= 4 ? 6 : (CHUNKS <= 8 ? 2 : 1));
+}
+
+// Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
+// scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
+// keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
+// 16 dot products stay in registers.
+template <int PAIRS, bool WHOLE>
+inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16* const* slots, int64_t offset,
+                      int64_t count, __m512 scale) {
+  __m512 dots[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    dots[i] = _mm512_setzero_ps();
+    if (!WHOLE && i >= count) continue;
+    const bf16* key = slots[i] + offset;
+#pragma GCC unroll 8
+    for (int c = 0; c < PAIRS; ++c) {
+      dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], key + 32 * c));
+    }
+  }
+  return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
+}
+
+// P · V for TILE query heads (probabilities at probs + g * kKeyChunk, accumulators at base + g * D)
+// over n value rows (slots[j] + offset).
+template <int TILE, int CHUNKS>
+inline void weigh_values(const float* probs, const bf16* const* slots, int64_t offset, int64_t n,
+                         const __mmask16* lane_mask, float* base, int64_t D) {
+  __m512 sum[TILE][CHUNKS];
+  for (int g = 0; g < TILE; ++g)
+    for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_maskz_loadu_ps(lane_mask[c], base + g * D + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* row = slots[j] + offset;
+    __m512 value[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) value[c] = load_bf16x16(row + 16 * c, lane_mask[c]);
+    for (int g = 0; g < TILE; ++g) {
+      const __m512 weight = _mm512_set1_ps(probs[g * kKeyChunk + j]);
+      for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_fmadd_ps(weight, value[c], sum[g][c]);
+    }
+  }
+  for (int g = 0; g < TILE; ++g)
+    for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(base + g * D + 16 * c, lane_mask[c], sum[g][c]);
+}
+
+// weigh_values for the last `tile` (< head_tile) heads of a group.
+template <int CHUNKS, int TILE = 1>
+inline void weigh_values_tail(int64_t tile, const float* probs, const bf16* const* slots, int64_t offset, int64_t n,
+                              const __mmask16* lane_mask, float* base, int64_t D) {
+  if constexpr (TILE < head_tile<CHUNKS>()) {
+    if (tile == TILE) return weigh_values<TILE, CHUNKS>(probs, slots, offset, n, lane_mask, base, D);
+    return weigh_values_tail<CHUNKS, TILE + 1>(tile, probs, slots, offset, n, lane_mask, base, D);
+  }
+}
+
+// The next chunk's K and V rows of keys [first, last) of one KV head, into L2.
+inline void prefetch_rows(const bf16* const* key_slots, const bf16* const* value_slots, int64_t key_offset,
+                          int64_t value_offset, int64_t first, int64_t last, int64_t row_bytes) {
+  for (int64_t i = first; i < last; ++i) {
+    const char* key = reinterpret_cast<const char*>(key_slots[i] + key_offset);
+    const char* value = reinterpret_cast<const char*>(value_slots[i] + value_offset);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+      _mm_prefetch(key + offset, _MM_HINT_T1);
+      _mm_prefetch(value + offset, _MM_HINT_T1);
+    }
+  }
+}
+
 // One split of one sequence: every query head (q: H rows of D, BF16, rotated) over keys
 // [start, end), as flash-decoding does it: per head the running maximum score, the sum of
 // exponentials relative to it, and the unnormalised output (acc, H × D), merged across splits by
 // the caller. Each chunk of kKeyChunk slots is read from memory once for all heads: scores come 16
 // keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, and each
-// value row is loaded once for the query heads that share its KV head; while a chunk computes, the
-// next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which the hardware
-// prefetcher cannot follow), a few rows per key as the first query head of each KV head scores it.
-// Issuing the whole next chunk's prefetches up front stalled on the line fill buffers (a profile
-// put a large share of this kernel's samples on those instructions); spread out, into L2, they
-// were a small gain at every batch and context size tried. CHUNKS = ceil(D / 16).
+// value row is loaded once for up to head_tile query heads that share its KV head; while a chunk
+// computes, the next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which
+// the hardware prefetcher cannot follow), 16 keys' rows at a time as the first query head of each KV
+// head scores them. Issuing the whole next chunk's prefetches up front stalled on the line fill
+// buffers (a profile put a large share of this kernel's samples on those instructions); spread
+// out, into L2, they were a small gain at every batch and context size tried. CHUNKS = ceil(D / 16)
+// (or more: the masks zero the lanes past D).
 template <int CHUNKS>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
                   float* sums, float* acc) {
-  const int64_t group = H / KVH, pair_chunks = (D + 31) / 32;
+  constexpr int PAIRS = (CHUNKS + 1) / 2;
+  constexpr int64_t kTile = head_tile<CHUNKS>();
+  const int64_t group = H / KVH;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(bf16));
+  __mmask32 pair_mask[PAIRS];
+  for (int c = 0; c < PAIRS; ++c) {
+    const int64_t left = D - 32 * c;
+    pair_mask[c] = left >= 32 ? ~__mmask32(0) : (left <= 0 ? __mmask32(0) : (__mmask32(1) << left) - 1);
+  }
+  __mmask16 lane_mask[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) lane_mask[c] = tail_mask(D - 16 * c);
+  const __m512 scale_v = _mm512_set1_ps(scale);
   std::vector<float> probs_storage(kKeyChunk * group);  // [head in group][key]
   float* probs = probs_storage.data();
   // Slot pointers of this chunk and the next, swapped as the chunks advance.
@@ -197,78 +280,56 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       gather_slots(values, table, block_size, c0 + n, c0 + n + next, next_value_slots);
     }
     for (int64_t kv = 0; kv < KVH; ++kv) {
+      const int64_t key_offset = kv * keys.head_stride, value_offset = kv * values.head_stride;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
-        __m512bh qv[8];  // D <= 256
-        for (int64_t c = 0; c < pair_chunks; ++c) {
-          const __mmask32 mask = D - 32 * c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - 32 * c)) - 1;
-          qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, q + h * D + 32 * c);
-        }
+        __m512bh qv[PAIRS];
+        for (int c = 0; c < PAIRS; ++c) qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + h * D + 32 * c);
         float* p = probs + g * kKeyChunk;
         __m512 max_lanes = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n; j += 16) {
-          __m512 dots[16];
-          const int64_t count = std::min<int64_t>(16, n - j);
-          for (int64_t i = 0; i < 16; ++i) {
-            dots[i] = _mm512_setzero_ps();
-            if (i >= count) continue;
-            if (g == 0 && j + i < next) {  // the next chunk's rows of this KV head, into L2
-              const char* next_key = reinterpret_cast<const char*>(next_key_slots[j + i] + kv * keys.head_stride);
-              const char* next_value = reinterpret_cast<const char*>(next_value_slots[j + i] + kv * values.head_stride);
-              for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-                _mm_prefetch(next_key + offset, _MM_HINT_T1);
-                _mm_prefetch(next_value + offset, _MM_HINT_T1);
-              }
-            }
-            const bf16* key = key_slots[j + i] + kv * keys.head_stride;
-            for (int64_t c = 0; c < pair_chunks; ++c) {
-              const __mmask32 mask = D - 32 * c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - 32 * c)) - 1;
-              dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(mask, key + 32 * c));
-            }
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+          if (g == 0 && j < next) {
+            prefetch_rows(next_key_slots, next_value_slots, key_offset, value_offset, j, std::min(next, j + 16), row_bytes);
           }
-          const __mmask16 mask = tail_mask(count);
-          const __m512 scores = _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), _mm512_set1_ps(scale));
+          const __m512 scores = score16<PAIRS, true>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v);
+          _mm512_storeu_ps(p + j, scores);
+          max_lanes = _mm512_max_ps(max_lanes, scores);
+        }
+        if (j < n) {
+          if (g == 0 && j < next) {
+            prefetch_rows(next_key_slots, next_value_slots, key_offset, value_offset, j, next, row_bytes);
+          }
+          const __mmask16 mask = tail_mask(n - j);
+          const __m512 scores = score16<PAIRS, false>(qv, pair_mask, key_slots + j, key_offset, n - j, scale_v);
           _mm512_mask_storeu_ps(p + j, mask, scores);
           max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
         }
         const float new_max = std::max(maxima[h], _mm512_reduce_max_ps(max_lanes));
         const float correction = maxima[h] == -INFINITY ? 0.0f : std::exp(maxima[h] - new_max);
         __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-          const __mmask16 mask = tail_mask(n - j);
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p + j), _mm512_set1_ps(new_max)));
-          _mm512_mask_storeu_ps(p + j, mask, e);
+        for (int64_t i = 0; i < n; i += 16) {
+          const __mmask16 mask = tail_mask(n - i);
+          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p + i), _mm512_set1_ps(new_max)));
+          _mm512_mask_storeu_ps(p + i, mask, e);
           total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
         }
         sums[h] = sums[h] * correction + _mm512_reduce_add_ps(total);
         maxima[h] = new_max;
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 mask = tail_mask(D - d);
-          float* a = acc + h * D + d;
-          _mm512_mask_storeu_ps(a, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, a), _mm512_set1_ps(correction)));
+        for (int c = 0; c < CHUNKS; ++c) {
+          float* a = acc + h * D + 16 * c;
+          _mm512_mask_storeu_ps(a, lane_mask[c], _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask[c], a), _mm512_set1_ps(correction)));
         }
       }
-      // P · V for this KV head's query heads, kHeadTile at a time so the accumulators stay in registers.
-      constexpr int64_t kHeadTile = CHUNKS <= 4 ? 4 : (CHUNKS <= 8 ? 2 : 1);
-      for (int64_t g0 = 0; g0 < group; g0 += kHeadTile) {
-        const int64_t tile = std::min(kHeadTile, group - g0);
-        float* base = acc + (kv * group + g0) * D;
-        __m512 sum[kHeadTile][CHUNKS];
-        for (int64_t g = 0; g < kHeadTile; ++g)
-          for (int c = 0; c < CHUNKS; ++c) {
-            sum[g][c] = g < tile ? _mm512_maskz_loadu_ps(tail_mask(D - 16 * c), base + g * D + 16 * c) : _mm512_setzero_ps();
-          }
-        for (int64_t j = 0; j < n; ++j) {
-          const bf16* row = value_slots[j] + kv * values.head_stride;
-          __m512 value[CHUNKS];
-          for (int c = 0; c < CHUNKS; ++c) value[c] = load_bf16x16(row + 16 * c, tail_mask(D - 16 * c));
-          for (int64_t g = 0; g < tile; ++g) {
-            const __m512 weight = _mm512_set1_ps(probs[(g0 + g) * kKeyChunk + j]);
-            for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_fmadd_ps(weight, value[c], sum[g][c]);
-          }
-        }
-        for (int64_t g = 0; g < tile; ++g)
-          for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(base + g * D + 16 * c, tail_mask(D - 16 * c), sum[g][c]);
+      // P · V for this KV head's query heads, kTile at a time so the accumulators stay in registers.
+      float* base = acc + kv * group * D;
+      int64_t g0 = 0;
+      for (; g0 + kTile <= group; g0 += kTile) {
+        weigh_values<kTile, CHUNKS>(probs + g0 * kKeyChunk, value_slots, value_offset, n, lane_mask, base + g0 * D, D);
+      }
+      if (g0 < group) {
+        weigh_values_tail<CHUNKS>(group - g0, probs + g0 * kKeyChunk, value_slots, value_offset, n, lane_mask,
+                                  base + g0 * D, D);
       }
     }
     std::swap(key_slots, next_key_slots);
