@@ -38,7 +38,7 @@ from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine.request import Request, RequestStatus
 from kunlun_runtime.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kunlun_runtime.engine.scheduling_policy import SchedulingPolicy, SchedulingPolicyName, build_policy
-from kunlun_runtime.engine.step_cost import StepCostModel, batch_features
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features, draft_row_features
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.lora.request import LoRARequest
 
@@ -119,7 +119,7 @@ class Scheduler:
         for request in self.waiting:
             request.waited_steps += 1
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
-        out.features = batch_features(chunk for s in out.scheduled for chunk in _chunks(s))
+        out.features = sum((_features(s) for s in out.scheduled), StepFeatures())
         self.step_index += 1
         return out
 
@@ -280,10 +280,14 @@ class Scheduler:
         self.kv.free(request)
 
 
-def _chunks(item: ScheduledRequest) -> list[tuple[int, int]]:
-    """How a scheduled request computes: a decode with drafts runs as one one-token sequence per
-    position (the model runner's layout), anything else as one chunk."""
+def _features(item: ScheduledRequest) -> StepFeatures:
+    """What a scheduled request computes: a decode with drafts runs as one one-token sequence per
+    position (the model runner's layout), the rows after the first verifying drafts; anything
+    else as one chunk."""
     start = item.request.num_computed_tokens
-    if item.num_draft_tokens:
-        return [(start + index, 1) for index in range(item.num_new_tokens)]
-    return [(start, item.num_new_tokens)]
+    if not item.num_draft_tokens:
+        return chunk_features(start, item.num_new_tokens)
+    features = chunk_features(start, 1)
+    for index in range(1, item.num_new_tokens):
+        features = features + draft_row_features(start + index)
+    return features

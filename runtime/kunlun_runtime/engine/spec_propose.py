@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kunlun_runtime.config import SpeculativeConfig
 from kunlun_runtime.engine.request import Request
-from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features, draft_row_features
 from kunlun_runtime.engine.suffix_cache import SuffixCache, SuffixIndex, SuffixParams, tenant_of
 
 
@@ -100,9 +100,10 @@ def draft_rows_worth_running(
     run: the count that makes the most expected tokens per second of the step, by the engine's
     online step-time model; every one until that model has seen decode steps of two sizes (which
     drafting itself makes). A whole count is chosen, not a price per row, because a row's price
-    is not the same everywhere: on a CPU whose linears read the weights once per pass of 8 rows,
-    the first row of a new pass costs several rows' time and only pays with enough likely drafts
-    after it; rows are cheap at batch 1 and nearly a token's time each at batch 8. Drafts are run
+    is not the same everywhere: where the linears read the weights once per pass of a fixed
+    number of rows, the first row of a new pass costs several rows' time and only pays with enough
+    likely drafts after it. A draft row is priced as draft rows were measured (its attention
+    re-reads its decode row's keys, ``draft_row_features``), not as a decode row. Drafts are run
     only for a predicted gain of at least ``DRAFT_MARGIN``."""
     if not chances or not decoding or not cost.knows_decode_rows():
         return len(chances)
@@ -118,7 +119,7 @@ def draft_rows_worth_running(
     expected = float(len(decoding))
     for count, chance in enumerate(chances, 1):
         expected += chance
-        features = features + chunk_features(longest, 1)
+        features = features + draft_row_features(longest)
         seconds = cost.predict(features)
         if seconds is not None and seconds > 0 and expected / seconds > best_rate:
             best, best_rate = count, expected / seconds

@@ -18,7 +18,7 @@ from kunlun_runtime.engine.spec_propose import (
     propose_ngram,
 )
 from kunlun_runtime.engine.spec_verify import verify
-from kunlun_runtime.engine.step_cost import StepCostModel, chunk_features
+from kunlun_runtime.engine.step_cost import StepCostModel, chunk_features, draft_row_features
 from kunlun_runtime.errors import ConfigError
 
 # The 0.1 % critical values of chi-square for 5 and 4 degrees of freedom.
@@ -169,20 +169,39 @@ def _decoding(count, length=200):
     return requests
 
 
-def _cpu_like_cost(pass_rows=None, pass_seconds=0.0):
+def _cpu_like_cost(pass_rows=None, pass_seconds=0.0, draft_seconds=0.0004):
     """A step-time model fed decode steps timed as a CPU times them: a fixed cost plus a price
-    per row, and (with ``pass_rows``) a further read of the weights per pass of that many rows."""
+    per decode row, a smaller one per draft row (its keys are read with its decode row's), and
+    (with ``pass_rows``) a further read of the weights per pass of that many rows."""
     cost = StepCostModel(pass_rows=pass_rows)
     for _ in range(4):
         cost.observe(chunk_features(199, 1), 0.009)
     assert not cost.knows_decode_rows()
-    for rows in (2, 4, 8, 9, 12, 16):
+
+    def observe(rows, drafts):
+        features = chunk_features(199, 1)
+        for _ in range(rows - 1):
+            features = features + chunk_features(199, 1)
+        for _ in range(drafts):
+            features = features + draft_row_features(200)
+        passes = -(-(rows + drafts) // pass_rows) - 1 if pass_rows else 0
+        cost.observe(features, 0.0075 + 0.00115 * rows + draft_seconds * drafts + pass_seconds * passes)
+
+    for rows, drafts in [
+        (2, 0),
+        (4, 0),
+        (8, 0),
+        (9, 0),
+        (12, 0),
+        (16, 0),
+        (1, 1),
+        (1, 3),
+        (1, 5),
+        (8, 2),
+        (8, 8),
+    ]:
         for _ in range(4):
-            features = chunk_features(199, 1)
-            for _ in range(rows - 1):
-                features = features + chunk_features(199, 1)
-            passes = -(-rows // pass_rows) - 1 if pass_rows else 0
-            cost.observe(features, 0.0075 + 0.00115 * rows + pass_seconds * passes)
+            observe(rows, drafts)
     return cost
 
 
@@ -191,23 +210,33 @@ def test_the_step_runs_as_many_drafts_as_raise_its_tokens_per_second():
     cost.observe(chunk_features(199, 1), 0.009)
     assert draft_rows_worth_running(cost, _decoding(1), [0.1] * 5) == 5  # no price per row known yet
     cost = _cpu_like_cost()
-    # Batch 1: a row costs 1.15 ms beside an 8.65 ms token; the fourth draft (0.3) would lower
-    # the expected tokens per second. Batch 8: beside a 2.1 ms token, still the first three.
-    assert draft_rows_worth_running(cost, _decoding(1), [0.9, 0.8, 0.6, 0.3, 0.1, 0.05]) == 3
-    assert draft_rows_worth_running(cost, _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 3
+    # Batch 1: a draft row costs 0.4 ms beside an 8.65 ms token; the fifth draft (0.1) would lower
+    # the expected tokens per second. Batch 8: beside a 16.7 ms step of 8 tokens, all four; two
+    # unlikely ones would gain under the 5 % margin.
+    assert draft_rows_worth_running(cost, _decoding(1), [0.9, 0.8, 0.6, 0.3, 0.1, 0.05]) == 4
+    assert draft_rows_worth_running(cost, _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 4
     assert draft_rows_worth_running(cost, _decoding(8), [0.4, 0.3]) == 0
+
+
+def test_a_draft_row_is_priced_as_measured_not_as_a_decode_row():
+    # The same decode steps with draft rows at 2 ms each (a row that reads its own 1,500 keys): at
+    # batch 8 the same four drafts would lower the step's tokens per second; at 0.4 ms they raise it.
+    assert (
+        draft_rows_worth_running(_cpu_like_cost(draft_seconds=0.002), _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 0
+    )
+    assert draft_rows_worth_running(_cpu_like_cost(), _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 4
 
 
 def test_a_new_pass_over_the_weights_is_paid_for_by_the_drafts_after_it():
     # 8 rows per read of the weights, 3 ms a further read: at batch 8 the first draft row starts
-    # a second pass. One likely draft cannot pay for it; eight nearly certain ones can; at 6 ms a
+    # a second pass. One likely draft cannot pay for it; eight nearly certain ones can; at 12 ms a
     # pass they would gain too little to be worth the risk.
     cost = _cpu_like_cost(pass_rows=8, pass_seconds=0.003)
     assert draft_rows_worth_running(cost, _decoding(8), [0.95]) == 0
     assert draft_rows_worth_running(cost, _decoding(8), [0.95] * 8) == 8
-    costly = _cpu_like_cost(pass_rows=8, pass_seconds=0.006)
+    costly = _cpu_like_cost(pass_rows=8, pass_seconds=0.012)
     assert draft_rows_worth_running(costly, _decoding(8), [0.95] * 8) == 0
-    assert draft_rows_worth_running(cost, _decoding(4), [0.95, 0.9, 0.2, 0.1, 0.1]) == 2  # within the pass
+    assert draft_rows_worth_running(cost, _decoding(4), [0.95, 0.9, 0.1, 0.1, 0.1]) == 2  # within the pass
 
 
 def test_a_request_proposes_its_budget_and_its_drafts_chances_fall_with_position():
