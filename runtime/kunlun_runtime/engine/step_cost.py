@@ -1,20 +1,21 @@
 """An online model of one engine step's time as a function of the batch's composition.
 
     seconds ≈ c0 + c_prefill · prefill tokens + c_decode · decode sequences + c_attend · attended tokens
-              + c_mixed · [the step has any prefill] + c_draft · draft-attended tokens
-              (+ c_pass · extra weight passes)
+              + c_mixed · [the step has any prefill] + c_draft_row · draft rows
+              + c_draft · draft-attended tokens (+ c_pass · extra weight passes)
 
 ``attended tokens`` is Σ (new tokens × context length after the step) over the batch: the work of
 attention, which grows with context while the other terms do not. ``c_mixed`` is the fixed price of
 leaving the pure-decode path: on CPUs with our kernels a pure decode step is one fused C++ call,
 and any prefill chunk sends the whole step through the per-layer path, a cost several times the
-decode step it joins whatever the chunk's size (docs/scheduling.md). ``draft-attended tokens`` is
-Σ context length over the rows that verify speculative drafts: each runs as a one-token sequence
-(a decode sequence in the linears) whose keys, but its last few, are the keys of the decode row
-before it, which the attention kernels read once for both; so a draft row's attention costs
-arithmetic but almost no memory traffic, a fraction of a decode row's, and priced as a decode
-row's it kept drafts from ever running beside a batch of long decodes. It is learnt from pure
-decode steps: in a mixed step draft rows count as attended tokens. ``c_pass`` (only for a model
+decode step it joins whatever the chunk's size (docs/scheduling.md). A row verifying a
+speculative draft runs as a one-token sequence whose keys, but its last few, are the keys of the
+decode row before it, which the attention kernels read once for both: it costs arithmetic but
+almost no memory traffic, a fraction of a decode row, so it has terms of its own (draft rows, and
+``draft-attended tokens``, Σ their context lengths after the step); priced as decode rows, drafts
+never ran beside a batch of long decodes. They are learnt from pure decode steps: in a mixed step
+draft rows count as the decode rows they are. Terms never observed fit as 0, so a first draft is
+predicted free, runs, and is priced from then on. ``c_pass`` (only for a model
 built with ``pass_rows``) is the price of each further read of the weights a pure decode step of
 more than ``pass_rows`` rows makes, where the decode kernels serve that many rows per read: on
 such a CPU the row after a full pass costs several rows' time. The coefficients are an exact
@@ -32,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFAULT_WINDOW = 256
-_NUM_TERMS = 6  # intercept + five features (seven terms with the weight passes)
+_NUM_TERMS = 7  # intercept + six features (eight terms with the weight passes)
 _RIDGE = 1e-9  # per row, on RMS-scaled columns: keeps rank-deficient windows solvable
 
 
@@ -41,8 +42,9 @@ class StepFeatures:
     """What a step computes. Add two with ``+``; the empty step is ``StepFeatures()``."""
 
     num_prefill_tokens: int = 0  # tokens of chunks longer than one token (prompt or recompute)
-    num_decode_seqs: int = 0  # sequences computing exactly one token
+    num_decode_seqs: int = 0  # sequences computing exactly one token (drafts' rows apart)
     num_attended_tokens: int = 0  # Σ new tokens × context length after the step (decode rows' and chunks')
+    num_draft_rows: int = 0  # one-token rows verifying speculative drafts
     num_draft_attended_tokens: int = 0  # Σ context length after the step of the draft rows
 
     def __add__(self, other: StepFeatures) -> StepFeatures:
@@ -50,16 +52,18 @@ class StepFeatures:
             self.num_prefill_tokens + other.num_prefill_tokens,
             self.num_decode_seqs + other.num_decode_seqs,
             self.num_attended_tokens + other.num_attended_tokens,
+            self.num_draft_rows + other.num_draft_rows,
             self.num_draft_attended_tokens + other.num_draft_attended_tokens,
         )
 
-    def row(self) -> tuple[float, float, float, float, float, float]:
+    def row(self) -> tuple[float, ...]:
         return (
             1.0,
             float(self.num_prefill_tokens),
             float(self.num_decode_seqs),
             float(self.num_attended_tokens),
             1.0 if self.num_prefill_tokens > 0 else 0.0,
+            float(self.num_draft_rows),
             float(self.num_draft_attended_tokens),
         )
 
@@ -75,9 +79,9 @@ def chunk_features(num_computed_tokens: int, num_new_tokens: int) -> StepFeature
 
 
 def draft_row_features(num_computed_tokens: int) -> StepFeatures:
-    """Features of one row verifying a draft at position ``num_computed_tokens``: a decode
-    sequence in the linears whose attention re-reads the keys of the row before it."""
-    return StepFeatures(0, 1, 0, num_computed_tokens + 1)
+    """Features of one row verifying a draft at position ``num_computed_tokens``: a one-token
+    row whose attention re-reads the keys of the row before it."""
+    return StepFeatures(0, 0, 0, 1, num_computed_tokens + 1)
 
 
 def batch_features(chunks: Iterable[tuple[int, int]]) -> StepFeatures:
@@ -137,21 +141,22 @@ class StepCostModel:
         self._stale = True
 
     def _row(self, features: StepFeatures) -> tuple[float, ...]:
-        if features.num_prefill_tokens > 0 and features.num_draft_attended_tokens > 0:
+        if features.num_prefill_tokens > 0 and features.num_draft_rows > 0:
             # A mixed step runs the per-layer path at a price of its own: its draft rows count as
-            # the decode rows they are, so the draft term is learnt from pure decode steps only
-            # (the mixed steps' price, set on the few draft rows beside a prompt, made it 10x).
+            # the decode rows they are, so the draft terms are learnt from pure decode steps only
+            # (the mixed steps' price, set on the few draft rows beside a prompt, made them 10x).
             features = StepFeatures(
                 features.num_prefill_tokens,
-                features.num_decode_seqs,
+                features.num_decode_seqs + features.num_draft_rows,
                 features.num_attended_tokens + features.num_draft_attended_tokens,
             )
         row = features.row()
         if self.pass_rows is None:
             return row
         extra = 0
-        if features.num_prefill_tokens == 0 and features.num_decode_seqs > 0:
-            extra = -(-features.num_decode_seqs // self.pass_rows) - 1
+        rows = features.num_decode_seqs + features.num_draft_rows
+        if features.num_prefill_tokens == 0 and rows > 0:
+            extra = -(-rows // self.pass_rows) - 1
         return (*row, float(extra))
 
     def _accumulate(self, row: tuple[float, ...], seconds: float, sign: float) -> None:
@@ -169,8 +174,8 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> tuple[float, ...] | None:
-        """(c0, c_prefill, c_decode, c_attend, c_mixed, c_draft[, c_pass]), or None before the first
-        observation."""
+        """(c0, c_prefill, c_decode, c_attend, c_mixed, c_draft_row, c_draft[, c_pass]), or None
+        before the first observation."""
         if self._stale:
             self._coefficients = _fit_nonnegative(self._gram, self._rhs, len(self._rows))
             self._stale = False

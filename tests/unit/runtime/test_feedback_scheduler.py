@@ -21,7 +21,7 @@ from kunlun_runtime.options.flags import add_engine_args, engine_config_from_arg
 from tests.support.scheduling import run_step, summary
 
 # Synthetic device: 10 ms per step, 0.1 ms per prefill token, 1 ms per decode, attention free.
-COST = (0.010, 1e-4, 1e-3, 0.0, 0.0, 0.0)
+COST = (0.010, 1e-4, 1e-3, 0.0, 0.0, 0.0, 0.0)
 
 
 def make_scheduler(
@@ -76,7 +76,7 @@ def test_a_long_prompt_is_capped_to_the_target_while_decodes_run_and_goes_whole_
 
 def test_without_a_target_the_cap_is_three_decode_steps_of_the_learned_model():
     # A slow platform: 2 decodes take 120 ms, so 3 decode steps (360 ms) exceed the 0.3 s floor.
-    scheduler = make_scheduler(max_num_seqs=8, cost=(0.1, 1e-3, 1e-2, 0.0, 0.0, 0.0))
+    scheduler = make_scheduler(max_num_seqs=8, cost=(0.1, 1e-3, 1e-2, 0.0, 0.0, 0.0, 0.0))
     start_decoding(scheduler, "d1", "d2")
     scheduler.add(make_request("doc", 1000))
     # (360 - 120) / 1 = 240 tokens, but the last one lands on the boundary.
@@ -99,7 +99,7 @@ def test_a_chunk_that_leaves_the_decode_path_is_at_least_worth_its_fixed_price()
     # A step with any prefill costs 20 ms more (the per-layer path instead of the fused decode
     # call): a 36 ms target would allow (36 - 12 - 20) / 0.1 = 40 tokens, a step spent mostly on
     # that price. The chunk is at least c_mixed / c_prefill = 200 tokens instead.
-    scheduler = make_scheduler(max_num_seqs=8, target=0.036, cost=(0.010, 1e-4, 1e-3, 0.0, 0.020, 0.0))
+    scheduler = make_scheduler(max_num_seqs=8, target=0.036, cost=(0.010, 1e-4, 1e-3, 0.0, 0.020, 0.0, 0.0))
     assert scheduler.policy.amortized_chunk() == 200
     start_decoding(scheduler, "d1", "d2")
     scheduler.add(make_request("doc", 1000))
@@ -109,7 +109,7 @@ def test_a_chunk_that_leaves_the_decode_path_is_at_least_worth_its_fixed_price()
 def test_without_a_target_a_fixed_price_of_mixed_steps_buys_chunks_worth_four_prices():
     # Derived target: max(3 × 120 ms, 120 ms + 5 × 200 ms, 0.3 s) = 1.12 s, so the chunk's own
     # work is (1120 - 120 - 200) ms = 4 × the 200 ms price: 800 tokens at 1 ms.
-    scheduler = make_scheduler(max_num_seqs=8, budget=4096, cost=(0.1, 1e-3, 1e-2, 0.0, 0.2, 0.0))
+    scheduler = make_scheduler(max_num_seqs=8, budget=4096, cost=(0.1, 1e-3, 1e-2, 0.0, 0.2, 0.0, 0.0))
     assert scheduler.policy.step_target(StepFeatures(0, 2, 0)) == pytest.approx(1.12, rel=1e-6)
     start_decoding(scheduler, "d1", "d2")
     scheduler.add(make_request("doc", 2000))  # whole, it would take 2.32 s: more than the merge slack
@@ -230,14 +230,14 @@ def test_a_prefill_left_out_for_time_keeps_its_blocks_against_a_lower_ranked_dec
 
 def test_a_decode_with_drafts_counts_one_decode_row_and_a_draft_row_per_draft():
     # d1 has computed its 4 prompt tokens and sampled one: it decodes position 4 and verifies
-    # drafts at 5, 6 and 7, each a one-token row (a decode sequence in the linears), the drafts'
-    # attention apart (they read the keys of the row before them).
+    # drafts at 5, 6 and 7, each a one-token row priced apart from a decode row (its attention
+    # re-reads the keys of the row before it).
     scheduler = make_scheduler(trained=False)
     start_decoding(scheduler, "d1")
     scheduler.running[0].spec_token_ids.extend([7, 8, 9])
     out = scheduler.schedule()
     assert summary(out) == [("d1", 4)]
-    assert out.features == StepFeatures(0, 4, 5, 6 + 7 + 8)
+    assert out.features == StepFeatures(0, 1, 5, 3, 6 + 7 + 8)
 
 
 def test_update_from_output_feeds_the_cost_model_with_the_step_composition():

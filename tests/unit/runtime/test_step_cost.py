@@ -14,8 +14,8 @@ from kunlun_runtime.engine.step_cost import (
 )
 
 # intercept, per prefill token, per decode, per attended token, once for a step with any prefill,
-# per token a draft row attends
-TRUE = (0.002, 1e-5, 3e-4, 1e-8, 0.004, 2e-9)
+# per draft row, per token a draft row attends
+TRUE = (0.002, 1e-5, 3e-4, 1e-8, 0.004, 1e-4, 2e-9)
 
 
 def synthetic_seconds(features, coefficients=TRUE):
@@ -24,9 +24,9 @@ def synthetic_seconds(features, coefficients=TRUE):
 
 def random_features(rng):
     prefill = rng.randint(1, 2048) if rng.random() < 0.6 else 0  # pure-decode steps too
-    drafts = 0 if prefill else rng.randint(0, 16)  # the draft term is a pure decode step's
+    drafts = 0 if prefill else rng.randint(0, 16)  # the draft terms are pure decode steps'
     return StepFeatures(
-        prefill, rng.randint(0, 64) + drafts, rng.randint(0, 4_000_000), drafts * rng.randint(1, 4096)
+        prefill, rng.randint(0, 64), rng.randint(0, 4_000_000), drafts, drafts * rng.randint(1, 4096)
     )
 
 
@@ -34,7 +34,7 @@ def test_a_one_token_chunk_is_a_decode_and_a_longer_one_is_prefill():
     assert chunk_features(10, 1) == StepFeatures(0, 1, 11)
     assert chunk_features(16, 8) == StepFeatures(8, 0, 8 * 24)
     assert chunk_features(5, 0) == StepFeatures()
-    assert draft_row_features(10) == StepFeatures(0, 1, 0, 11)  # a decode row whose keys are shared
+    assert draft_row_features(10) == StepFeatures(0, 0, 0, 1, 11)  # a row whose keys are its decode row's
 
 
 def test_batch_features_sum_over_the_chunks():
@@ -94,8 +94,8 @@ def test_a_slope_that_fits_negative_is_dropped_and_the_rest_refit():
     ]
     for features, seconds in points * 3:
         model.observe(features, seconds)
-    c0, c_prefill, c_decode, c_attend, c_mixed, c_draft = model.coefficients
-    assert (c_decode, c_attend, c_draft) == (0.0, 0.0, 0.0)
+    c0, c_prefill, c_decode, c_attend, c_mixed, c_draft_row, c_draft = model.coefficients
+    assert (c_decode, c_attend, c_draft_row, c_draft) == (0.0, 0.0, 0.0, 0.0)
     # Least squares of (0.010, 0.002, 0.020) on intercept + prefill (slope and step price, which
     # one prefill size cannot tell apart): intercept = mean of the two decode-only steps, and the
     # prefill step predicted exactly.
@@ -135,11 +135,12 @@ def test_with_pass_rows_it_learns_the_price_of_each_further_read_of_the_weights(
     model, rng = StepCostModel(pass_rows=8), random.Random(3)
     for _ in range(200):
         features = random_features(rng)
-        passes = -(-features.num_decode_seqs // 8) - 1 if features.num_prefill_tokens == 0 else 0
+        rows = features.num_decode_seqs + features.num_draft_rows
+        passes = -(-rows // 8) - 1 if features.num_prefill_tokens == 0 else 0
         model.observe(features, synthetic_seconds(features) + true_pass * max(passes, 0))
-    assert model.coefficients is not None and len(model.coefficients) == 7
-    assert model.coefficients[:6] == pytest.approx(TRUE, rel=1e-4, abs=1e-12)
-    assert model.coefficients[6] == pytest.approx(true_pass, rel=1e-4)
+    assert model.coefficients is not None and len(model.coefficients) == 8
+    assert model.coefficients[:7] == pytest.approx(TRUE, rel=1e-4, abs=1e-12)
+    assert model.coefficients[7] == pytest.approx(true_pass, rel=1e-4)
     eight, nine = StepFeatures(0, 8, 8000), StepFeatures(0, 9, 9000)
     assert model.predict(nine) - model.predict(eight) == pytest.approx(
         3e-4 + 1000 * 1e-8 + true_pass, rel=1e-3
@@ -149,20 +150,20 @@ def test_with_pass_rows_it_learns_the_price_of_each_further_read_of_the_weights(
 
 
 def test_draft_rows_in_a_mixed_step_are_priced_as_decode_rows():
-    # Mixed steps cost 50 ms more than their parts, and some carry draft rows, whose keys then
-    # cost what a decode row's do (1 µs); in pure decode steps a draft row's key costs 0.3 µs.
-    # The draft term is that 0.3 µs, learnt from the pure decode steps, not the mixed steps' price.
+    # Mixed steps cost 50 ms more than their parts, and some carry draft rows, which then cost
+    # what decode rows do (1 ms, and 1 µs a key); in pure decode steps a draft row costs 0.2 ms
+    # and 0.3 µs a key. The draft terms are those, learnt from the pure decode steps.
     model, rng = StepCostModel(), random.Random(5)
     for _ in range(200):
         rows, drafts, context = rng.randint(1, 8), rng.randint(0, 8), rng.randint(100, 2000)
         prefill = rng.choice([0, 0, rng.randint(16, 512)])
-        features = StepFeatures(prefill, rows + drafts, rows * context + prefill * prefill, drafts * context)
-        seconds = 0.01 + 1e-3 * (rows + drafts) + 1e-6 * (rows * context + prefill * prefill)
+        features = StepFeatures(prefill, rows, rows * context + prefill * prefill, drafts, drafts * context)
+        seconds = 0.01 + 1e-3 * rows + 1e-6 * (rows * context + prefill * prefill)
         if prefill:
-            seconds += 0.05 + 1e-4 * prefill + 1e-6 * drafts * context
+            seconds += 0.05 + 1e-4 * prefill + 1e-3 * drafts + 1e-6 * drafts * context
         else:
-            seconds += 3e-7 * drafts * context
+            seconds += 2e-4 * drafts + 3e-7 * drafts * context
         model.observe(features, seconds)
-    assert model.coefficients == pytest.approx((0.01, 1e-4, 1e-3, 1e-6, 0.05, 3e-7), rel=1e-6)
-    mixed = StepFeatures(100, 3, 2 * 1000 + 100 * 100, 1000)
+    assert model.coefficients == pytest.approx((0.01, 1e-4, 1e-3, 1e-6, 0.05, 2e-4, 3e-7), rel=1e-6)
+    mixed = StepFeatures(100, 2, 2 * 1000 + 100 * 100, 1, 1000)
     assert model.predict(mixed) == pytest.approx(model.predict(StepFeatures(100, 3, 3 * 1000 + 100 * 100)))

@@ -69,29 +69,6 @@ inline float sum_halving(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(halves, _mm_movehdup_ps(halves)));
 }
 
-// Sixteen FP32 vectors in, one out: lane j holds sum_halving(v[j]), bit for bit (the same
-// additions in the same tree, four shuffle stages for all sixteen), so a kernel can sum some
-// accumulators one at a time and others sixteen at once and get the same result for each.
-inline __m512 transpose_sum16_halving(const __m512 v[16]) {
-  __m512 eighths[8], fourths[4], halves[2];
-  for (int i = 0; i < 8; ++i) {  // [v2i lanes i + (i + 8), v2i+1 likewise]
-    eighths[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 4; ++i) {  // 128-bit lane L: v4i+L's lanes i + (i + 4)
-    fourths[i] = _mm512_add_ps(_mm512_shuffle_f32x4(eighths[2 * i], eighths[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                               _mm512_shuffle_f32x4(eighths[2 * i], eighths[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  for (int i = 0; i < 2; ++i) {  // 128-bit lane L: [v8i+L: i + (i + 2) for i < 2, v8i+4+L: likewise]
-    halves[i] = _mm512_add_ps(_mm512_shuffle_ps(fourths[2 * i], fourths[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_ps(fourths[2 * i], fourths[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // 128-bit lane L: the sums of v[L], v[4 + L], v[8 + L], v[12 + L]; then lane j = v[j]'s.
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_ps(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
-}
-
 // 16 × 16 transpose of 32-bit elements: out[j] lane i = in[i] lane j.
 inline void transpose16x16(const __m512i in[16], __m512i out[16]) {
   __m512i a[16], b[16];

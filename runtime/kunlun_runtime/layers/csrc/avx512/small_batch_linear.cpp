@@ -5,11 +5,11 @@
 // M, falls well short of the memory bandwidth at M = 1. These kernels
 // stream each weight row once for all activation rows (up to 16 in BF16, 8 in INT8), accumulate
 // in FP32 and round once; a larger M runs in passes, and 3..16 rows of whole tiles go to the AMX
-// kernel (amx_linear.cpp) where the CPU grants AMX. Up to 8 rows a block takes 2 or 4 weight rows
-// (independent accumulators hide the dot products' latency); 9..16 rows take one weight row each
-// and add the rows' lanes in one transpose: a decode batch of 8 with its speculative drafts then
-// still reads each weight once (as two passes of 8 it read them twice, 1.4x the step's linear time
-// on a 2-core Zen 5):
+// kernel (amx_linear.cpp) where the CPU grants AMX. A block takes 2 or 4 weight rows (independent
+// accumulators hide the dot products' latency); 9..16 rows run as 8 and the rest over each block
+// while it is in L1: a decode batch of 8 with its speculative drafts still reads each weight once
+// (as two passes of 8 it read them twice, 1.5x the step's linear time at 12 rows on a 2-core
+// Zen 5):
 //
 //   kunlun_cpu::linear_bf16(x bf16 [M, K], w bf16 [N, K], bias fp32 [N]?)              -> bf16 [M, N]
 //   kunlun_cpu::linear_int8(x bf16 [M, K], w int8 [N, K], scales fp32 [N], bias fp32 [N]?) -> bf16 [M, N]
@@ -86,22 +86,13 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
     }
   }
-  // Each output sums its lanes in one order whatever M is, so a row's result does not depend on
-  // the rows beside it (a decode row gives the same bits with or without speculative drafts).
-  if constexpr (M > 8) {  // R == 1: the rows' lane sums in one transpose
-    static_assert(R == 1 && M <= 16);
-    __m512 lanes[16];
-    for (int m = 0; m < 16; ++m) lanes[m] = m < M ? acc[m][0] : _mm512_setzero_ps();
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, kunlun_cpu::vec::transpose_sum16_halving(lanes));
-    for (int m = 0; m < M; ++m) out[m * N + n0] = c10::BFloat16(sums[m] + (bias ? bias[n0] : 0.0f));
-  } else {
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) {
-        const float value = kunlun_cpu::vec::sum_halving(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
-        out[m * N + n0 + r] = c10::BFloat16(value);
-      }
-  }
+  // Each output sums its lanes in one spelled-out order, so a row's result does not depend on the
+  // rows beside it (a decode row gives the same bits with or without speculative drafts).
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      const float value = kunlun_cpu::vec::sum_halving(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+      out[m * N + n0 + r] = c10::BFloat16(value);
+    }
 }
 
 // Elements of a row per INT16 activation scale, and per INT32 accumulation: each lane adds 16
@@ -154,7 +145,7 @@ inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks,
 // registers.
 template <int M>
 constexpr int rows_per_block() {
-  return M <= 4 ? 4 : (M <= 8 ? 2 : 1);
+  return M <= 4 ? 4 : 2;
 }
 
 // Runs `block<M, R>` over all output channels, R at a time, split across threads; the channels
@@ -181,13 +172,31 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
 }
 
+// 9..16 rows: each block of weight rows serves the first 8 rows, then the rest while it is still in
+// L1, so the weights stream from memory once. (One block of all the rows would need more
+// accumulators than there are registers, and a block of one weight row loads an activation
+// vector per dot product: measured 1.4x slower at 16 rows.)
 template <int M>
 void linear_bf16_rows(const c10::BFloat16* xp, const at::Tensor& w, const float* bias, c10::BFloat16* op) {
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
   const int64_t K = w.size(1), N = w.size(0);
-  for_each_block<M>(
-      N, [&](int64_t n0) { bf16_block<M, rows_per_block<M>()>(xp, wp, bias, op, K, N, n0); },
-      [&](int64_t n) { bf16_block<M, 1>(xp, wp, bias, op, K, N, n); });
+  if constexpr (M <= 8) {
+    for_each_block<M>(
+        N, [&](int64_t n0) { bf16_block<M, rows_per_block<M>()>(xp, wp, bias, op, K, N, n0); },
+        [&](int64_t n) { bf16_block<M, 1>(xp, wp, bias, op, K, N, n); });
+  } else {
+    constexpr int R = rows_per_block<8>();
+    for_each_block<8>(
+        N,
+        [&](int64_t n0) {
+          bf16_block<8, R>(xp, wp, bias, op, K, N, n0);
+          bf16_block<M - 8, R>(xp + 8 * K, wp, bias, op + 8 * N, K, N, n0);
+        },
+        [&](int64_t n) {
+          bf16_block<8, 1>(xp, wp, bias, op, K, N, n);
+          bf16_block<M - 8, 1>(xp + 8 * K, wp, bias, op + 8 * N, K, N, n);
+        });
+  }
 }
 
 template <int M>
