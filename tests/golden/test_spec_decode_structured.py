@@ -121,7 +121,7 @@ def test_a_draft_the_grammar_forbids_is_never_verified_and_a_rejected_one_leaves
 
     steps = iter(range(1000))
 
-    def propose(request, room):
+    def drafts_for(request, k):
         n = len(request.output_token_ids)
         if n + 2 >= len(reference):
             return []
@@ -129,9 +129,9 @@ def test_a_draft_the_grammar_forbids_is_never_verified_and_a_rejected_one_leaves
             drafts = [*reference[n : n + 2], forbidden, *reference[n + 2 : n + 3]]
         else:
             drafts = allowed_but_not_chosen(n) or [reference[n]]
-        return drafts[:room]
+        return drafts[:k]
 
-    engine.spec.proposer.propose = propose
+    engine.spec.proposer.drafts = drafts_for
     request = engine.add_request("r", {"prompt_token_ids": engine.tokenizer.encode(prompt)}, params)
     verified: list[list[int]] = []
     while engine.has_unfinished_requests():

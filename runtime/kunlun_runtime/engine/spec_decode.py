@@ -90,12 +90,27 @@ class SpeculativeDecoder:
         spare = max_rows - len(decoding)
         for request in running:
             request.spec_token_ids.clear()
-        proposals = []
-        for request in decoding:
-            room = min(request.max_total_tokens - request.num_tokens - 1, spare)  # after the next token
-            proposals.append(
-                grammar_drafts(grammar_of(request.request_id), self.proposer.propose(request, room))
-            )
+        allowed = [
+            self.proposer.allowance(request, min(request.max_total_tokens - request.num_tokens - 1, spare))
+            for request in decoding  # room after the next token
+        ]
+        # A draft's chance does not depend on what it is: when not even every allowed draft
+        # would pay for its row, none is proposed (a suffix tree walk per request per step, for
+        # nothing, cost free text at batch 8 a few percent).
+        hoped = sorted(
+            (
+                self.proposer.chance(r.request_id, p)
+                for r, k in zip(decoding, allowed, strict=True)
+                for p in range(k)
+            ),
+            reverse=True,
+        )
+        if draft_rows_worth_running(cost, decoding, hoped[: max(spare, 0)]) == 0:
+            return
+        proposals = [
+            grammar_drafts(grammar_of(request.request_id), self.proposer.drafts(request, k))
+            for request, k in zip(decoding, allowed, strict=True)
+        ]
         # Every draft by its chance, likeliest first; a request's own in order (its chances fall).
         candidates = sorted(
             (

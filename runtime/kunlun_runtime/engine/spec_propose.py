@@ -160,11 +160,19 @@ class Proposer:
         the step runs is the caller's choice (``chance``, ``draft_rows_worth_running``). A
         constrained request's drafts are cut to its grammar by the caller
         (``spec_grammar.grammar_drafts``)."""
+        return self.drafts(request, self.allowance(request, room))
+
+    def allowance(self, request: Request, room: int) -> int:
+        """How many drafts ``request`` may propose this step: its budget (advanced by one step),
+        at most ``room``. Call once per step."""
         if room <= 0:
-            return []
+            return 0
         budget = self._budgets.setdefault(request.request_id, DraftBudget(self.config.num_speculative_tokens))
-        k = min(budget.next(), room)
-        if k == 0:
+        return min(budget.next(), room)
+
+    def drafts(self, request: Request, k: int) -> list[int]:
+        """Up to ``k`` drafts for ``request`` from its index (its tokens so far)."""
+        if k <= 0:
             return []
         index = self._indexes.get(request.request_id)
         if index is None:
