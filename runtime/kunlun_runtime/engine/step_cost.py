@@ -28,7 +28,7 @@ Invariant: ``predict`` is monotone in every feature and ``None`` until something
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -109,6 +109,7 @@ class StepCostModel:
         self.pass_rows = pass_rows
         self._terms = _NUM_TERMS + (pass_rows is not None)
         self._rows: deque[tuple[tuple[float, ...], float]] = deque()
+        self._decode_sizes: Counter[float] = Counter()  # pure decode steps in the window, by rows
         self._gram = [[0.0] * self._terms for _ in range(self._terms)]
         self._rhs = [0.0] * self._terms
         self._since_rebuild = 0
@@ -122,8 +123,7 @@ class StepCostModel:
     def knows_decode_rows(self) -> bool:
         """Whether the window holds pure decode steps of two or more batch sizes: only then can the
         fit tell the price of one more decode row from the step's fixed cost."""
-        sizes = {row[2] for row, _ in self._rows if row[1] == 0.0}
-        return len(sizes) >= 2
+        return len(self._decode_sizes) >= 2
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
         """Record one step; negative or non-finite times are ignored (a clock glitch, not data)."""
@@ -131,14 +131,22 @@ class StepCostModel:
             return
         row = self._row(features)
         self._rows.append((row, float(seconds)))
+        self._count_size(row, 1)
         self._accumulate(row, float(seconds), 1.0)
         if len(self._rows) > self.window:
             old_row, old_seconds = self._rows.popleft()
+            self._count_size(old_row, -1)
             self._accumulate(old_row, old_seconds, -1.0)
         self._since_rebuild += 1
         if self._since_rebuild >= self.window:
             self._rebuild()
         self._stale = True
+
+    def _count_size(self, row: tuple[float, ...], sign: int) -> None:
+        if row[1] == 0.0:  # no prefill: a pure decode step of row[2] decode rows
+            self._decode_sizes[row[2]] += sign
+            if self._decode_sizes[row[2]] <= 0:
+                del self._decode_sizes[row[2]]
 
     def _row(self, features: StepFeatures) -> tuple[float, ...]:
         if features.num_prefill_tokens > 0 and features.num_draft_rows > 0:

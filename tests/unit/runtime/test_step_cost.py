@@ -167,3 +167,15 @@ def test_draft_rows_in_a_mixed_step_are_priced_as_decode_rows():
     assert model.coefficients == pytest.approx((0.01, 1e-4, 1e-3, 1e-6, 0.05, 2e-4, 3e-7), rel=1e-6)
     mixed = StepFeatures(100, 2, 2 * 1000 + 100 * 100, 1, 1000)
     assert model.predict(mixed) == pytest.approx(model.predict(StepFeatures(100, 3, 3 * 1000 + 100 * 100)))
+
+
+def test_decode_rows_are_known_while_the_window_holds_pure_decode_steps_of_two_sizes():
+    model = StepCostModel(window=3)
+    model.observe(StepFeatures(0, 4, 400), 0.01)
+    model.observe(StepFeatures(64, 4, 4000), 0.05)  # a mixed step: not a decode size
+    assert not model.knows_decode_rows()
+    model.observe(StepFeatures(0, 8, 800), 0.02)
+    assert model.knows_decode_rows()
+    model.observe(StepFeatures(0, 8, 800), 0.02)  # the 4-row step leaves the window
+    model.observe(StepFeatures(0, 8, 800), 0.02)
+    assert not model.knows_decode_rows()
