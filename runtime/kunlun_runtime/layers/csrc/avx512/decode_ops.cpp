@@ -171,13 +171,25 @@ constexpr int64_t head_tile() {
 // scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
 // keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
 // 16 dot products stay in registers.
+// While it scores, the rows of the first `ahead` of ahead_keys / ahead_values (+ the offsets) are
+// prefetched into L2, one key's between two dot products (issued together they stall on the line
+// fill buffers).
 template <int PAIRS, bool WHOLE>
 inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16* const* slots, int64_t offset,
-                      int64_t count, __m512 scale) {
+                      int64_t count, __m512 scale, const bf16* const* ahead_keys, const bf16* const* ahead_values,
+                      int64_t value_offset, int64_t ahead, int64_t row_bytes) {
   __m512 dots[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     dots[i] = _mm512_setzero_ps();
+    if (i < ahead) {
+      const char* next_key = reinterpret_cast<const char*>(ahead_keys[i] + offset);
+      const char* next_value = reinterpret_cast<const char*>(ahead_values[i] + value_offset);
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        _mm_prefetch(next_key + line, _MM_HINT_T1);
+        _mm_prefetch(next_value + line, _MM_HINT_T1);
+      }
+    }
     if (!WHOLE && i >= count) continue;
     const bf16* key = slots[i] + offset;
 #pragma GCC unroll 8
@@ -219,19 +231,6 @@ inline void weigh_values_tail(int64_t tile, const float* probs, const bf16* cons
   }
 }
 
-// The next chunk's K and V rows of keys [first, last) of one KV head, into L2.
-inline void prefetch_rows(const bf16* const* key_slots, const bf16* const* value_slots, int64_t key_offset,
-                          int64_t value_offset, int64_t first, int64_t last, int64_t row_bytes) {
-  for (int64_t i = first; i < last; ++i) {
-    const char* key = reinterpret_cast<const char*>(key_slots[i] + key_offset);
-    const char* value = reinterpret_cast<const char*>(value_slots[i] + value_offset);
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-      _mm_prefetch(key + offset, _MM_HINT_T1);
-      _mm_prefetch(value + offset, _MM_HINT_T1);
-    }
-  }
-}
-
 // One split of one sequence: every query head (q: H rows of D, BF16, rotated) over keys
 // [start, end), as flash-decoding does it: per head the running maximum score, the sum of
 // exponentials relative to it, and the unnormalised output (acc, H × D), merged across splits by
@@ -239,8 +238,8 @@ inline void prefetch_rows(const bf16* const* key_slots, const bf16* const* value
 // keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, and each
 // value row is loaded once for up to head_tile query heads that share its KV head; while a chunk
 // computes, the next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which
-// the hardware prefetcher cannot follow), 16 keys' rows at a time as the first query head of each KV
-// head scores them. Issuing the whole next chunk's prefetches up front stalled on the line fill
+// the hardware prefetcher cannot follow), a key's rows between two dot products as the first query
+// head of each KV head scores them. Issuing the whole next chunk's prefetches up front stalled on the line fill
 // buffers (a profile put a large share of this kernel's samples on those instructions); spread
 // out, into L2, they were a small gain at every batch and context size tried. CHUNKS = ceil(D / 16)
 // (or more: the masks zero the lanes past D).
@@ -288,20 +287,20 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
         float* p = probs + g * kKeyChunk;
         __m512 max_lanes = _mm512_set1_ps(-INFINITY);
         int64_t j = 0;
+        // The first query head of each KV head prefetches the next chunk's rows of that KV head.
+        auto ahead = [&](int64_t first) { return g == 0 ? std::clamp<int64_t>(next - first, 0, 16) : 0; };
         for (; j + 16 <= n; j += 16) {
-          if (g == 0 && j < next) {
-            prefetch_rows(next_key_slots, next_value_slots, key_offset, value_offset, j, std::min(next, j + 16), row_bytes);
-          }
-          const __m512 scores = score16<PAIRS, true>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v);
+          const __m512 scores = score16<PAIRS, true>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
+                                                     next_key_slots + j, next_value_slots + j, value_offset,
+                                                     ahead(j), row_bytes);
           _mm512_storeu_ps(p + j, scores);
           max_lanes = _mm512_max_ps(max_lanes, scores);
         }
         if (j < n) {
-          if (g == 0 && j < next) {
-            prefetch_rows(next_key_slots, next_value_slots, key_offset, value_offset, j, next, row_bytes);
-          }
           const __mmask16 mask = tail_mask(n - j);
-          const __m512 scores = score16<PAIRS, false>(qv, pair_mask, key_slots + j, key_offset, n - j, scale_v);
+          const __m512 scores = score16<PAIRS, false>(qv, pair_mask, key_slots + j, key_offset, n - j, scale_v,
+                                                      next_key_slots + j, next_value_slots + j, value_offset,
+                                                      ahead(j), row_bytes);
           _mm512_mask_storeu_ps(p + j, mask, scores);
           max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
         }
