@@ -3,6 +3,7 @@ the operator, the runtime NetworkPolicy, the labeler's ValidatingAdmissionPolicy
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +141,28 @@ def test_admission_policy_reaches_the_operator_as_a_file_it_parses(default_rende
     before = default_render.one("Deployment", "-operator")["spec"]["template"]["metadata"]["annotations"]
     after = custom.one("Deployment", "-operator")["spec"]["template"]["metadata"]["annotations"]
     assert before[annotation] != after[annotation]  # a policy change rolls the operator
+
+
+def test_checksum_annotations_are_strings_whatever_digits_the_hash_gives(
+    rendered_sets: dict[str, Rendered],
+) -> None:
+    """A 16-digit hash prefix is hex; one in about 1,800 is all decimal digits and, unquoted, YAML
+    reads it as an integer, which the API server refuses as an annotation (seen once in CI). The
+    rendered text must quote it so its type does not depend on the hash."""
+    for stem, rendered in rendered_sets.items():
+        lines = [line.strip() for line in rendered.text.splitlines() if line.strip().startswith("checksum/")]
+        assert lines, stem
+        for line in lines:
+            _, value = line.split(": ", 1)
+            assert re.fullmatch(r'"[0-9a-f]{16}"', value), f"{stem}: {line}"
+        for doc in rendered.docs:
+            for field in ("annotations", "labels"):
+                for meta in (
+                    doc.get("metadata", {}),
+                    doc.get("spec", {}).get("template", {}).get("metadata", {}),
+                ):
+                    values = (meta or {}).get(field) or {}
+                    assert all(isinstance(v, str) for v in values.values()), f"{stem}: {field} {values}"
 
 
 def test_network_policy_is_off_by_default_and_admits_only_clients_prometheus_and_the_operator(

@@ -170,10 +170,9 @@ constexpr int64_t head_tile() {
 // Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
 // scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
 // keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
-// 16 dot products stay in registers.
-// While it scores, the rows of the first `ahead` of ahead_keys / ahead_values (+ the offsets) are
-// prefetched into L2, one key's between two dot products (issued together they stall on the line
-// fill buffers).
+// 16 dot products stay in registers. Meanwhile the rows of the first `ahead` of ahead_keys /
+// ahead_values (+ the offsets) go into L2, one key's between two dot products (issued together
+// they stall on the line fill buffers).
 template <int PAIRS, bool WHOLE>
 inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16* const* slots, int64_t offset,
                       int64_t count, __m512 scale, const bf16* const* ahead_keys, const bf16* const* ahead_values,
@@ -239,10 +238,10 @@ inline void weigh_values_tail(int64_t tile, const float* probs, const bf16* cons
 // value row is loaded once for up to head_tile query heads that share its KV head; while a chunk
 // computes, the next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which
 // the hardware prefetcher cannot follow), a key's rows between two dot products as the first query
-// head of each KV head scores them. Issuing the whole next chunk's prefetches up front stalled on the line fill
-// buffers (a profile put a large share of this kernel's samples on those instructions); spread
-// out, into L2, they were a small gain at every batch and context size tried. CHUNKS = ceil(D / 16)
-// (or more: the masks zero the lanes past D).
+// head of each KV head scores them. Issuing the whole next chunk's prefetches up front stalled on
+// the line fill buffers (a profile put a large share of this kernel's samples on those
+// instructions); spread out, into L2, they were a small gain at every batch and context size
+// tried. CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
 template <int CHUNKS>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
