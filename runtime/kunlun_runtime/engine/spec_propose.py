@@ -128,9 +128,36 @@ def draft_rows_worth_running(
     return best if best_rate >= (1 + DRAFT_MARGIN) * plain_rate else 0
 
 
-INITIAL_ACCEPTANCE = 0.6  # the acceptance rate assumed before any verification
-ACCEPTANCE_MEMORY = 0.8  # weight of the past in a request's acceptance rate
-PRIOR_MEMORY = 0.95  # weight of the past in the rate across requests (a new request's prior)
+INITIAL_ACCEPTANCE = 0.6  # the chance of a draft assumed before any verification
+ACCEPTANCE_MEMORY = 0.8  # per step: weight of the past in a request's acceptance
+PRIOR_MEMORY = 0.95  # per verification: weight of the past in the acceptance across requests
+PRIOR_TESTS = 4.0  # how many tested drafts the prior counts as in a new request's acceptance
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """The chance that a draft is accepted given that the drafts before it were, estimated from
+    the drafts verification tested: a step that accepts ``a`` of its ``k`` drafts tested ``a + 1``
+    of them (the first rejection ends the run; the drafts after it say nothing) or all ``k``.
+    Accepted over *proposed* drafts would count the untested ones as failures and understate it
+    the more, the more drafts a request proposes. Both counts decay by ``memory`` per update, so
+    recent steps weigh more."""
+
+    accepted: float
+    tested: float
+    memory: float
+
+    @classmethod
+    def starting_at(cls, rate: float, tests: float, memory: float) -> Acceptance:
+        return cls(rate * tests, tests, memory)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tested
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.accepted = self.memory * self.accepted + accepted
+        self.tested = self.memory * self.tested + min(proposed, accepted + 1)
 
 
 class Proposer:
@@ -140,10 +167,10 @@ class Proposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._budgets: dict[str, DraftBudget] = {}
-        self._acceptance: dict[str, float] = {}  # per request: accepted / drafted, recent steps weighted
+        self._acceptance: dict[str, Acceptance] = {}  # per request, recent steps weighted
         # Across requests, recent verifications weighted: where a new request starts, so a workload
         # whose drafts mostly fail (free text) does not try each new request at an optimistic rate.
-        self._prior = INITIAL_ACCEPTANCE
+        self._prior = Acceptance.starting_at(INITIAL_ACCEPTANCE, PRIOR_TESTS, PRIOR_MEMORY)
         self._indexes: dict[str, NgramIndex | SuffixIndex] = {}
         # suffix: its settings, and the tenants' outputs its drafts may also come from (None
         # under ngram, or with suffix_decoding_max_cached_requests 0)
@@ -181,8 +208,9 @@ class Proposer:
 
     def chance(self, request_id: str, position: int) -> float:
         """The chance that the request's draft at ``position`` (0: the first) is accepted: its
-        recent acceptance rate to the power of the drafts up to it."""
-        return self._acceptance.get(request_id, self._prior) ** (position + 1)
+        acceptance (a draft's chance after accepted ones) to the power of the drafts up to it."""
+        acceptance = self._acceptance.get(request_id)
+        return (acceptance.rate if acceptance is not None else self._prior.rate) ** (position + 1)
 
     def _new_index(self, request: Request) -> NgramIndex | SuffixIndex:
         """The method's index of ``request``'s tokens: its n-grams' first occurrences, or its suffix
@@ -198,11 +226,13 @@ class Proposer:
         if budget is not None:
             budget.update(proposed, accepted)
         if proposed:
-            rate = self._acceptance.get(request_id, self._prior)
-            self._acceptance[request_id] = (
-                ACCEPTANCE_MEMORY * rate + (1 - ACCEPTANCE_MEMORY) * accepted / proposed
-            )
-            self._prior = PRIOR_MEMORY * self._prior + (1 - PRIOR_MEMORY) * accepted / proposed
+            acceptance = self._acceptance.get(request_id)
+            if acceptance is None:
+                acceptance = self._acceptance[request_id] = Acceptance.starting_at(
+                    self._prior.rate, PRIOR_TESTS, ACCEPTANCE_MEMORY
+                )
+            acceptance.update(proposed, accepted)
+            self._prior.update(proposed, accepted)
 
     def forget(self, request: Request) -> None:
         """Drop finished ``request``'s state; under suffix its output joins its tenant's cache."""
