@@ -94,12 +94,12 @@ class SpeculativeDecoder:
             self.proposer.allowance(request, min(request.max_total_tokens - request.num_tokens - 1, spare))
             for request in decoding  # room after the next token
         ]
-        # A draft's chance does not depend on what it is: when not even every allowed draft
+        # When not even every allowed draft at its best chance (from the likeliest match length)
         # would pay for its row, none is proposed (a suffix tree walk per request per step, for
         # nothing, cost free text at batch 8 a few percent).
         hoped = sorted(
             (
-                self.proposer.chance(r.request_id, p)
+                self.proposer.best_chance(r.request_id, p)
                 for r, k in zip(decoding, allowed, strict=True)
                 for p in range(k)
             ),
@@ -139,6 +139,8 @@ class SpeculativeDecoder:
         """Each request's tokens from its rows of ``logits`` (``counts[i]`` rows: 1 + drafts):
         the sampler's batch for requests without drafts, ``verify`` for the others; every row of
         a constrained request first masked by ``allowed`` (its rows index those of ``logits``)."""
+        if all(count == 1 for count in counts):  # no drafts this step: the plain engine's sampling
+            return [[result] for result in sampler.sample(logits, requests, allowed)]
         logits = masked_logits(sampler, logits, allowed)
         offsets = [0]
         for count in counts:

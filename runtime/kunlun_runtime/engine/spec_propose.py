@@ -17,22 +17,24 @@ from kunlun_runtime.config import SpeculativeConfig
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features, draft_row_features
 from kunlun_runtime.engine.suffix_cache import SuffixCache, SuffixIndex, SuffixParams, tenant_of
+from kunlun_runtime.engine.suffix_tree import NO_DRAFT, Draft
 
 
-def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> Draft:
     """Up to ``k`` tokens that followed the first occurrence of the last n tokens of ``tokens``
-    (the suffix itself excluded), for the largest n in [min_n, max_n] that occurs; [] when none
-    does. The first, not the latest: a text being copied is in the prompt, before the output's
-    own repeats (on copy tasks it accepted 0.67 of its drafts against 0.52 with the latest)."""
+    (the suffix itself excluded), for the largest n in [min_n, max_n] that occurs, with n as its
+    match length; no draft when none does. The first, not the latest: a text being copied is in
+    the prompt, before the output's own repeats (on copy tasks it accepted 0.67 of its drafts
+    against 0.52 with the latest)."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = list(tokens[length - n :])
         for start in range(length - n):
             if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
-                follow = list(tokens[start + n : start + n + k])
+                follow = tuple(tokens[start + n : start + n + k])
                 if follow:
-                    return follow
-    return []
+                    return Draft(follow, match_length=n)
+    return NO_DRAFT
 
 
 class NgramIndex:
@@ -44,7 +46,7 @@ class NgramIndex:
         self._first: dict[tuple[int, ...], int] = {}  # n-gram → the position just after its first occurrence
         self._indexed = 0  # tokens whose n-grams ending there are in the index
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], k: int) -> Draft:
         """``propose_ngram(tokens, k, min_n, max_n)``, from the index."""
         length = len(tokens)
         # The suffix's own occurrence must not count: index every n-gram ending before the last token.
@@ -55,8 +57,8 @@ class NgramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             after = self._first.get(tuple(tokens[length - n :]))
             if after is not None and after < length:
-                return list(tokens[after : after + k])
-        return []
+                return Draft(tuple(tokens[after : after + k]), match_length=n)
+        return NO_DRAFT
 
 
 @dataclass(slots=True)
@@ -111,17 +113,15 @@ def draft_rows_worth_running(
     for request in decoding:
         features = features + chunk_features(request.num_tokens - 1, 1)
     longest = max(request.num_tokens for request in decoding)
-    seconds = cost.predict(features)
-    if seconds is None or seconds <= 0:
+    series = cost.predict_adding(features, draft_row_features(longest), len(chances))
+    if series is None or series[0] <= 0:
         return len(chances)
-    plain_rate = len(decoding) / seconds
+    plain_rate = len(decoding) / series[0]
     best, best_rate = 0, plain_rate
     expected = float(len(decoding))
-    for count, chance in enumerate(chances, 1):
+    for count, (chance, seconds) in enumerate(zip(chances, series[1:], strict=True), 1):
         expected += chance
-        features = features + draft_row_features(longest)
-        seconds = cost.predict(features)
-        if seconds is not None and seconds > 0 and expected / seconds > best_rate:
+        if seconds > 0 and expected / seconds > best_rate:
             best, best_rate = count, expected / seconds
     # The chances are estimates (recent acceptance) and the times a fit: a predicted gain within
     # their error is as likely a loss, and a loss is what speculation must not bring.
@@ -132,6 +132,7 @@ INITIAL_ACCEPTANCE = 0.6  # the chance of a draft assumed before any verificatio
 ACCEPTANCE_MEMORY = 0.8  # per step: weight of the past in a request's acceptance
 PRIOR_MEMORY = 0.95  # per verification: weight of the past in the acceptance across requests
 PRIOR_TESTS = 4.0  # how many tested drafts the prior counts as in a new request's acceptance
+LONGEST_MATCH = 16  # drafts from longer matches pool their acceptance with those from this long
 
 
 @dataclass(slots=True)
@@ -162,7 +163,13 @@ class Acceptance:
 
 class Proposer:
     """Drafts for the running requests about to decode, within their budgets and lengths, and
-    only as many as their recent acceptance makes worth this step's cost."""
+    only as many as their chances make worth this step's cost.
+
+    A draft's chance is its request's recent acceptance, lowered where drafts from matches as
+    long as its do worse across requests (a draft that follows 1 matched token is accepted far
+    less often than one that follows 8). Only lowered: raising it as well predicted acceptance
+    better on our workloads, but ran more of free text's drafts at batch 8, where they cost more
+    than they brought."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -171,6 +178,8 @@ class Proposer:
         # Across requests, recent verifications weighted: where a new request starts, so a workload
         # whose drafts mostly fail (free text) does not try each new request at an optimistic rate.
         self._prior = Acceptance.starting_at(INITIAL_ACCEPTANCE, PRIOR_TESTS, PRIOR_MEMORY)
+        self._by_match: dict[int, Acceptance] = {}  # across requests, by match length (at most LONGEST_MATCH)
+        self._matched: dict[str, int] = {}  # the match length of each request's latest drafts
         self._indexes: dict[str, NgramIndex | SuffixIndex] = {}
         # suffix: its settings, and the tenants' outputs its drafts may also come from (None
         # under ngram, or with suffix_decoding_max_cached_requests 0)
@@ -204,13 +213,25 @@ class Proposer:
         index = self._indexes.get(request.request_id)
         if index is None:
             index = self._indexes[request.request_id] = self._new_index(request)
-        return index.propose(request.all_token_ids, k)
+        draft = index.propose(request.all_token_ids, k)
+        self._matched[request.request_id] = min(draft.match_length, LONGEST_MATCH)
+        return list(draft.token_ids)
 
     def chance(self, request_id: str, position: int) -> float:
-        """The chance that the request's draft at ``position`` (0: the first) is accepted: its
-        acceptance (a draft's chance after accepted ones) to the power of the drafts up to it."""
+        """The chance that the request's latest draft at ``position`` (0: the first) is accepted:
+        its acceptance (a draft's chance after accepted ones), lowered halfway towards that of
+        drafts from as long a match where those do worse, to the power of the drafts up to it."""
+        own = self._request_rate(request_id)
+        match = self._by_match.get(self._matched.get(request_id, 0), self._prior)
+        return ((own + min(own, match.rate)) / 2) ** (position + 1)
+
+    def best_chance(self, request_id: str, position: int) -> float:
+        """``chance`` for a draft not proposed yet: at least what its chance will be once proposed."""
+        return self._request_rate(request_id) ** (position + 1)
+
+    def _request_rate(self, request_id: str) -> float:
         acceptance = self._acceptance.get(request_id)
-        return (acceptance.rate if acceptance is not None else self._prior.rate) ** (position + 1)
+        return acceptance.rate if acceptance is not None else self._prior.rate
 
     def _new_index(self, request: Request) -> NgramIndex | SuffixIndex:
         """The method's index of ``request``'s tokens: its n-grams' first occurrences, or its suffix
@@ -232,6 +253,10 @@ class Proposer:
                     self._prior.rate, PRIOR_TESTS, ACCEPTANCE_MEMORY
                 )
             acceptance.update(proposed, accepted)
+            match = self._matched.get(request_id, 0)
+            if match not in self._by_match:
+                self._by_match[match] = Acceptance.starting_at(self._prior.rate, PRIOR_TESTS, PRIOR_MEMORY)
+            self._by_match[match].update(proposed, accepted)
             self._prior.update(proposed, accepted)
 
     def forget(self, request: Request) -> None:
@@ -239,5 +264,6 @@ class Proposer:
         self._budgets.pop(request.request_id, None)
         self._acceptance.pop(request.request_id, None)
         self._indexes.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
         if self._suffix_cache is not None:
             self._suffix_cache.add(tenant_of(request), request.output_token_ids)

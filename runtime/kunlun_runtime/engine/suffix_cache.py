@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kunlun_runtime.config import SpeculativeConfig
 from kunlun_runtime.engine.request import Request
-from kunlun_runtime.engine.suffix_tree import NO_DRAFT, SuffixTree
+from kunlun_runtime.engine.suffix_tree import NO_DRAFT, Draft, SuffixTree
 
 TenantKey = tuple[str | None, tuple[int, str] | None]  # (cache_salt, LoRA adapter's (id, name))
 _OWN = 0  # the one sequence of a request's own tree
@@ -108,7 +108,7 @@ class SuffixIndex:
         self._own = SuffixTree(params.max_tree_depth)
         self._indexed = 0  # tokens in the own tree
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], k: int) -> Draft:
         """Up to ``k`` drafts to follow ``tokens`` (the request's tokens so far: the ones before
         are those of the last call, then the new ones)."""
         if len(tokens) > self._indexed:
@@ -123,4 +123,4 @@ class SuffixIndex:
             if shared is None
             else shared.propose(context, k, params.max_spec_factor, params.min_token_prob)
         )
-        return list(own.token_ids if own.score >= other.score else other.token_ids)
+        return own if own.score >= other.score else other

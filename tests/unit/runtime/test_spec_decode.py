@@ -28,24 +28,25 @@ CHI2_CRITICAL = {5: 20.52, 4: 18.47}
 
 
 @pytest.mark.parametrize(
-    ("tokens", "k", "expected"),
+    ("tokens", "k", "expected", "match"),
     [
-        ([1, 2, 3, 9, 1, 2, 3], 3, [9, 1, 2]),  # the 3-gram [1, 2, 3] seen before: what followed
-        ([5, 1, 2, 7, 8, 1, 2], 2, [7, 8]),
-        ([1, 2, 1, 3, 1, 2], 4, [1, 3, 1, 2]),  # the longest match wins over a shorter one
-        ([1, 2, 5, 6, 1, 2, 7, 8, 1, 2], 2, [5, 6]),  # the first occurrence: what the source says
-        ([4, 4, 4, 4], 2, [4]),  # after the first [4, 4, 4] only one token follows
-        ([1, 2, 3, 4], 3, []),  # nothing repeats
-        ([7], 3, []),
+        ([1, 2, 3, 9, 1, 2, 3], 3, [9, 1, 2], 3),  # the 3-gram [1, 2, 3] seen before: what followed
+        ([5, 1, 2, 7, 8, 1, 2], 2, [7, 8], 2),
+        ([1, 2, 1, 3, 1, 2], 4, [1, 3, 1, 2], 2),  # the longest match wins over a shorter one
+        ([1, 2, 5, 6, 1, 2, 7, 8, 1, 2], 2, [5, 6], 2),  # the first occurrence: what the source says
+        ([4, 4, 4, 4], 2, [4], 3),  # after the first [4, 4, 4] only one token follows
+        ([1, 2, 3, 4], 3, [], 0),  # nothing repeats
+        ([7], 3, [], 0),
     ],
 )
-def test_ngram_proposer(tokens, k, expected):
-    assert propose_ngram(tokens, k, min_n=1, max_n=3) == expected
+def test_ngram_proposer(tokens, k, expected, match):
+    draft = propose_ngram(tokens, k, min_n=1, max_n=3)
+    assert (list(draft.token_ids), draft.match_length) == (expected, match)
 
 
 def test_ngram_proposer_honours_the_minimum_length():
-    assert propose_ngram([1, 2, 3, 9, 5, 3], 2, min_n=2, max_n=3) == []  # only a 1-gram repeats
-    assert propose_ngram([1, 2, 3, 9, 5, 3], 2, min_n=1, max_n=3) == [9, 5]
+    assert propose_ngram([1, 2, 3, 9, 5, 3], 2, min_n=2, max_n=3).token_ids == ()  # only a 1-gram repeats
+    assert propose_ngram([1, 2, 3, 9, 5, 3], 2, min_n=1, max_n=3).token_ids == (9, 5)
 
 
 def test_the_draft_budget_follows_acceptance_and_rests_when_nothing_is_accepted():
@@ -283,6 +284,33 @@ def test_a_new_request_starts_from_the_acceptance_across_requests():
     assert 0.1 < proposer.chance("new", 0) < 0.6
 
 
+def test_a_draft_from_a_match_length_whose_drafts_fail_is_priced_lower():
+    # Across requests, drafts after a 3-token match were all accepted and those after a 1-token
+    # match none: a new request's draft from a 1-token match gets little more than half the chance of one
+    # from a 3-token match (its own acceptance, lowered halfway to its match length's), and the
+    # chance hoped for before proposing is never below the one a proposal gets.
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3))
+    long_match = [1, 2, 3, 4, 5, 1, 2, 3]  # [1, 2, 3] seen before: drafts [4, 5]
+    short_match = [1, 6, 7, 8, 9, 1]  # only [1]: drafts [6, 7]
+    for index in range(20):
+        for tokens, accepted in ((long_match, 2), (short_match, 0)):
+            request = Request(
+                f"old-{index}-{accepted}", tokens, SamplingParams(temperature=0), max_total_tokens=64
+            )
+            assert proposer.drafts(request, 2)
+            proposer.accepted(request.request_id, 2, accepted)
+    fresh = {
+        name: Request(name, tokens, SamplingParams(temperature=0), max_total_tokens=64)
+        for name, tokens in (("long", long_match), ("short", short_match))
+    }
+    hoped = {name: proposer.best_chance(name, 0) for name in fresh}
+    for request in fresh.values():
+        proposer.drafts(request, 2)
+    assert proposer.chance("long", 0) == pytest.approx(hoped["long"])
+    assert proposer.chance("short", 0) < 0.6 * proposer.chance("long", 0)
+    assert all(hoped[name] >= proposer.chance(name, 0) for name in fresh)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60),
@@ -295,4 +323,4 @@ def test_the_ngram_index_proposes_what_the_scan_proposes_as_tokens_grow(tokens, 
     index = NgramIndex(min_n, min_n + extra)
     for length in sorted({*cuts, len(tokens)}):
         prefix = tokens[: min(length, len(tokens))]
-        assert index.propose(prefix, k) == propose_ngram(prefix, k, min_n, min_n + extra)
+        assert index.propose(prefix, k) == propose_ngram(prefix, k, min_n, min_n + extra)  # and its match

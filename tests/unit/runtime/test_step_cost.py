@@ -179,3 +179,24 @@ def test_decode_rows_are_known_while_the_window_holds_pure_decode_steps_of_two_s
     model.observe(StepFeatures(0, 8, 800), 0.02)  # the 4-row step leaves the window
     model.observe(StepFeatures(0, 8, 800), 0.02)
     assert not model.knows_decode_rows()
+
+
+@pytest.mark.parametrize("pass_rows", [None, 8])
+def test_predicting_a_series_of_added_rows_agrees_with_predicting_each(pass_rows):
+    # The one-pass series the drafting decision uses must be `predict` of each sum, weight passes
+    # and mixed steps (whose draft rows are priced as decode rows) included.
+    model, rng = StepCostModel(pass_rows=pass_rows), random.Random(11)
+    for _ in range(100):
+        features = random_features(rng)
+        rows = features.num_decode_seqs + features.num_draft_rows
+        passes = -(-rows // 8) - 1 if features.num_prefill_tokens == 0 and rows else 0
+        model.observe(features, synthetic_seconds(features) + 0.003 * passes + rng.uniform(0, 1e-3))
+    for base in (StepFeatures(0, 6, 6000), StepFeatures(0, 0, 0), StepFeatures(300, 2, 92_000, 1, 900)):
+        for added in (draft_row_features(1500), chunk_features(1200, 1)):
+            series = model.predict_adding(base, added, 12)
+            expected, features = [], base
+            for _ in range(13):
+                expected.append(model.predict(features))
+                features = features + added
+            assert series == pytest.approx(expected, rel=1e-12)
+    assert StepCostModel().predict_adding(StepFeatures(), draft_row_features(10), 3) is None

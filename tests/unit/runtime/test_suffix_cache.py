@@ -87,7 +87,7 @@ def test_a_request_gets_the_better_draft_of_its_own_tokens_and_its_tenants_outpu
     for prefix in (tokens[: min(cut, len(tokens))], tokens):  # as the request grows
         own = reference_draft([prefix], prefix, 6, k, 1.0, 0.1)
         shared = reference_draft(mine, prefix, 6, k, 1.0, 0.1)
-        assert tuple(index.propose(prefix, k)) == _best(own, shared)
+        assert index.propose(prefix, k).token_ids == _best(own, shared)
 
 
 def test_one_tenants_text_is_never_proposed_to_another():
@@ -95,9 +95,9 @@ def test_one_tenants_text_is_never_proposed_to_another():
     cache = SuffixCache(params.max_tree_depth, params.max_cached_requests)
     cache.add(TENANTS[1], [40, 41, 42, 43, 44, 45])
     context = [9, 40, 41, 42]
-    assert SuffixIndex(params, cache, TENANTS[1]).propose(context, 8) == [43, 44, 45]
-    assert SuffixIndex(params, cache, TENANTS[0]).propose(context, 8) == []
-    assert SuffixIndex(params, cache, ("salt-b", (1, "adapter"))).propose(context, 8) == []
+    assert SuffixIndex(params, cache, TENANTS[1]).propose(context, 8).token_ids == (43, 44, 45)
+    assert SuffixIndex(params, cache, TENANTS[0]).propose(context, 8).token_ids == ()
+    assert SuffixIndex(params, cache, ("salt-b", (1, "adapter"))).propose(context, 8).token_ids == ()
 
 
 def _request(request_id, prompt, output=(), cache_salt=None, lora=None):
