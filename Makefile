@@ -32,7 +32,7 @@ generate: install
 	$(BIN)/kunlun-runtime generate --prompt "$(PROMPT)" --max-tokens 64
 
 test: install tools
-	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest -q tests
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/pytest -q --durations=20 tests
 
 # localhost/kunlun-runtime:cpu, kunlun-operator:dev, kunlun-device-plugin:dev, and
 # localhost/kunlun-runtime:kunlun when KUNLUN_STACK names a vendor stack (docs/chart.md#container-images).

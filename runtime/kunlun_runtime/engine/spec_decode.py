@@ -65,6 +65,9 @@ class SpecDecodeCounters:
             self.accepted_per_pos[position] += 1
 
 
+REFUSAL_STEPS = 8  # steps a refusal to draft stands for while nothing it depends on changed
+
+
 class SpeculativeDecoder:
     """The engine's speculative side: drafts before a step, verification after it."""
 
@@ -72,6 +75,9 @@ class SpeculativeDecoder:
         self.proposer = Proposer(config)
         self.eos_token_ids = list(eos_token_ids)
         self.counters = SpecDecodeCounters()
+        # The last refusal to draft: the decoding requests and their allowances, and the steps
+        # it still stands for (see propose).
+        self._refused: tuple[tuple[tuple[str, int], ...], int] | None = None
 
     def propose(
         self,
@@ -94,9 +100,17 @@ class SpeculativeDecoder:
             self.proposer.allowance(request, min(request.max_total_tokens - request.num_tokens - 1, spare))
             for request in decoding  # room after the next token
         ]
-        # When not even every allowed draft at its best chance (from the likeliest match length)
-        # would pay for its row, none is proposed (a suffix tree walk per request per step, for
-        # nothing, cost free text at batch 8 a few percent).
+        # When not even every allowed draft at its best chance would pay for its row, none is
+        # proposed (a suffix tree walk per request per step, for nothing, cost free text at batch
+        # 8 a few percent). A refusal stands for REFUSAL_STEPS steps of the same requests and
+        # allowances: their chances change only when drafts are verified, which a refusal
+        # prevents, and the step-time model by a few steps' observations; deciding again each
+        # step cost 1-2 % of a batch-8 step.
+        situation = tuple((r.request_id, k) for r, k in zip(decoding, allowed, strict=True))
+        if self._refused is not None and self._refused[0] == situation and self._refused[1] > 0:
+            self._refused = (situation, self._refused[1] - 1)
+            return
+        self._refused = None
         hoped = sorted(
             (
                 self.proposer.best_chance(r.request_id, p)
@@ -106,6 +120,8 @@ class SpeculativeDecoder:
             reverse=True,
         )
         if draft_rows_worth_running(cost, decoding, hoped[: max(spare, 0)]) == 0:
+            if any(allowed):
+                self._refused = (situation, REFUSAL_STEPS - 1)
             return
         proposals = [
             grammar_drafts(grammar_of(request.request_id), self.proposer.drafts(request, k))

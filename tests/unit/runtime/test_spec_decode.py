@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kunlun_runtime.config import SpeculativeConfig, parse_speculative_config
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
-from kunlun_runtime.engine.spec_decode import SpecDecodeCounters
+from kunlun_runtime.engine.spec_decode import REFUSAL_STEPS, SpecDecodeCounters, SpeculativeDecoder
 from kunlun_runtime.engine.spec_propose import (
     DraftBudget,
     NgramIndex,
@@ -228,6 +228,30 @@ def test_a_draft_row_is_priced_as_measured_not_as_a_decode_row():
         draft_rows_worth_running(_cpu_like_cost(draft_seconds=0.002), _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 0
     )
     assert draft_rows_worth_running(_cpu_like_cost(), _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 4
+
+
+def test_a_refusal_to_draft_stands_a_few_steps_unless_the_requests_change():
+    # Drafts priced above what they bring are refused; the refusal stands for REFUSAL_STEPS steps
+    # of the same requests (their chances cannot change without a verification) even where the
+    # step-time model now finds drafts cheap; after them, or with another set of requests, the
+    # step decides again.
+    decoder = SpeculativeDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), [0])
+    requests = []
+    for index in range(8):
+        request = Request(f"r{index}", [5, 6, 7, 8] * 50, SamplingParams(temperature=0), max_total_tokens=260)
+        request.num_computed_tokens = request.num_tokens - 1
+        requests.append(request)
+    costly, cheap = _cpu_like_cost(draft_seconds=0.01), _cpu_like_cost()
+
+    def drafted(batch, cost):
+        decoder.propose(batch, 16, cost, lambda _: None)
+        return sum(len(request.spec_token_ids) for request in batch)
+
+    assert drafted(requests, costly) == 0
+    assert [drafted(requests, cheap) for _ in range(REFUSAL_STEPS - 1)] == [0] * (REFUSAL_STEPS - 1)
+    assert drafted(requests, cheap) > 0
+    assert drafted(requests, costly) == 0
+    assert drafted(requests[:7], cheap) > 0
 
 
 def test_a_new_pass_over_the_weights_is_paid_for_by_the_drafts_after_it():
