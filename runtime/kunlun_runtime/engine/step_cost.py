@@ -198,8 +198,9 @@ class StepCostModel:
 
     def predict_adding(self, base: StepFeatures, added: StepFeatures, count: int) -> list[float] | None:
         """``predict(base + i · added)`` for i = 0 … ``count``, in one pass: the terms are linear
-        in the features but for the weight passes, so only those are counted per i. Called per
-        step with every candidate draft row, where ``predict`` per count cost ~10 µs each."""
+        in the features but for the weight passes, so only those are counted per i. Drafting
+        prices every candidate count each step, where a ``predict`` per count showed in the
+        profile of a step that drafts nothing."""
         coefficients = self.coefficients
         if coefficients is None:
             return None
