@@ -161,11 +161,13 @@ class StepCostModel:
         row = features.row()
         if self.pass_rows is None:
             return row
-        extra = 0
         rows = features.num_decode_seqs + features.num_draft_rows
-        if features.num_prefill_tokens == 0 and rows > 0:
-            extra = -(-rows // self.pass_rows) - 1
-        return (*row, float(extra))
+        return (*row, float(self._further_passes(rows) if features.num_prefill_tokens == 0 else 0))
+
+    def _further_passes(self, rows: int) -> int:
+        """Reads of the weights past the first that a pure decode step of ``rows`` rows makes."""
+        assert self.pass_rows is not None
+        return -(-rows // self.pass_rows) - 1 if rows > 0 else 0
 
     def _accumulate(self, row: tuple[float, ...], seconds: float, sign: float) -> None:
         for a in range(self._terms):
@@ -194,7 +196,7 @@ class StepCostModel:
         coefficients = self.coefficients
         if coefficients is None:
             return None
-        return sum(c * x for c, x in zip(coefficients, self._row(features), strict=True))
+        return _dot(coefficients, self._row(features))
 
     def predict_adding(self, base: StepFeatures, added: StepFeatures, count: int) -> list[float] | None:
         """``predict(base + i · added)`` for i = 0 … ``count``, in one pass: the terms are linear
@@ -207,19 +209,25 @@ class StepCostModel:
         if base.num_prefill_tokens or added.num_prefill_tokens:  # a mixed step's rows are priced otherwise
             series, features = [], base
             for _ in range(count + 1):
-                series.append(sum(c * x for c, x in zip(coefficients, self._row(features), strict=True)))
+                series.append(_dot(coefficients, self._row(features)))
                 features = features + added
             return series
         terms = coefficients[:_NUM_TERMS]  # the weight passes' term apart
-        start = sum(c * x for c, x in zip(terms, base.row(), strict=True))
-        step = sum(c * x for c, x in zip(terms[1:], added.row()[1:], strict=True))  # no intercept
-        rows, per = base.num_decode_seqs + base.num_draft_rows, added.num_decode_seqs + added.num_draft_rows
+        start = _dot(terms, base.row())
+        step = _dot(terms[1:], added.row()[1:])  # no intercept
         series = [start + i * step for i in range(count + 1)]
         if self.pass_rows is not None:
+            rows, per = (
+                base.num_decode_seqs + base.num_draft_rows,
+                added.num_decode_seqs + added.num_draft_rows,
+            )
             for i in range(count + 1):
-                total = rows + i * per
-                series[i] += coefficients[-1] * (-(-total // self.pass_rows) - 1 if total > 0 else 0)
+                series[i] += coefficients[-1] * self._further_passes(rows + i * per)
         return series
+
+
+def _dot(coefficients: tuple[float, ...], row: tuple[float, ...]) -> float:
+    return sum(c * x for c, x in zip(coefficients, row, strict=True))
 
 
 def _fit_nonnegative(gram: list[list[float]], rhs: list[float], num_rows: int) -> tuple[float, ...] | None:
