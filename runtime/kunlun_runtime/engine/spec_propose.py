@@ -66,7 +66,8 @@ class DraftBudget:
     """How many drafts a request gets: starts at the configured maximum, halves after a step that
     accepted none (down to none at all), grows by one after a step that accepted all. At none it
     rests ``REST_STEPS`` steps, then probes with one draft: text with nothing to copy pays for a
-    draft only now and then."""
+    draft only now and then. ``wake`` ends a rest early (the proposer's evidence that drafting
+    pays again)."""
 
     REST_STEPS = 8
     maximum: int
@@ -83,6 +84,11 @@ class DraftBudget:
             self.resting += 1
             if self.resting >= self.REST_STEPS:
                 self.resting, self.current = 0, 1
+        return self.current
+
+    def wake(self) -> int:
+        """Probe with one draft now, resting or not; returns the drafts for the next step."""
+        self.resting, self.current = 0, max(self.current, 1)
         return self.current
 
     def update(self, proposed: int, accepted: int) -> None:
@@ -133,6 +139,7 @@ ACCEPTANCE_MEMORY = 0.8  # per step: weight of the past in a request's acceptanc
 PRIOR_MEMORY = 0.95  # per verification: weight of the past in the acceptance across requests
 PRIOR_TESTS = 4.0  # how many tested drafts the prior counts as in a new request's acceptance
 LONGEST_MATCH = 16  # drafts from longer matches pool their acceptance with those from this long
+WAKE_MATCH = 3  # a resting request drafts again once its last this many tokens occurred before
 
 
 @dataclass(slots=True)
@@ -204,16 +211,21 @@ class Proposer:
         if room <= 0:
             return 0
         budget = self._budgets.setdefault(request.request_id, DraftBudget(self.config.num_speculative_tokens))
-        return min(budget.next(), room)
+        allowed = budget.next()
+        # A request resting after failed drafts (it left the text it copied: an edit, a new
+        # field) is woken by a match of WAKE_MATCH tokens or more: on copy tasks that means it
+        # copies again, drafts after such a match are mostly accepted, and resting through it
+        # cost more steps than failed probes did (docs/performance.md). The step-time model
+        # still decides whether the draft runs; a lookup per resting request is the price.
+        if allowed == 0 and self._index(request).propose(request.all_token_ids, 1).match_length >= WAKE_MATCH:
+            allowed = budget.wake()
+        return min(allowed, room)
 
     def drafts(self, request: Request, k: int) -> list[int]:
         """Up to ``k`` drafts for ``request`` from its index (its tokens so far)."""
         if k <= 0:
             return []
-        index = self._indexes.get(request.request_id)
-        if index is None:
-            index = self._indexes[request.request_id] = self._new_index(request)
-        draft = index.propose(request.all_token_ids, k)
+        draft = self._index(request).propose(request.all_token_ids, k)
         self._matched[request.request_id] = min(draft.match_length, LONGEST_MATCH)
         return list(draft.token_ids)
 
@@ -232,6 +244,12 @@ class Proposer:
     def _request_rate(self, request_id: str) -> float:
         acceptance = self._acceptance.get(request_id)
         return acceptance.rate if acceptance is not None else self._prior.rate
+
+    def _index(self, request: Request) -> NgramIndex | SuffixIndex:
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = self._indexes[request.request_id] = self._new_index(request)
+        return index
 
     def _new_index(self, request: Request) -> NgramIndex | SuffixIndex:
         """The method's index of ``request``'s tokens: its n-grams' first occurrences, or its suffix

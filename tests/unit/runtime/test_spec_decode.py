@@ -65,6 +65,43 @@ def test_the_draft_budget_follows_acceptance_and_rests_when_nothing_is_accepted(
     assert [budget.next() for _ in range(DraftBudget.REST_STEPS)] == [0] * (DraftBudget.REST_STEPS - 1) + [1]
 
 
+def test_a_woken_budget_probes_with_one_draft_and_follows_acceptance_from_there():
+    budget = DraftBudget(4)
+    for proposed in (4, 2, 1):
+        budget.update(proposed, 0)
+    assert [budget.next() for _ in range(3)] == [0, 0, 0]  # resting
+    assert budget.wake() == 1
+    budget.update(1, 1)
+    assert budget.next() == 2
+    assert DraftBudget(4).wake() == 4  # a budget that is not resting keeps its drafts
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_resting_request_drafts_again_once_it_matches_enough_tokens(method):
+    # A rewrite leaves the copied text for an edit: its drafts fail and it rests. Once its last
+    # WAKE_MATCH tokens occurred earlier (it copies again) it drafts at once, not after the rest;
+    # a request whose tail matches nothing stays at rest.
+    options = {"prompt_lookup_min": 1, "prompt_lookup_max": 4} if method == "ngram" else {}
+    proposer = Proposer(SpeculativeConfig(method, num_speculative_tokens=4, **options))
+    text = list(range(10, 30))
+    copying = Request("copying", [*text, 99, 98], SamplingParams(temperature=0), max_total_tokens=64)
+    lost = Request("lost", [*text, 99, 98], SamplingParams(temperature=0), max_total_tokens=64)
+    for request in (copying, lost):
+        for _ in range(3):  # 4, 2, 1 drafts, none accepted: at rest
+            proposer.accepted(request.request_id, proposer.allowance(request, 10), 0)
+        assert proposer.allowance(request, 10) == 0
+    copying.output_token_ids.append(text[0])
+    lost.output_token_ids.append(97)
+    assert proposer.allowance(copying, 10) == 0  # one matched token is not yet evidence
+    copying.output_token_ids.append(text[1])
+    copying.output_token_ids.append(text[2])
+    lost.output_token_ids.append(96)
+    lost.output_token_ids.append(95)
+    assert proposer.allowance(copying, 10) == 1
+    assert proposer.drafts(copying, 1) == [text[3]]
+    assert proposer.allowance(lost, 10) == 0
+
+
 def test_counters_count_per_position():
     counters = SpecDecodeCounters()
     counters.record(3, 2)
