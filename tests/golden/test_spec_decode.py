@@ -25,7 +25,9 @@ PROMPTS = [phrase * (3 + k) for k, phrase in enumerate(PHRASES)] + [
 def every_draft_is_worth_its_row(monkeypatch):
     """Whether a draft pays for its row depends on measured step times (noise); these tests are
     about what verification emits, so every request drafts as its budget allows."""
-    monkeypatch.setattr(spec_decode, "draft_rows_worth_running", lambda cost, decoding, chances: len(chances))
+    monkeypatch.setattr(
+        spec_decode, "draft_rows_worth_running", lambda cost, decoding, chances, measured=None: len(chances)
+    )
 
 
 def _run(llm, params, prompts=PROMPTS):

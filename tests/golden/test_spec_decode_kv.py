@@ -11,7 +11,9 @@ PROMPTS = [[(31 * i + 7 * k) % 250 + 3 for i in range(9 + 5 * k)] for k in range
 def test_rejected_drafts_give_their_blocks_back(tiny_model_dirs, monkeypatch):
     # Every request drafts six copies of one token each step: most are rejected, and with blocks
     # of 8 tokens the room made for them often spans a block the request does not yet need.
-    monkeypatch.setattr(spec_decode, "draft_rows_worth_running", lambda cost, decoding, chances: len(chances))
+    monkeypatch.setattr(
+        spec_decode, "draft_rows_worth_running", lambda cost, decoding, chances, measured=None: len(chances)
+    )
     monkeypatch.setattr(spec_decode.Proposer, "allowance", lambda self, request, room: min(6, max(room, 0)))
     monkeypatch.setattr(spec_decode.Proposer, "drafts", lambda self, request, k: [5] * k)
     options = {"dtype": "float32", "max_model_len": 128, "block_size": 8}

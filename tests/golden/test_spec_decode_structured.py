@@ -46,7 +46,9 @@ PROMPTS = [
 def every_draft_is_worth_its_row(monkeypatch):
     """Whether a draft pays for its row depends on measured step times (noise); these tests are
     about what verification emits, so every request drafts as its budget allows."""
-    monkeypatch.setattr(spec_decode, "draft_rows_worth_running", lambda cost, decoding, chances: len(chances))
+    monkeypatch.setattr(
+        spec_decode, "draft_rows_worth_running", lambda cost, decoding, chances, measured=None: len(chances)
+    )
 
 
 def _llm(model_dir, spec, **options):

@@ -369,7 +369,10 @@ class LLMEngine:
     ) -> list[tuple[RequestState, list[tuple[int, TokenLogprob | None]]]]:
         """After the forward: let the scheduler account for the step, record prompt logprobs, and
         sample (verifying drafts); returns each request's new tokens (id, logprob)."""
-        self.scheduler.update_from_output(sched, time.monotonic() - began)
+        seconds = time.monotonic() - began
+        self.scheduler.update_from_output(sched, seconds)
+        if self.spec is not None:
+            self.spec.observe(sched, seconds)
         for request_id, (first_pos, rows) in logits.prompt_logits.items():
             self._record_prompt_logprobs(self._tracked[request_id].request, first_pos, rows)
         tracked = [self._tracked[rid] for rid in logits.sample_request_ids]

@@ -19,8 +19,9 @@ temperature, top-k/p, min-p); its seeded generator draws the acceptance tests an
 order, so a seed reproduces (``spec_verify``). The KV of rejected positions is never counted as
 computed: their blocks' hashes are never made, and blocks made only for them go back to the pool
 (the engine). How many drafts a request proposes follows its recent acceptance, and how many of
-all of them a step runs follows the step-time model (``spec_propose``), so text with nothing to
-copy pays for a draft only now and then. A request with a structured-output constraint drafts
+all of them a step runs follows what drafts were measured to add to a step (``draft_price``; the
+step-time model before that, ``spec_propose``), so text with nothing to copy pays for a draft
+only now and then. A request with a structured-output constraint drafts
 only what its grammar accepts, and each of its positions is verified under its grammar's mask
 there (``spec_grammar``). This module joins them for the engine and counts (vLLM's counters).
 """
@@ -33,9 +34,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kunlun_runtime.config import SpeculativeConfig
+from kunlun_runtime.engine.draft_price import DraftRowPrice
 from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampler import AllowedTokens, Sampler
+from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.engine.spec_grammar import grammar_drafts, masked_logits
 from kunlun_runtime.engine.spec_propose import Proposer, draft_rows_worth_running
 from kunlun_runtime.engine.spec_verify import accept_greedy, plain_greedy, verify
@@ -75,6 +78,7 @@ class SpeculativeDecoder:
         self.proposer = Proposer(config)
         self.eos_token_ids = list(eos_token_ids)
         self.counters = SpecDecodeCounters()
+        self.price = DraftRowPrice()
         # The last refusal to draft: the decoding requests and their allowances, and the steps
         # it still stands for (see propose).
         self._refused: tuple[tuple[tuple[str, int], ...], int] | None = None
@@ -89,8 +93,9 @@ class SpeculativeDecoder:
         """Drafts for the running requests about to decode (their last token not computed yet):
         each proposes up to its budget (a constrained request's, ``grammar_of`` its grammar's
         state, only as far as its grammar accepts them), and the step runs the likeliest of all
-        of them, as many as make the step's tokens per second highest by the engine's step-time
-        model (``cost``) and the decode rows stay within ``max_rows`` (a decode step of more rows
+        of them, as many as make the step's tokens per second highest by what adjacent steps of
+        these requests measured (``draft_price``), else by the engine's step-time model
+        (``cost``), and the decode rows stay within ``max_rows`` (a decode step of more rows
         leaves the small-batch kernels for the large-batch matmuls)."""
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         spare = max_rows - len(decoding)
@@ -111,6 +116,7 @@ class SpeculativeDecoder:
             self._refused = (situation, self._refused[1] - 1)
             return
         self._refused = None
+        measured = self.price.series(frozenset(r.request_id for r in decoding), max(spare, 0))
         hoped = sorted(
             (
                 self.proposer.best_chance(r.request_id, p)
@@ -119,7 +125,7 @@ class SpeculativeDecoder:
             ),
             reverse=True,
         )
-        if draft_rows_worth_running(cost, decoding, hoped[: max(spare, 0)]) == 0:
+        if draft_rows_worth_running(cost, decoding, hoped[: max(spare, 0)], measured) == 0:
             if any(allowed):
                 self._refused = (situation, REFUSAL_STEPS - 1)
             return
@@ -137,7 +143,7 @@ class SpeculativeDecoder:
             key=lambda candidate: (-candidate[0], candidate[1]),
         )
         del candidates[max(spare, 0) :]  # the step's rows: no more drafts than that can run
-        run = draft_rows_worth_running(cost, decoding, [candidate[0] for candidate in candidates])
+        run = draft_rows_worth_running(cost, decoding, [candidate[0] for candidate in candidates], measured)
         counts = [0] * len(decoding)
         for _, _, index in candidates[:run]:
             counts[index] += 1
@@ -191,6 +197,12 @@ class SpeculativeDecoder:
             self.proposer.accepted(request.request_id, len(drafts), accepted)
             results[i] = emitted
         return results
+
+    def observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        """The step ``sched`` took ``seconds`` (its forward): a pure decode step prices drafts."""
+        if sched.features.num_prefill_tokens == 0 and sched.scheduled:
+            batch = frozenset(item.request.request_id for item in sched.scheduled)
+            self.price.observe(batch, sched.features.num_draft_rows, seconds)
 
     def forget(self, request: Request) -> None:
         """``request`` finished (its output complete)."""

@@ -102,7 +102,10 @@ DRAFT_MARGIN = 0.05  # the predicted gain in tokens per second a step's drafts m
 
 
 def draft_rows_worth_running(
-    cost: StepCostModel, decoding: Sequence[Request], chances: Sequence[float]
+    cost: StepCostModel,
+    decoding: Sequence[Request],
+    chances: Sequence[float],
+    measured: Sequence[float] | None = None,
 ) -> int:
     """How many of the step's candidate drafts (their chances of acceptance, likeliest first) to
     run: the count that makes the most expected tokens per second of the step, by the engine's
@@ -112,14 +115,22 @@ def draft_rows_worth_running(
     number of rows, the first row of a new pass costs several rows' time and only pays with enough
     likely drafts after it. A draft row is priced as draft rows were measured (its attention
     re-reads its decode row's keys, ``draft_row_features``), not as a decode row. Drafts are run
-    only for a predicted gain of at least ``DRAFT_MARGIN``."""
-    if not chances or not decoding or not cost.knows_decode_rows():
+    only for a predicted gain of at least ``DRAFT_MARGIN``. ``measured``: the step's seconds with
+    0, 1, … drafts as adjacent steps of these requests measured them (``draft_price``), used
+    instead of the model where given."""
+    if not chances or not decoding:
         return len(chances)
-    features = StepFeatures()
-    for request in decoding:
-        features = features + chunk_features(request.num_tokens - 1, 1)
-    longest = max(request.num_tokens for request in decoding)
-    series = cost.predict_adding(features, draft_row_features(longest), len(chances))
+    series: Sequence[float] | None
+    if measured is not None and len(measured) > len(chances):
+        series = measured[: len(chances) + 1]
+    else:
+        if not cost.knows_decode_rows():
+            return len(chances)
+        features = StepFeatures()
+        for request in decoding:
+            features = features + chunk_features(request.num_tokens - 1, 1)
+        longest = max(request.num_tokens for request in decoding)
+        series = cost.predict_adding(features, draft_row_features(longest), len(chances))
     if series is None or series[0] <= 0:
         return len(chances)
     plain_rate = len(decoding) / series[0]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kunlun_runtime.config import SpeculativeConfig, parse_speculative_config
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
+from kunlun_runtime.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kunlun_runtime.engine.spec_decode import REFUSAL_STEPS, SpecDecodeCounters, SpeculativeDecoder
 from kunlun_runtime.engine.spec_propose import (
     DraftBudget,
@@ -20,7 +21,7 @@ from kunlun_runtime.engine.spec_propose import (
     propose_ngram,
 )
 from kunlun_runtime.engine.spec_verify import verify
-from kunlun_runtime.engine.step_cost import StepCostModel, chunk_features, draft_row_features
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features, draft_row_features
 from kunlun_runtime.errors import ConfigError
 
 # The 0.1 % critical values of chi-square for 5 and 4 degrees of freedom.
@@ -265,6 +266,33 @@ def test_a_draft_row_is_priced_as_measured_not_as_a_decode_row():
         draft_rows_worth_running(_cpu_like_cost(draft_seconds=0.002), _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 0
     )
     assert draft_rows_worth_running(_cpu_like_cost(), _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 4
+
+
+def test_adjacent_steps_of_the_same_requests_price_drafts_over_the_step_time_model():
+    # The model was fed draft rows at 2 ms (it refuses four drafts at batch 8); the engine's own
+    # steps of these requests say 0.4 ms beside a 16.7 ms step: the measured series decides.
+    misled = _cpu_like_cost(draft_seconds=0.002)
+    measured = [0.0167 + 0.0004 * i for i in range(9)]
+    assert draft_rows_worth_running(misled, _decoding(8), [0.9, 0.8, 0.6, 0.3]) == 0
+    assert draft_rows_worth_running(misled, _decoding(8), [0.9, 0.8, 0.6, 0.3], measured) == 4
+    assert draft_rows_worth_running(_cpu_like_cost(), _decoding(8), [0.9, 0.8], [0.0167, 0.03, 0.05]) == 0
+
+
+def test_the_decoder_prices_drafts_from_its_pure_decode_steps_only():
+    decoder = SpeculativeDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2), [0])
+    requests = _decoding(2)
+    batch = frozenset(r.request_id for r in requests)
+
+    def step(drafts, prefill=0):
+        scheduled = [ScheduledRequest(r, 1 + drafts, drafts) for r in requests]
+        features = StepFeatures(prefill, len(requests), 0, drafts * len(requests))
+        return SchedulerOutput(scheduled, features=features)
+
+    decoder.observe(step(0), 0.020)
+    decoder.observe(step(2, prefill=64), 0.500)  # a prompt chunk beside the drafts: not a pair
+    decoder.observe(step(0, prefill=64), 0.400)  # nor a plain decode step
+    decoder.observe(step(2), 0.024)
+    assert [round(t * 1e3, 6) for t in decoder.price.series(batch, 2)] == [20.0, 21.0, 22.0]
 
 
 def test_a_refusal_to_draft_stands_a_few_steps_unless_the_requests_change():

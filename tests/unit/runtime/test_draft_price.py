@@ -1,0 +1,61 @@
+"""The draft-row price from adjacent decode steps of the same requests (engine/draft_price.py)."""
+
+import pytest
+
+from kunlun_runtime.engine.draft_price import SAMPLES, DraftRowPrice
+
+BATCH = frozenset(f"r{i}" for i in range(8))
+OTHER = frozenset(f"s{i}" for i in range(8))
+
+
+def _ms(series):
+    return [round(seconds * 1e3, 6) for seconds in series]
+
+
+def test_a_draft_row_costs_what_a_step_with_drafts_adds_to_the_steps_without():
+    price = DraftRowPrice()
+    assert price.series(BATCH, 2) is None  # nothing seen of these requests
+    price.observe(BATCH, 0, 0.020)
+    price.observe(BATCH, 0, 0.022)  # the plain step: their mean, recent ones weighted more
+    assert _ms(price.series(BATCH, 2)) == [21.0, 21.0, 21.0]  # never paired: drafts run, priced 0
+    price.observe(BATCH, 4, 0.029)  # 8 ms more for 4 drafts
+    assert _ms(price.series(BATCH, 3)) == [21.0, 23.0, 25.0, 27.0]
+
+
+def test_one_slow_step_does_not_set_the_price():
+    price = DraftRowPrice()
+    price.observe(BATCH, 0, 0.020)
+    for _ in range(SAMPLES - 1):
+        price.observe(BATCH, 2, 0.024)
+    price.observe(BATCH, 2, 0.120)  # another tenant took the cores for 100 ms
+    assert _ms(price.series(BATCH, 1)) == [20.0, 22.0]
+
+
+def test_the_price_holds_for_as_many_requests_and_the_plain_step_for_the_same_ones():
+    price = DraftRowPrice()
+    price.observe(BATCH, 0, 0.020)
+    price.observe(BATCH, 3, 0.026)
+    price.observe(OTHER, 2, 0.040)  # no plain step of these yet: not a pair
+    assert price.series(OTHER, 1) is None
+    assert price.series(BATCH, 1) is None  # the latest batch is another: its plain step is not known
+    price.observe(OTHER, 0, 0.030)
+    assert _ms(price.series(OTHER, 1)) == [30.0, 32.0]  # eight requests' price, OTHER's own step
+    one = frozenset({"r0"})
+    price.observe(one, 0, 0.012)
+    assert _ms(price.series(one, 1)) == [12.0, 12.0]  # beside one request a row was never priced
+
+
+@pytest.mark.parametrize("seconds", [-0.001, float("nan"), float("inf")])
+def test_a_clock_glitch_is_ignored(seconds):
+    price = DraftRowPrice()
+    price.observe(BATCH, 0, 0.020)
+    price.observe(BATCH, 2, seconds)
+    price.observe(BATCH, 0, seconds)
+    assert _ms(price.series(BATCH, 1)) == [20.0, 20.0]
+
+
+def test_drafts_never_make_a_step_cheaper():
+    price = DraftRowPrice()
+    price.observe(BATCH, 0, 0.020)
+    price.observe(BATCH, 4, 0.018)  # noise: faster with drafts
+    assert _ms(price.series(BATCH, 2)) == [20.0, 20.0, 20.0]
