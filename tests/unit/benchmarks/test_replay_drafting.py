@@ -1,0 +1,68 @@
+"""benchmarks/replay_drafting.py: greedy outputs replayed through the engine's proposer count the
+steps speculation would take (the tokens are the output's whatever the drafts)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kunlun_runtime.config import SpeculativeConfig
+from tests.support.tiny_models import make_tiny_model
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def replay_module():
+    sys.path.insert(0, str(BENCHMARKS))  # it imports bench_speculative beside it
+    try:
+        spec = importlib.util.spec_from_file_location("replay_drafting", BENCHMARKS / "replay_drafting.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["replay_drafting"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=8)
+
+
+def test_an_output_that_copies_its_prompt_takes_a_step_per_six_tokens(replay_module):
+    prompt = list(range(100, 140))
+    output = prompt[10:30]  # its first token came with the prefill; 19 to go
+    result = replay_module.replay(NGRAM, [(prompt, output)], step_ms=10.0, row_ms=1.0)
+    # 5 drafts and the token after them a step (6, 6, 6), then the last token alone (no room)
+    assert (result.steps, result.draft_rows, result.accepted, result.steps_without_drafts) == (4, 15, 15, 1)
+    assert result.speedup == pytest.approx(19 * 10.0 / (4 * 10.0 + 15 * 1.0))
+
+
+def test_an_output_with_nothing_to_copy_takes_a_step_per_token(replay_module):
+    prompt = list(range(100, 140))
+    output = list(range(500, 520))
+    result = replay_module.replay(NGRAM, [(prompt, output)], step_ms=10.0, row_ms=1.0)
+    assert (result.steps, result.draft_rows, result.speedup) == (19, 0, 1.0)
+
+
+def test_a_failed_draft_costs_its_row_and_the_step_still_emits_the_models_token(replay_module):
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    output = [1, 2, 9, 9, 9]  # copies [1, 2], then leaves the prompt
+    result = replay_module.replay(NGRAM, [(prompt, output)], step_ms=10.0, row_ms=1.0)
+    assert result.accepted == 1  # after [1], the draft [2, 3, ...] holds for one token
+    assert result.steps + result.accepted == len(output) - 1
+    assert result.speedup < 4 / 3
+
+
+def test_the_command_replays_every_config_on_both_workloads(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    command = [
+        sys.executable, str(BENCHMARKS / "replay_drafting.py"), "--quick", "--model", str(model_dir),
+        "--dtype", "float32", "--configs", '[{"method": "ngram"}, {"method": "suffix"}]',
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if " steps, " in line]
+    assert [line.split(" {")[0] for line in lines] == ["copy", "copy", "free", "free"]
+    assert all('"method": "ngram"' in line for line in lines[::2])
