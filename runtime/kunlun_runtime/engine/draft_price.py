@@ -3,8 +3,8 @@
 The engine's step-time model (``step_cost``) fits every step in a window by least squares. Its
 draft terms rest on the few steps that drafted, beside many that did not, of other batch sizes
 and contexts (batch 1 before batch 8, prompts being prefilled): on copy tasks at batch 8 it
-priced a draft row at twice what it adds and the plain step at two thirds of its time, refused
-drafts that paid, and, drafting rarely, never learnt otherwise. Two adjacent pure decode steps
+priced a draft row well above what it adds and the plain step well below its time, refused
+drafts that paid, and, drafting rarely, never learnt otherwise (docs/performance.md). Two adjacent pure decode steps
 of the same requests differ only by their drafts (the context grows by a token or a few, the
 machine's state is the same), so their difference prices the drafts without any model:
 
@@ -23,9 +23,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-SAMPLES = (
-    8  # recent pairs whose median is the price: one slow step (another tenant, a page fault) is outvoted
-)
+# Recent pairs whose median is the price: one slow step (another tenant, a page fault) is outvoted.
+SAMPLES = 8
 PLAIN_MEMORY = 0.5  # per step without drafts: the weight of the past in the plain step's mean
 
 
