@@ -59,6 +59,24 @@ def test_greedy_tokens_equal_decoding_without_drafts(tiny_model_dirs, name, meth
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
 
 
+def test_the_engine_reports_every_pure_decode_step_to_the_draft_price(tiny_model_dirs):
+    # The prompts are prefilled in the first step; every step after it is a pure decode step,
+    # reported with its draft rows (which are all verified) and its forward's time.
+    llm = _llm(tiny_model_dirs["llama-gqa"], SPEC)
+    price = llm.engine.spec.price
+    observe = price.observe
+    seen = []
+
+    def recording(batch, draft_rows, seconds):
+        seen.append((len(batch), draft_rows, seconds))
+        observe(batch, draft_rows, seconds)
+
+    price.observe = recording
+    _run(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), PROMPTS[:3])
+    assert seen and all(1 <= size <= 3 and seconds > 0 for size, _, seconds in seen)
+    assert sum(rows for _, rows, _ in seen) == llm.engine.spec.counters.num_draft_tokens > 0
+
+
 def test_the_embedded_model_copies_a_quoted_text_token_for_token(smollm2_dir):
     text = "The invoice number is 4471-B, issued on 3 March to Zhang Wei of Harbin Steel. "
     messages = [{"role": "user", "content": f"Repeat this text exactly, twice: {text}"}]
