@@ -1,18 +1,27 @@
-"""Drafting policies compared without timing noise: greedy outputs replayed through the proposer.
+"""Drafting policies compared without timing noise: greedy outputs replayed through the engine's
+speculative decoder.
 
 Under greedy decoding speculation never changes the tokens, only how many steps produce them. So
 the outputs of ``bench_speculative.py``'s prompts are generated once (plain engine, batch 1), and
-each drafting config is replayed over them offline with the engine's own ``Proposer`` (its
-n-gram index or suffix trees, draft budget, acceptance and wake-up rules): each step proposes
-its allowance, accepts the drafts the output confirms, and costs ``--step-ms`` plus ``--row-ms``
-per draft. Reported per workload and config: the decode speed-up that prices imply, the steps,
-draft rows, accepted drafts and steps without any draft. It models batch 1, where every draft
-runs (a draft row costs a few percent of a step, less than any chance it is accepted brings);
-at batch 8 which drafts run is the step-time decision's, which only ``bench_speculative.py``
-measures. The default prices are a batch-1 step of the embedded model at ~1,500 tokens of
-context on a 2-vCPU AMD EPYC Zen 4 and what a draft row added there (docs/performance.md).
+each drafting config is replayed over them offline, ``--batch`` prompts decoding together as in
+the benchmark: each step the engine's own ``SpeculativeDecoder`` proposes (its n-gram index or
+suffix trees, draft budgets, acceptance, wake-up rule, and its choice of how many drafts the step
+runs, priced by the steps it has observed), the drafts the output confirms are accepted, and the
+step is priced by a linear model: ``--step-ms`` for a step of one request, ``--request-ms`` for
+each further request decoding in it, ``--row-ms`` per draft row; the decoder observes that price
+as the engine observes its forward's time. Reported per workload and config: the decode speed-up
+that prices imply, the steps, draft rows, accepted drafts and steps without any draft, and the
+*oracle*: the same proposals with exactly the drafts that will be accepted run, the ceiling of
+any step decision at those prices.
+
+The default prices are those of the embedded model at ~1,500 tokens of context on a 2-vCPU AMD
+EPYC Zen 4 (docs/performance.md): a batch-1 step, what each further decoding request added at
+batch 8, and what a draft row added at batch 1. A draft row's price depends on the batch (beside
+one decode row it rides on a memory-bound read of the weights; beside eight the linears are
+compute-bound): pass the price measured at the batch replayed.
 
     .venv/bin/python benchmarks/replay_drafting.py                      # the benchmark's configs
+    .venv/bin/python benchmarks/replay_drafting.py --batch 8 --row-ms 1.6
     .venv/bin/python benchmarks/replay_drafting.py --configs '[{"method": "ngram", "prompt_lookup_min": 2}]'
 """
 
@@ -29,7 +38,22 @@ import bench_speculative  # benchmarks/, beside this script
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.config import SpeculativeConfig
 from kunlun_runtime.engine.request import Request
-from kunlun_runtime.engine.spec_propose import Proposer
+from kunlun_runtime.engine.spec_decode import SpeculativeDecoder
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features, draft_row_features
+from kunlun_runtime.layers.cpu_kernels import MAX_ROWS
+
+
+@dataclass(frozen=True, slots=True)
+class StepPrices:
+    """Modelled milliseconds of a decode step: ``step_ms`` with one decoding request,
+    ``request_ms`` per further one, ``row_ms`` per draft row."""
+
+    step_ms: float
+    request_ms: float
+    row_ms: float
+
+    def step(self, requests: int, draft_rows: int) -> float:
+        return self.step_ms + self.request_ms * (requests - 1) + self.row_ms * draft_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,40 +68,85 @@ class Replay:
 def replay(
     config: SpeculativeConfig,
     sequences: Sequence[tuple[list[int], list[int]]],
-    step_ms: float,
-    row_ms: float,
+    prices: StepPrices,
+    batch: int = 1,
+    *,
+    oracle: bool = False,
 ) -> Replay:
-    """Decode each (prompt, greedy output) again with ``config``'s drafts, one request at a time:
-    the output's first token came with the prompt's prefill, each step after it emits the drafts
-    the output confirms and the token after them."""
-    proposer = Proposer(config)
+    """Decode the (prompt, greedy output) pairs again with ``config``'s drafts, ``batch`` at a time
+    in lockstep: each output's first token came with its prompt's prefill, each step after it
+    emits the drafts the output confirms and the token after them, and a request leaves its
+    batch when its output is complete. ``oracle``: each request runs exactly those of its
+    proposer's drafts (up to the configured maximum and the step's rows) that will be accepted."""
+    decoder = SpeculativeDecoder(config, eos_token_ids=())
+    cost = StepCostModel()  # fitted on the modelled steps, as the engine's on its steps
     plain_ms = spec_ms = 0.0
     steps = rows = accepted_total = without = 0
-    for index, (prompt, output) in enumerate(sequences):
-        request = Request(
-            f"replay-{index}",
-            list(prompt),
-            SamplingParams(temperature=0),
-            max_total_tokens=len(prompt) + len(output),
-        )
-        request.output_token_ids = list(output[:1])
-        position = 1
-        plain_ms += step_ms * (len(output) - 1)
-        while position < len(output):
-            drafts = proposer.drafts(request, proposer.allowance(request, len(output) - position - 1))
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == output[position + accepted]:
-                accepted += 1
-            if drafts:
-                proposer.accepted(request.request_id, len(drafts), accepted)
+    for first in range(0, len(sequences), batch):
+        group = sequences[first : first + batch]
+        for step in range(max(len(output) for _, output in group) - 1):
+            plain_ms += prices.step(sum(1 for _, output in group if len(output) - 1 > step), 0)
+        requests = {}
+        for index, (prompt, output) in enumerate(group, first):
+            request = Request(
+                f"replay-{index}",
+                list(prompt),
+                SamplingParams(temperature=0),
+                max_total_tokens=len(prompt) + len(output),
+            )
+            request.output_token_ids = list(output[:1])
+            request.num_computed_tokens = request.num_tokens - 1
+            requests[request.request_id] = (request, output)
+        while requests:
+            running = [request for request, _ in requests.values()]
+            if oracle:
+                for request, output in requests.values():
+                    _oracle_drafts(decoder, request, output, MAX_ROWS - len(running))
             else:
-                without += 1
-            steps, rows, accepted_total = steps + 1, rows + len(drafts), accepted_total + accepted
-            spec_ms += step_ms + row_ms * len(drafts)
-            position += accepted + 1
-            request.output_token_ids = list(output[:position])
-        proposer.forget(request)
+                decoder.propose(running, MAX_ROWS, cost, lambda _request_id: None)
+            draft_rows = sum(len(request.spec_token_ids) for request in running)
+            step_ms = prices.step(len(running), draft_rows)
+            decoder.price.observe(frozenset(requests), draft_rows, step_ms / 1000)
+            cost.observe(_step_features(running), step_ms / 1000)
+            steps, rows, spec_ms = steps + 1, rows + draft_rows, spec_ms + step_ms
+            without += draft_rows == 0
+            for request, output in list(requests.values()):
+                drafts, position = request.spec_token_ids, len(request.output_token_ids)
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == output[position + accepted]:
+                    accepted += 1
+                if drafts:
+                    decoder.proposer.accepted(request.request_id, len(drafts), accepted)
+                accepted_total += accepted
+                request.output_token_ids = list(output[: position + accepted + 1])
+                request.num_computed_tokens = request.num_tokens - 1
+                request.spec_token_ids.clear()
+                if request.num_tokens == request.max_total_tokens:
+                    decoder.forget(request)
+                    del requests[request.request_id]
     return Replay(plain_ms / spec_ms if spec_ms else 1.0, steps, rows, accepted_total, without)
+
+
+def _step_features(running: Sequence[Request]) -> StepFeatures:
+    """What the scheduler reports of a decode step of ``running`` with their drafts."""
+    features = StepFeatures()
+    for request in running:
+        start = request.num_computed_tokens
+        features = features + chunk_features(start, 1)
+        for index in range(1, 1 + len(request.spec_token_ids)):
+            features = features + draft_row_features(start + index)
+    return features
+
+
+def _oracle_drafts(decoder: SpeculativeDecoder, request: Request, output: list[int], spare: int) -> None:
+    """``request``'s drafts that the output confirms, of its proposer's longest proposal."""
+    position = len(request.output_token_ids)
+    room = min(decoder.proposer.config.num_speculative_tokens, len(output) - position - 1, spare)
+    drafts = decoder.proposer.drafts(request, room)
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == output[position + accepted]:
+        accepted += 1
+    request.spec_token_ids[:] = drafts[:accepted]
 
 
 def greedy_outputs(llm: LLM, conversations, max_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -100,7 +169,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="HF-format model directory (default: the embedded SmolLM2)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--step-ms", type=float, default=15.7, help="a plain decode step")
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoding together")
+    parser.add_argument("--step-ms", type=float, default=15.7, help="a decode step of one request")
+    parser.add_argument(
+        "--request-ms", type=float, default=1.94, help="what each further decoding request adds to it"
+    )
     parser.add_argument("--row-ms", type=float, default=0.65, help="what one draft row adds to it")
     parser.add_argument(
         "--configs",
@@ -124,14 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     sequences = {name: greedy_outputs(llm, tasks, max_tokens) for name, tasks in workloads.items()}
     llm.close()
-    print(f"prices: a plain step {args.step_ms} ms, a draft row {args.row_ms} ms")
+    prices = StepPrices(args.step_ms, args.request_ms, args.row_ms)
+    print(
+        f"batch {args.batch}; prices: a step of one request {prices.step_ms} ms, each further request "
+        f"{prices.request_ms} ms, a draft row {prices.row_ms} ms"
+    )
     for name, outputs in sequences.items():
         for config, given in zip(configs, args.configs, strict=True):
-            result = replay(config, outputs, args.step_ms, args.row_ms)
+            result = replay(config, outputs, prices, args.batch)
+            ceiling = replay(config, outputs, prices, args.batch, oracle=True)
             print(
                 f"{name} {json.dumps(given)}: {result.speedup:.2f}x, {result.steps} steps, "
                 f"{result.draft_rows} draft rows, {result.accepted} accepted, "
-                f"{result.steps_without_drafts} steps without drafts"
+                f"{result.steps_without_drafts} steps without drafts; oracle {ceiling.speedup:.2f}x, "
+                f"{ceiling.steps} steps, {ceiling.draft_rows} draft rows"
             )
     return 0
 

@@ -30,39 +30,66 @@ def replay_module():
 NGRAM = SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1, prompt_lookup_max=8)
 
 
-def test_an_output_that_copies_its_prompt_takes_a_step_per_six_tokens(replay_module):
+@pytest.fixture
+def prices(replay_module):
+    return replay_module.StepPrices(step_ms=10.0, request_ms=5.0, row_ms=1.0)
+
+
+def test_an_output_that_copies_its_prompt_takes_a_step_per_six_tokens(replay_module, prices):
     prompt = list(range(100, 140))
     output = prompt[10:30]  # its first token came with the prefill; 19 to go
-    result = replay_module.replay(NGRAM, [(prompt, output)], step_ms=10.0, row_ms=1.0)
+    result = replay_module.replay(NGRAM, [(prompt, output)], prices)
     # 5 drafts and the token after them a step (6, 6, 6), then the last token alone (no room)
     assert (result.steps, result.draft_rows, result.accepted, result.steps_without_drafts) == (4, 15, 15, 1)
     assert result.speedup == pytest.approx(19 * 10.0 / (4 * 10.0 + 15 * 1.0))
 
 
-def test_an_output_with_nothing_to_copy_takes_a_step_per_token(replay_module):
+def test_an_output_with_nothing_to_copy_takes_a_step_per_token(replay_module, prices):
     prompt = list(range(100, 140))
     output = list(range(500, 520))
-    result = replay_module.replay(NGRAM, [(prompt, output)], step_ms=10.0, row_ms=1.0)
+    result = replay_module.replay(NGRAM, [(prompt, output)], prices)
     assert (result.steps, result.draft_rows, result.speedup) == (19, 0, 1.0)
 
 
-def test_a_failed_draft_costs_its_row_and_the_step_still_emits_the_models_token(replay_module):
+def test_a_failed_draft_costs_its_row_and_the_step_still_emits_the_models_token(replay_module, prices):
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     output = [1, 2, 9, 9, 9]  # copies [1, 2], then leaves the prompt
-    result = replay_module.replay(NGRAM, [(prompt, output)], step_ms=10.0, row_ms=1.0)
+    result = replay_module.replay(NGRAM, [(prompt, output)], prices)
     assert result.accepted == 1  # after [1], the draft [2, 3, ...] holds for one token
     assert result.steps + result.accepted == len(output) - 1
     assert result.speedup < 4 / 3
+    # The oracle runs the one draft that holds and none of those after it: every row accepted.
+    oracle = replay_module.replay(NGRAM, [(prompt, output)], prices, oracle=True)
+    assert (oracle.draft_rows, oracle.accepted, oracle.steps) == (1, 1, 3)
+    assert oracle.speedup == pytest.approx(4 * 10.0 / (3 * 10.0 + 1 * 1.0))
+    assert oracle.speedup > result.speedup
+
+
+def test_a_batch_decodes_in_lockstep_and_a_finished_request_leaves_it(replay_module, prices):
+    prompt = list(range(100, 140))
+    copying, fresh = prompt[10:30], list(range(500, 520))  # 19 tokens to go each
+    result = replay_module.replay(NGRAM, [(prompt, copying), (prompt, fresh)], prices, batch=2)
+    # The copying request finishes in 4 steps (as alone); the other drafts nothing and takes 19,
+    # alone once the first has left.
+    assert (result.steps, result.accepted) == (19, 15)
+    plain_ms = 19 * (10.0 + 5.0)
+    spec_ms = 4 * (10.0 + 5.0) + 15 * 10.0 + result.draft_rows * 1.0
+    assert result.speedup == pytest.approx(plain_ms / spec_ms)
+    # Two batches of one are each priced alone: the same steps, no second request's share.
+    apart = replay_module.replay(NGRAM, [(prompt, copying), (prompt, fresh)], prices, batch=1)
+    assert (apart.steps, apart.accepted) == (4 + 19, 15)
 
 
 def test_the_command_replays_every_config_on_both_workloads(tmp_path):
     model_dir = make_tiny_model(tmp_path / "tiny")
     command = [
         sys.executable, str(BENCHMARKS / "replay_drafting.py"), "--quick", "--model", str(model_dir),
-        "--dtype", "float32", "--configs", '[{"method": "ngram"}, {"method": "suffix"}]',
+        "--dtype", "float32", "--configs", '[{"method": "ngram"}, {"method": "suffix"}]', "--batch", "8",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if " steps, " in line]
     assert [line.split(" {")[0] for line in lines] == ["copy", "copy", "free", "free"]
     assert all('"method": "ngram"' in line for line in lines[::2])
+    assert all("; oracle " in line for line in lines)
+    assert done.stdout.startswith("batch 8;")
