@@ -11,6 +11,10 @@ machine's state is the same), so their difference prices the drafts without any 
     price ≈ median over recent pairs of (seconds with d drafts - seconds without) / d
 
 and the plain step's own time is the recent mean of the steps without drafts of those requests.
+A batch that drafts in every step (long copies, many drafts each) never shows its plain step: its
+adjacent steps with different numbers of drafts price a row instead, and its latest step less its
+drafts is its plain step. A batch that drafts the same number of rows step after step, unpriced,
+shows neither: ``wants_probe`` then asks for a step with one draft fewer (the least likely one).
 Pairs are kept per number of decoding requests (a draft row beside one decode row rides on a
 read of the weights that is memory-bound; beside eight, the linears are compute-bound and it
 costs several times more). A step's rows stay within one pass of the kernels over the weights
@@ -26,6 +30,7 @@ from collections import deque
 # Recent pairs whose median is the price: one slow step (another tenant, a page fault) is outvoted.
 SAMPLES = 8
 PLAIN_MEMORY = 0.5  # per step without drafts: the weight of the past in the plain step's mean
+STEADY_STEPS = 3  # steps of one unpriced batch with the same draft rows before a probe
 
 
 class DraftRowPrice:
@@ -36,28 +41,56 @@ class DraftRowPrice:
         self._batch: frozenset[str] | None = None
         self._plain: float | None = None  # mean seconds of this batch's steps without drafts
         self._samples: dict[int, deque[float]] = {}  # by the number of decoding requests
+        self._last: tuple[int, float] | None = None  # this batch's latest step: (draft rows, seconds)
+        self._steady = 0  # this batch's latest steps with as many draft rows as its latest, less one
 
     def observe(self, batch: frozenset[str], draft_rows: int, seconds: float) -> None:
         """A pure decode step of ``batch``'s requests with ``draft_rows`` drafts took ``seconds``."""
         if not 0.0 <= seconds < float("inf") or draft_rows < 0:
             return
         if batch != self._batch:
-            self._batch, self._plain = batch, None
+            self._batch, self._plain, self._last, self._steady = batch, None, None, 0
+        last = self._last
         if draft_rows == 0:
             self._plain = (
                 seconds if self._plain is None else PLAIN_MEMORY * self._plain + (1 - PLAIN_MEMORY) * seconds
             )
         elif self._plain is not None:
-            samples = self._samples.setdefault(len(batch), deque(maxlen=SAMPLES))
-            samples.append(max(0.0, (seconds - self._plain) / draft_rows))
+            self._sample(len(batch), (seconds - self._plain) / draft_rows)
+        elif last is not None and last[0] not in (0, draft_rows):
+            self._sample(len(batch), (seconds - last[1]) / (draft_rows - last[0]))
+        self._steady = self._steady + 1 if last is not None and last[0] == draft_rows else 0
+        self._last = (draft_rows, seconds)
+
+    def _sample(self, requests: int, price: float) -> None:
+        self._samples.setdefault(requests, deque(maxlen=SAMPLES)).append(max(0.0, price))
 
     def series(self, batch: frozenset[str], count: int) -> list[float] | None:
         """Predicted seconds of ``batch``'s next step with 0 … ``count`` drafts; None until a step
         without drafts of these requests has been seen. Drafts beside as many requests as never
         paired are priced 0, so they run and are priced from then on (the step-time model,
         which would be asked instead, prices them by the steps that mislead it)."""
-        if batch != self._batch or self._plain is None:
+        if batch != self._batch:
             return None
         samples = self._samples.get(len(batch))
-        price = statistics.median(samples) if samples else 0.0
-        return [self._plain + i * price for i in range(count + 1)]
+        if self._plain is not None:
+            plain, price = self._plain, statistics.median(samples) if samples else 0.0
+        elif samples and self._last is not None:
+            price = statistics.median(samples)
+            plain = max(0.0, self._last[1] - self._last[0] * price)
+        else:
+            return None
+        return [plain + i * price for i in range(count + 1)]
+
+    def wants_probe(self, batch: frozenset[str], draft_rows: int) -> bool:
+        """Whether ``batch``'s next step, about to run ``draft_rows`` drafts, should run one fewer:
+        it ran as many in each of its last ``STEADY_STEPS`` steps and nothing prices them (no plain
+        step of its own, no price for as many requests)."""
+        return (
+            batch == self._batch
+            and self._plain is None
+            and not self._samples.get(len(batch))
+            and self._last is not None
+            and self._last[0] == draft_rows > 0
+            and self._steady >= STEADY_STEPS - 1
+        )

@@ -116,7 +116,8 @@ class SpeculativeDecoder:
             self._refused = (situation, self._refused[1] - 1)
             return
         self._refused = None
-        measured = self.price.series(frozenset(r.request_id for r in decoding), max(spare, 0))
+        batch = frozenset(r.request_id for r in decoding)
+        measured = self.price.series(batch, max(spare, 0))
         hoped = sorted(
             (
                 self.proposer.best_chance(r.request_id, p)
@@ -144,6 +145,8 @@ class SpeculativeDecoder:
         )
         del candidates[max(spare, 0) :]  # the step's rows: no more drafts than that can run
         run = draft_rows_worth_running(cost, decoding, [candidate[0] for candidate in candidates], measured)
+        if self.price.wants_probe(batch, run):  # unpriced, as many drafts step after step: one fewer
+            run -= 1
         counts = [0] * len(decoding)
         for _, _, index in candidates[:run]:
             counts[index] += 1

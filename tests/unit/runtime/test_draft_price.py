@@ -36,7 +36,7 @@ def test_the_price_holds_for_as_many_requests_and_the_plain_step_for_the_same_on
     price.observe(BATCH, 0, 0.020)
     price.observe(BATCH, 3, 0.026)
     price.observe(OTHER, 2, 0.040)  # no plain step of these yet: not a pair
-    assert price.series(OTHER, 1) is None
+    assert _ms(price.series(OTHER, 1)) == [36.0, 38.0]  # eight requests' price; the step less its drafts
     assert price.series(BATCH, 1) is None  # the latest batch is another: its plain step is not known
     price.observe(OTHER, 0, 0.030)
     assert _ms(price.series(OTHER, 1)) == [30.0, 32.0]  # eight requests' price, OTHER's own step
@@ -59,3 +59,39 @@ def test_drafts_never_make_a_step_cheaper():
     price.observe(BATCH, 0, 0.020)
     price.observe(BATCH, 4, 0.018)  # noise: faster with drafts
     assert _ms(price.series(BATCH, 2)) == [20.0, 20.0, 20.0]
+
+
+def test_a_batch_that_drafts_every_step_is_priced_by_its_steps_with_different_drafts():
+    price = DraftRowPrice()
+    price.observe(BATCH, 4, 0.030)
+    assert price.series(BATCH, 1) is None  # one step with drafts: neither its price nor its plain step
+    price.observe(BATCH, 6, 0.034)  # two more rows, 4 ms more
+    # A row at 2 ms; the plain step is the latest step less its drafts.
+    assert _ms(price.series(BATCH, 2)) == [22.0, 24.0, 26.0]
+    price.observe(BATCH, 5, 0.033)
+    assert _ms(price.series(BATCH, 1)) == [25.5, 27.0]  # a row at the median of 2 ms and 1 ms
+    price.observe(OTHER, 8, 0.040)  # as many requests: their price holds, their step is their own
+    assert _ms(price.series(OTHER, 1)) == [40.0 - 8 * 1.5, 40.0 - 7 * 1.5]
+
+
+def test_an_unpriced_batch_drafting_as_many_rows_each_step_is_asked_for_one_fewer():
+    price = DraftRowPrice()
+    price.observe(BATCH, 8, 0.040)
+    price.observe(BATCH, 8, 0.041)
+    assert not price.wants_probe(BATCH, 8)  # two steps alike: not yet
+    price.observe(BATCH, 8, 0.040)
+    assert price.wants_probe(BATCH, 8)
+    assert not price.wants_probe(BATCH, 6)  # a step with other drafts pairs anyway
+    assert not price.wants_probe(OTHER, 8)
+    price.observe(BATCH, 7, 0.038)  # the probe: a row priced
+    price.observe(BATCH, 8, 0.040)
+    price.observe(BATCH, 8, 0.040)
+    assert not price.wants_probe(BATCH, 8)
+
+
+def test_a_batch_with_a_plain_step_is_never_probed():
+    price = DraftRowPrice()
+    price.observe(BATCH, 0, 0.020)
+    for _ in range(4):
+        price.observe(BATCH, 3, 0.026)
+    assert not price.wants_probe(BATCH, 3)

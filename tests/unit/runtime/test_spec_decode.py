@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kunlun_runtime.config import SpeculativeConfig, parse_speculative_config
+from kunlun_runtime.engine.draft_price import STEADY_STEPS
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -317,6 +318,29 @@ def test_a_refusal_to_draft_stands_a_few_steps_unless_the_requests_change():
     assert drafted(requests, cheap) > 0
     assert drafted(requests, costly) == 0
     assert drafted(requests[:7], cheap) > 0
+
+
+def test_a_batch_drafting_as_many_rows_each_step_unpriced_runs_one_fewer_once():
+    # Eight requests copying a repeated pattern: every step runs the 8 drafts the rows allow, so
+    # no step of theirs prices a draft row. After STEADY_STEPS such steps one runs a draft fewer
+    # (the least likely); the pair of steps prices the row, and the batch drafts fully again.
+    decoder = SpeculativeDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), [0])
+    requests = []
+    for index in range(8):
+        request = Request(f"r{index}", [5, 6, 7, 8] * 50, SamplingParams(temperature=0), max_total_tokens=260)
+        request.num_computed_tokens = request.num_tokens - 1
+        requests.append(request)
+    batch = frozenset(request.request_id for request in requests)
+    cost = _cpu_like_cost()
+
+    def drafted():
+        decoder.propose(requests, 16, cost, lambda _: None)
+        rows = sum(len(request.spec_token_ids) for request in requests)
+        decoder.price.observe(batch, rows, 0.030 + 0.001 * rows)
+        return rows
+
+    assert [drafted() for _ in range(STEADY_STEPS + 3)] == [8] * STEADY_STEPS + [7, 8, 8]
+    assert [round(t * 1e3, 6) for t in decoder.price.series(batch, 1)] == [30.0, 31.0]
 
 
 def test_a_new_pass_over_the_weights_is_paid_for_by_the_drafts_after_it():
