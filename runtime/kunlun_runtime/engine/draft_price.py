@@ -42,7 +42,7 @@ class DraftRowPrice:
         self._plain: float | None = None  # mean seconds of this batch's steps without drafts
         self._samples: dict[int, deque[float]] = {}  # by the number of decoding requests
         self._last: tuple[int, float] | None = None  # this batch's latest step: (draft rows, seconds)
-        self._steady = 0  # this batch's latest steps with as many draft rows as its latest, less one
+        self._steady = 0  # this batch's steps just before its latest that ran as many draft rows
 
     def observe(self, batch: frozenset[str], draft_rows: int, seconds: float) -> None:
         """A pure decode step of ``batch``'s requests with ``draft_rows`` drafts took ``seconds``."""
@@ -66,10 +66,11 @@ class DraftRowPrice:
         self._samples.setdefault(requests, deque(maxlen=SAMPLES)).append(max(0.0, price))
 
     def series(self, batch: frozenset[str], count: int) -> list[float] | None:
-        """Predicted seconds of ``batch``'s next step with 0 … ``count`` drafts; None until a step
-        without drafts of these requests has been seen. Drafts beside as many requests as never
-        paired are priced 0, so they run and are priced from then on (the step-time model,
-        which would be asked instead, prices them by the steps that mislead it)."""
+        """Predicted seconds of ``batch``'s next step with 0 … ``count`` drafts; None until these
+        requests' plain step is known: seen, or their latest step less its drafts where a draft
+        row beside as many requests has a price. Drafts beside as many requests as never paired
+        are priced 0, so they run and are priced from then on (the step-time model, which would
+        be asked instead, prices them by the steps that mislead it)."""
         if batch != self._batch:
             return None
         samples = self._samples.get(len(batch))
