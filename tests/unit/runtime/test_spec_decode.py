@@ -296,17 +296,23 @@ def test_the_decoder_prices_drafts_from_its_pure_decode_steps_only():
     assert [round(t * 1e3, 6) for t in decoder.price.series(batch, 2)] == [20.0, 21.0, 22.0]
 
 
+def _copying(count):
+    """``count`` requests decoding a repeated pattern: every step's n-gram drafts match."""
+    requests = []
+    for index in range(count):
+        request = Request(f"r{index}", [5, 6, 7, 8] * 50, SamplingParams(temperature=0), max_total_tokens=260)
+        request.num_computed_tokens = request.num_tokens - 1
+        requests.append(request)
+    return requests
+
+
 def test_a_refusal_to_draft_stands_a_few_steps_unless_the_requests_change():
     # Drafts priced above what they bring are refused; the refusal stands for REFUSAL_STEPS steps
     # of the same requests (their chances cannot change without a verification) even where the
     # step-time model now finds drafts cheap; after them, or with another set of requests, the
     # step decides again.
     decoder = SpeculativeDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), [0])
-    requests = []
-    for index in range(8):
-        request = Request(f"r{index}", [5, 6, 7, 8] * 50, SamplingParams(temperature=0), max_total_tokens=260)
-        request.num_computed_tokens = request.num_tokens - 1
-        requests.append(request)
+    requests = _copying(8)
     costly, cheap = _cpu_like_cost(draft_seconds=0.01), _cpu_like_cost()
 
     def drafted(batch, cost):
@@ -325,11 +331,7 @@ def test_a_batch_drafting_as_many_rows_each_step_unpriced_runs_one_fewer_once():
     # no step of theirs prices a draft row. After STEADY_STEPS such steps one runs a draft fewer
     # (the least likely); the pair of steps prices the row, and the batch drafts fully again.
     decoder = SpeculativeDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), [0])
-    requests = []
-    for index in range(8):
-        request = Request(f"r{index}", [5, 6, 7, 8] * 50, SamplingParams(temperature=0), max_total_tokens=260)
-        request.num_computed_tokens = request.num_tokens - 1
-        requests.append(request)
+    requests = _copying(8)
     batch = frozenset(request.request_id for request in requests)
     cost = _cpu_like_cost()
 
