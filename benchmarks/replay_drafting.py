@@ -77,7 +77,8 @@ def replay(
     in lockstep: each output's first token came with its prompt's prefill, each step after it
     emits the drafts the output confirms and the token after them, and a request leaves its
     batch when its output is complete. ``oracle``: each request runs exactly those of its
-    proposer's drafts (up to the configured maximum and the step's rows) that will be accepted."""
+    proposer's drafts that will be accepted, up to the configured maximum, while the step's rows
+    last (taken in the batch's order)."""
     decoder = SpeculativeDecoder(config, eos_token_ids=())
     cost = StepCostModel()  # fitted on the modelled steps, as the engine's on its steps
     plain_ms = spec_ms = 0.0
@@ -100,8 +101,9 @@ def replay(
         while requests:
             running = [request for request, _ in requests.values()]
             if oracle:
+                spare = MAX_ROWS - len(running)  # the step's rows, shared as the engine shares them
                 for request, output in requests.values():
-                    _oracle_drafts(decoder, request, output, MAX_ROWS - len(running))
+                    spare -= _oracle_drafts(decoder, request, output, spare)
             else:
                 decoder.propose(running, MAX_ROWS, cost, lambda _request_id: None)
             draft_rows = sum(len(request.spec_token_ids) for request in running)
@@ -138,8 +140,9 @@ def _step_features(running: Sequence[Request]) -> StepFeatures:
     return features
 
 
-def _oracle_drafts(decoder: SpeculativeDecoder, request: Request, output: list[int], spare: int) -> None:
-    """``request``'s drafts that the output confirms, of its proposer's longest proposal."""
+def _oracle_drafts(decoder: SpeculativeDecoder, request: Request, output: list[int], spare: int) -> int:
+    """``request``'s drafts that the output confirms, of its proposer's longest proposal within
+    ``spare`` rows; returns how many."""
     position = len(request.output_token_ids)
     room = min(decoder.proposer.config.num_speculative_tokens, len(output) - position - 1, spare)
     drafts = decoder.proposer.drafts(request, room)
@@ -147,6 +150,7 @@ def _oracle_drafts(decoder: SpeculativeDecoder, request: Request, output: list[i
     while accepted < len(drafts) and drafts[accepted] == output[position + accepted]:
         accepted += 1
     request.spec_token_ids[:] = drafts[:accepted]
+    return accepted
 
 
 def greedy_outputs(llm: LLM, conversations, max_tokens: int) -> list[tuple[list[int], list[int]]]:

@@ -65,6 +65,18 @@ def test_a_failed_draft_costs_its_row_and_the_step_still_emits_the_models_token(
     assert oracle.speedup > result.speedup
 
 
+def test_the_oracle_shares_the_steps_rows_as_the_engine_does(replay_module, prices, monkeypatch):
+    prompt = list(range(100, 140))
+    copying = [(prompt, prompt[10:30]), (prompt, prompt[12:32])]
+    free = replay_module.replay(NGRAM, copying, prices, batch=2, oracle=True)
+    assert (free.steps, free.draft_rows, free.accepted) == (4, 30, 30)  # 5 drafts each a step
+    monkeypatch.setattr(replay_module, "MAX_ROWS", 3)  # one draft row beside two decode rows
+    capped = replay_module.replay(NGRAM, copying, prices, batch=2, oracle=True)
+    # The first request takes the one row while both decode (2 tokens a step; its last step has
+    # no room for a draft, and the second takes the row); then the second has two rows alone.
+    assert (capped.steps, capped.draft_rows, capped.accepted) == (13, 9 + 6, 9 + 6)
+
+
 def test_a_batch_decodes_in_lockstep_and_a_finished_request_leaves_it(replay_module, prices):
     prompt = list(range(100, 140))
     copying, fresh = prompt[10:30], list(range(500, 520))  # 19 tokens to go each
