@@ -39,7 +39,7 @@ from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.config import SpeculativeConfig
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.spec_decode import SpeculativeDecoder
-from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features, draft_row_features
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, decode_features
 from kunlun_runtime.layers.cpu_kernels import MAX_ROWS
 
 
@@ -109,7 +109,11 @@ def replay(
             draft_rows = sum(len(request.spec_token_ids) for request in running)
             step_ms = prices.step(len(running), draft_rows)
             decoder.price.observe(frozenset(requests), draft_rows, step_ms / 1000)
-            cost.observe(_step_features(running), step_ms / 1000)
+            features = sum(
+                (decode_features(r.num_computed_tokens, len(r.spec_token_ids)) for r in running),
+                StepFeatures(),
+            )
+            cost.observe(features, step_ms / 1000)  # what the scheduler reports of the step
             steps, rows, spec_ms = steps + 1, rows + draft_rows, spec_ms + step_ms
             without += draft_rows == 0
             for request, output in list(requests.values()):
@@ -127,17 +131,6 @@ def replay(
                     decoder.forget(request)
                     del requests[request.request_id]
     return Replay(plain_ms / spec_ms if spec_ms else 1.0, steps, rows, accepted_total, without)
-
-
-def _step_features(running: Sequence[Request]) -> StepFeatures:
-    """What the scheduler reports of a decode step of ``running`` with their drafts."""
-    features = StepFeatures()
-    for request in running:
-        start = request.num_computed_tokens
-        features = features + chunk_features(start, 1)
-        for index in range(1, 1 + len(request.spec_token_ids)):
-            features = features + draft_row_features(start + index)
-    return features
 
 
 def _oracle_drafts(decoder: SpeculativeDecoder, request: Request, output: list[int], spare: int) -> int:

@@ -38,7 +38,7 @@ from kunlun_runtime.config import EngineConfig
 from kunlun_runtime.engine.request import Request, RequestStatus
 from kunlun_runtime.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kunlun_runtime.engine.scheduling_policy import SchedulingPolicy, SchedulingPolicyName, build_policy
-from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features, draft_row_features
+from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, chunk_features, decode_features
 from kunlun_runtime.kv.kv_manager import KVManager
 from kunlun_runtime.lora.request import LoRARequest
 
@@ -287,7 +287,4 @@ def _features(item: ScheduledRequest) -> StepFeatures:
     start = item.request.num_computed_tokens
     if not item.num_draft_tokens:
         return chunk_features(start, item.num_new_tokens)
-    features = chunk_features(start, 1)
-    for index in range(1, item.num_new_tokens):
-        features = features + draft_row_features(start + index)
-    return features
+    return decode_features(start, item.num_new_tokens - 1)

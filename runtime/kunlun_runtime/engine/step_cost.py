@@ -84,6 +84,16 @@ def draft_row_features(num_computed_tokens: int) -> StepFeatures:
     return StepFeatures(0, 0, 0, 1, num_computed_tokens + 1)
 
 
+def decode_features(num_computed_tokens: int, num_drafts: int) -> StepFeatures:
+    """Features of a request decoding its next token after ``num_computed_tokens`` with
+    ``num_drafts`` drafts: as the model runner lays it out, one one-token sequence per position,
+    the rows after the first verifying drafts."""
+    features = chunk_features(num_computed_tokens, 1)
+    for index in range(1, 1 + num_drafts):
+        features = features + draft_row_features(num_computed_tokens + index)
+    return features
+
+
 def batch_features(chunks: Iterable[tuple[int, int]]) -> StepFeatures:
     """Features of a batch of ``(num_computed_tokens, num_new_tokens)`` chunks."""
     total = StepFeatures()

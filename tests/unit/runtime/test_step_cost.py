@@ -10,6 +10,7 @@ from kunlun_runtime.engine.step_cost import (
     StepFeatures,
     batch_features,
     chunk_features,
+    decode_features,
     draft_row_features,
 )
 
@@ -35,6 +36,9 @@ def test_a_one_token_chunk_is_a_decode_and_a_longer_one_is_prefill():
     assert chunk_features(16, 8) == StepFeatures(8, 0, 8 * 24)
     assert chunk_features(5, 0) == StepFeatures()
     assert draft_row_features(10) == StepFeatures(0, 0, 0, 1, 11)  # a row whose keys are its decode row's
+    # A decode with 2 drafts: its own row (11 keys), then draft rows attending 12 and 13 keys.
+    assert decode_features(10, 2) == StepFeatures(0, 1, 11, 2, 12 + 13)
+    assert decode_features(10, 0) == chunk_features(10, 1)
 
 
 def test_batch_features_sum_over_the_chunks():
