@@ -39,6 +39,7 @@ from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.config import SpeculativeConfig
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.spec_decode import SpeculativeDecoder
+from kunlun_runtime.engine.spec_verify import accept_greedy
 from kunlun_runtime.engine.step_cost import StepCostModel, StepFeatures, decode_features
 from kunlun_runtime.layers.cpu_kernels import MAX_ROWS
 
@@ -118,13 +119,12 @@ def replay(
             without += draft_rows == 0
             for request, output in list(requests.values()):
                 drafts, position = request.spec_token_ids, len(request.output_token_ids)
-                accepted = 0
-                while accepted < len(drafts) and drafts[accepted] == output[position + accepted]:
-                    accepted += 1
+                # The greedy output is the model's choice at each position: verified as the engine does.
+                tokens, accepted = accept_greedy(output[position:], drafts)
                 if drafts:
                     decoder.proposer.accepted(request.request_id, len(drafts), accepted)
                 accepted_total += accepted
-                request.output_token_ids = list(output[: position + accepted + 1])
+                request.output_token_ids = list(output[: position + len(tokens)])
                 request.num_computed_tokens = request.num_tokens - 1
                 request.spec_token_ids.clear()
                 if request.num_tokens == request.max_total_tokens:
@@ -139,9 +139,7 @@ def _oracle_drafts(decoder: SpeculativeDecoder, request: Request, output: list[i
     position = len(request.output_token_ids)
     room = min(decoder.proposer.config.num_speculative_tokens, len(output) - position - 1, spare)
     drafts = decoder.proposer.drafts(request, room)
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == output[position + accepted]:
-        accepted += 1
+    _, accepted = accept_greedy(output[position:], drafts)
     request.spec_token_ids[:] = drafts[:accepted]
     return accepted
 
