@@ -53,3 +53,61 @@ def run_batch(
         decode_seconds=ended - max(first.values()),
         first_token_seconds=tuple(t - began for t in first.values()),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightTiming:
+    decode_tokens: int  # tokens emitted in the steps where every request in flight decoded
+    decode_seconds: float  # those steps' time
+    decode_steps: int
+    requests: int
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def run_in_flight(
+    engine: Any, prompts: Sequence[list[int]], params: Any, in_flight: int, cache_salt: str | None = None
+) -> InFlightTiming:
+    """Keep ``in_flight`` of ``prompts`` (token ids; all under ``cache_salt``, one tenant) in the
+    engine, adding the next as soon as one finishes (a server's continuous batching under that
+    many concurrent clients), until all finish; time only the steps in which all ``in_flight``
+    requests decode (no prompt waiting or part-prefilled): decode at that batch, whatever the
+    requests' lengths, without the prefill of those that arrive or the tail after the last."""
+    if len(prompts) < in_flight:
+        raise ValueError(
+            f"{in_flight} requests in flight need at least {in_flight} prompts, got {len(prompts)}"
+        )
+    began = time.perf_counter()
+    pending = list(enumerate(prompts))
+    counts: dict[str, int] = {}
+    active = tokens = steps = 0
+    seconds = 0.0
+    while pending or engine.has_unfinished_requests():
+        while pending and active < in_flight:
+            index, prompt = pending.pop(0)
+            engine.add_request(
+                f"bench-{began}-{index}", {"prompt_token_ids": prompt}, params, cache_salt=cache_salt
+            )
+            active += 1
+        # The scheduler's own view (a running request may still be part-way through its prompt):
+        # the step decodes the whole batch when every request in flight has one token to compute.
+        running = engine.scheduler.running
+        full = (
+            not engine.scheduler.waiting
+            and len(running) == in_flight
+            and all(r.num_tokens - r.num_computed_tokens == 1 for r in running)
+        )
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        emitted = 0
+        for out in outputs:
+            count = len(out.outputs[0].token_ids)
+            emitted += count - counts.get(out.request_id, 0)
+            counts[out.request_id] = count
+            active -= out.finished
+        if full:
+            tokens, seconds, steps = tokens + emitted, seconds + elapsed, steps + 1
+    return InFlightTiming(tokens, seconds, steps, len(prompts))

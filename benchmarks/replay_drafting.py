@@ -73,64 +73,82 @@ def replay(
     batch: int = 1,
     *,
     oracle: bool = False,
+    in_flight: bool = False,
 ) -> Replay:
     """Decode the (prompt, greedy output) pairs again with ``config``'s drafts, ``batch`` at a time
     in lockstep: each output's first token came with its prompt's prefill, each step after it
     emits the drafts the output confirms and the token after them, and a request leaves its
-    batch when its output is complete. ``oracle``: each request runs exactly those of its
-    proposer's drafts that will be accepted, up to the configured maximum, while the step's rows
-    last (taken in the batch's order)."""
+    batch when its output is complete. A batch is closed (the next ``batch`` pairs start when
+    its last request has left; the speed-up is over all steps) or, ``in_flight``, refilled from
+    the pairs left as soon as a request leaves (a server's continuous batching with ``batch``
+    requests in flight; the speed-up is over the steps with all ``batch`` decoding, at least
+    ``batch`` pairs needed). ``oracle``: each request runs exactly those of its proposer's drafts
+    that will be accepted, up to the configured maximum, while the step's rows last (taken in
+    the batch's order)."""
+    if in_flight and len(sequences) < batch:
+        raise ValueError(f"{batch} requests in flight need at least {batch} prompts, got {len(sequences)}")
     decoder = SpeculativeDecoder(config, eos_token_ids=())
     cost = StepCostModel()  # fitted on the modelled steps, as the engine's on its steps
-    plain_ms = spec_ms = 0.0
-    steps = rows = accepted_total = without = 0
-    for first in range(0, len(sequences), batch):
-        group = sequences[first : first + batch]
-        for step in range(max(len(output) for _, output in group) - 1):
-            plain_ms += prices.step(sum(1 for _, output in group if len(output) - 1 > step), 0)
-        requests = {}
-        for index, (prompt, output) in enumerate(group, first):
-            request = Request(
-                f"replay-{index}",
-                list(prompt),
-                SamplingParams(temperature=0),
-                max_total_tokens=len(prompt) + len(output),
-            )
-            request.output_token_ids = list(output[:1])
-            request.num_computed_tokens = request.num_tokens - 1
-            requests[request.request_id] = (request, output)
-        while requests:
-            running = [request for request, _ in requests.values()]
-            if oracle:
-                spare = MAX_ROWS - len(running)  # the step's rows, shared as the engine shares them
-                for request, output in requests.values():
-                    spare -= _oracle_drafts(decoder, request, output, spare)
-            else:
-                decoder.propose(running, MAX_ROWS, cost, lambda _request_id: None)
-            draft_rows = sum(len(request.spec_token_ids) for request in running)
-            step_ms = prices.step(len(running), draft_rows)
-            decoder.price.observe(frozenset(requests), draft_rows, step_ms / 1000)
-            features = sum(
-                (decode_features(r.num_computed_tokens, len(r.spec_token_ids)) for r in running),
-                StepFeatures(),
-            )
-            cost.observe(features, step_ms / 1000)  # what the scheduler reports of the step
-            steps, rows, spec_ms = steps + 1, rows + draft_rows, spec_ms + step_ms
-            without += draft_rows == 0
-            for request, output in list(requests.values()):
-                drafts, position = request.spec_token_ids, len(request.output_token_ids)
-                # The greedy output is the model's choice at each position: verified as the engine does.
-                tokens, accepted = accept_greedy(output[position:], drafts)
-                if drafts:
-                    decoder.proposer.accepted(request.request_id, len(drafts), accepted)
-                accepted_total += accepted
-                request.output_token_ids = list(output[: position + len(tokens)])
+    queue = list(enumerate(sequences))
+    requests: dict[str, tuple[Request, list[int]]] = {}
+    plain_ms = spec_ms = full_ms = 0.0
+    steps = rows = accepted_total = without = full_tokens = 0
+    while queue or requests:
+        if in_flight or not requests:
+            admitted = []
+            while queue and len(requests) < batch:
+                index, (prompt, output) = queue.pop(0)
+                request = Request(
+                    f"replay-{index}",
+                    list(prompt),
+                    SamplingParams(temperature=0),
+                    max_total_tokens=len(prompt) + len(output),
+                )
+                request.output_token_ids = list(output[:1])
                 request.num_computed_tokens = request.num_tokens - 1
-                request.spec_token_ids.clear()
-                if request.num_tokens == request.max_total_tokens:
-                    decoder.forget(request)
-                    del requests[request.request_id]
-    return Replay(plain_ms / spec_ms if spec_ms else 1.0, steps, rows, accepted_total, without)
+                requests[request.request_id] = (request, output)
+                admitted.append(len(output) - 1)
+            if not in_flight:  # the same batch without drafts: a step while any still decodes
+                for step in range(max(admitted)):
+                    plain_ms += prices.step(sum(1 for left in admitted if left > step), 0)
+        running = [request for request, _ in requests.values()]
+        if oracle:
+            spare = MAX_ROWS - len(running)  # the step's rows, shared as the engine shares them
+            for request, output in requests.values():
+                spare -= _oracle_drafts(decoder, request, output, spare)
+        else:
+            decoder.propose(running, MAX_ROWS, cost, lambda _request_id: None)
+        draft_rows = sum(len(request.spec_token_ids) for request in running)
+        step_ms = prices.step(len(running), draft_rows)
+        decoder.price.observe(frozenset(requests), draft_rows, step_ms / 1000)
+        features = sum(
+            (decode_features(r.num_computed_tokens, len(r.spec_token_ids)) for r in running),
+            StepFeatures(),
+        )
+        cost.observe(features, step_ms / 1000)  # what the scheduler reports of the step
+        steps, rows, spec_ms = steps + 1, rows + draft_rows, spec_ms + step_ms
+        without += draft_rows == 0
+        full = len(running) == batch
+        for request, output in list(requests.values()):
+            drafts, position = request.spec_token_ids, len(request.output_token_ids)
+            # The greedy output is the model's choice at each position: verified as the engine does.
+            tokens, accepted = accept_greedy(output[position:], drafts)
+            if drafts:
+                decoder.proposer.accepted(request.request_id, len(drafts), accepted)
+            accepted_total += accepted
+            full_tokens += len(tokens) if full else 0
+            request.output_token_ids = list(output[: position + len(tokens)])
+            request.num_computed_tokens = request.num_tokens - 1
+            request.spec_token_ids.clear()
+            if request.num_tokens == request.max_total_tokens:
+                decoder.forget(request)
+                del requests[request.request_id]
+        full_ms += step_ms if full else 0.0
+    if in_flight:  # tokens per millisecond with the batch full, against a full batch's plain step
+        speedup = (full_tokens / full_ms) / (batch / prices.step(batch, 0)) if full_ms else 1.0
+    else:
+        speedup = plain_ms / spec_ms if spec_ms else 1.0
+    return Replay(speedup, steps, rows, accepted_total, without)
 
 
 def _oracle_drafts(decoder: SpeculativeDecoder, request: Request, output: list[int], spare: int) -> int:
@@ -165,6 +183,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--batch", type=int, default=1, help="prompts decoding together")
+    parser.add_argument(
+        "--in-flight",
+        action="store_true",
+        help="keep --batch requests in flight (a request leaving is replaced at once) rather than closed batches",
+    )
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
     parser.add_argument("--step-ms", type=float, default=15.7, help="a decode step of one request")
     parser.add_argument(
         "--request-ms", type=float, default=1.94, help="what each further decoding request adds to it"
@@ -187,20 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     configs = [SpeculativeConfig(**config) for config in args.configs]
     llm = LLM(args.model, dtype=args.dtype, max_model_len=max_model_len, enable_prefix_caching=False)
     workloads = {
-        "copy": bench_speculative.copy_tasks(8, scale),
-        "free": bench_speculative.free_tasks(8),
+        "copy": bench_speculative.copy_tasks(args.prompts, scale),
+        "free": bench_speculative.free_tasks(args.prompts),
     }
     sequences = {name: greedy_outputs(llm, tasks, max_tokens) for name, tasks in workloads.items()}
     llm.close()
     prices = StepPrices(args.step_ms, args.request_ms, args.row_ms)
     print(
-        f"batch {args.batch}; prices: a step of one request {prices.step_ms} ms, each further request "
+        f"batch {args.batch}{' in flight' if args.in_flight else ''}, {args.prompts} prompts; "
+        f"prices: a step of one request {prices.step_ms} ms, each further request "
         f"{prices.request_ms} ms, a draft row {prices.row_ms} ms"
     )
     for name, outputs in sequences.items():
         for config, given in zip(configs, args.configs, strict=True):
-            result = replay(config, outputs, prices, args.batch)
-            ceiling = replay(config, outputs, prices, args.batch, oracle=True)
+            result = replay(config, outputs, prices, args.batch, in_flight=args.in_flight)
+            ceiling = replay(config, outputs, prices, args.batch, oracle=True, in_flight=args.in_flight)
             print(
                 f"{name} {json.dumps(given)}: {result.speedup:.2f}x, {result.steps} steps, "
                 f"{result.draft_rows} draft rows, {result.accepted} accepted, "

@@ -92,11 +92,12 @@ def test_a_batch_decodes_in_lockstep_and_a_finished_request_leaves_it(replay_mod
     assert (apart.steps, apart.accepted) == (4 + 19, 15)
 
 
-def test_the_command_replays_every_config_on_both_workloads(tmp_path):
+def test_the_command_replays_every_config_on_both_workloads_in_flight(tmp_path):
     model_dir = make_tiny_model(tmp_path / "tiny")
     command = [
         sys.executable, str(BENCHMARKS / "replay_drafting.py"), "--quick", "--model", str(model_dir),
         "--dtype", "float32", "--configs", '[{"method": "ngram"}, {"method": "suffix"}]', "--batch", "8",
+        "--in-flight", "--prompts", "10",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
@@ -104,4 +105,22 @@ def test_the_command_replays_every_config_on_both_workloads(tmp_path):
     assert [line.split(" {")[0] for line in lines] == ["copy", "copy", "free", "free"]
     assert all('"method": "ngram"' in line for line in lines[::2])
     assert all("; oracle " in line for line in lines)
-    assert done.stdout.startswith("batch 8;")
+    assert done.stdout.startswith("batch 8 in flight, 10 prompts;")
+
+
+def test_in_flight_a_leaving_request_is_replaced_and_only_full_steps_count(replay_module, prices):
+    prompt = list(range(100, 140))
+    copying, fresh = (prompt, prompt[10:30]), (prompt, list(range(500, 520)))
+    result = replay_module.replay(
+        NGRAM, [copying, fresh, (prompt, prompt[12:32])], prices, batch=2, in_flight=True
+    )
+    # Each copying request takes 4 steps (as alone) and the third enters as the first leaves:
+    # 8 steps with both in flight (38 copied tokens and 8 of the fresh one's), then the fresh one
+    # alone for its last 11 tokens, which do not count.
+    assert (result.steps, result.accepted) == (8 + 11, 30)
+    full_ms = 8 * (10.0 + 5.0) + result.draft_rows * 1.0  # the fresh request drafted nothing
+    assert result.speedup == pytest.approx((38 + 8) / full_ms / (2 / (10.0 + 5.0)))
+    closed = replay_module.replay(NGRAM, [copying, fresh, (prompt, prompt[12:32])], prices, batch=2)
+    assert closed.steps == 19 + 4 and closed.speedup < result.speedup
+    with pytest.raises(ValueError, match="at least 4 prompts"):
+        replay_module.replay(NGRAM, [copying, fresh], prices, batch=4, in_flight=True)

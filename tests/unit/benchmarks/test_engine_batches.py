@@ -1,0 +1,77 @@
+"""benchmarks/engine_batches.py: requests kept in flight are timed only over the steps in which
+all of them decode."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from kunlun_runtime import LLM, SamplingParams
+from tests.support.tiny_models import make_tiny_model
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def engine_batches():
+    spec = importlib.util.spec_from_file_location("engine_batches", BENCHMARKS / "engine_batches.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["engine_batches"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _prompts(count: int) -> list[list[int]]:
+    return [[5 + index, 9, 17 + index % 3, 4, 11 + index] for index in range(count)]
+
+
+def test_plain_decode_in_flight_times_each_full_step_and_nothing_else(engine_batches, model_dir):
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=16)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        timing = engine_batches.run_in_flight(llm.engine, _prompts(12), params, 4)
+        # 12 prompts, 4 in flight, all 6 tokens long: three waves, each a prefill step (its first
+        # token) and 5 steps decoding all 4; every timed step emits one token per request.
+        assert timing.decode_steps == 3 * 5
+        assert timing.decode_tokens == 4 * timing.decode_steps
+        assert timing.decode_seconds > 0 and timing.requests == 12
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.close()
+
+
+def test_a_request_that_finishes_early_is_replaced_and_the_gap_not_timed(engine_batches, model_dir):
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=16)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        engine = llm.engine
+        added = []
+        add = engine.add_request
+
+        def recording_add(request_id, prompt, request_params, **kwargs):
+            added.append(request_id)
+            # the third prompt stops after 2 tokens: a slot frees while the others decode
+            short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            return add(request_id, prompt, short if len(added) == 3 else request_params, **kwargs)
+
+        engine.add_request = recording_add
+        timing = engine_batches.run_in_flight(engine, _prompts(5), params, 4)
+        assert len(added) == 5
+        # Wave: prefill of 4 (untimed), 1 full step (the short one's 2nd token: it finishes), then
+        # the fifth's prefill beside 3 decodes (untimed), then 4 decode together until the first
+        # three finish (their 6th token: 3 more steps), after which fewer than 4 remain (untimed).
+        assert timing.decode_steps == 1 + 3
+        assert timing.decode_tokens == 4 * timing.decode_steps
+    finally:
+        llm.close()
+
+
+def test_fewer_prompts_than_in_flight_is_an_error(engine_batches):
+    with pytest.raises(ValueError, match="at least 8 prompts"):
+        engine_batches.run_in_flight(None, _prompts(3), None, 8)
