@@ -8,13 +8,22 @@ drafts that paid, and, drafting rarely, never learnt otherwise (docs/performance
 of the same requests differ only by their drafts (the context grows by a token or a few, the
 machine's state is the same), so their difference prices the drafts without any model:
 
-    price ≈ median over recent pairs of (seconds with d drafts - seconds without) / d
+    price ≈ median over recent pairs of (seconds with d drafts - seconds without) / d,
+            each pair counting d times
 
 and the plain step's own time is the recent mean of the steps without drafts of those requests.
 A batch that drafts in every step (long copies, many drafts each) never shows its plain step: its
 adjacent steps with different numbers of drafts price a row instead, and its latest step less its
 drafts is its plain step. A batch that drafts the same number of rows step after step, unpriced,
-shows neither: ``wants_probe`` then asks for a step with one draft fewer (the least likely one).
+shows neither: ``wants_probe`` then asks for a step with fewer drafts (the engine drops the less
+likely half: the step down and the step back up are two pairs of that many rows).
+A pair's error is the step's noise over its drafts (a batch-8 step of ~30 ms varies by a few ms
+on a shared machine, so one pair of one draft can put a row at 5 ms): a pair counts as many times
+as it has drafts, and the price holds only once its pairs have measured ``MIN_ROWS`` rows; before
+that the rows count as unpriced (they run, and are measured). With requests coming and going
+(every few steps at batch 8 under continuous batching) a batch's own pairs are few, and one
+noisy pair of one draft priced rows at 5.7 ms against ~1.5, refused every draft after it, and so
+was never outvoted.
 Pairs are kept per number of decoding requests (a draft row beside one decode row rides on a
 read of the weights that is memory-bound; beside eight, the linears are compute-bound and it
 costs several times more). A step's rows stay within one pass of the kernels over the weights
@@ -24,11 +33,11 @@ Python: no torch, no clock.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 
 # Recent pairs whose median is the price: one slow step (another tenant, a page fault) is outvoted.
 SAMPLES = 8
+MIN_ROWS = 8  # draft rows the pairs must have measured before their price holds
 PLAIN_MEMORY = 0.5  # per step without drafts: the weight of the past in the plain step's mean
 STEADY_STEPS = 3  # steps of one unpriced batch with the same draft rows before a probe
 
@@ -40,7 +49,8 @@ class DraftRowPrice:
     def __init__(self) -> None:
         self._batch: frozenset[str] | None = None
         self._plain: float | None = None  # mean seconds of this batch's steps without drafts
-        self._samples: dict[int, deque[float]] = {}  # by the number of decoding requests
+        # (price of a row, draft rows) of recent pairs, by the number of decoding requests
+        self._samples: dict[int, deque[tuple[float, int]]] = {}
         self._last: tuple[int, float] | None = None  # this batch's latest step: (draft rows, seconds)
         self._steady = 0  # this batch's steps just before its latest that ran as many draft rows
 
@@ -56,14 +66,31 @@ class DraftRowPrice:
                 seconds if self._plain is None else PLAIN_MEMORY * self._plain + (1 - PLAIN_MEMORY) * seconds
             )
         elif self._plain is not None:
-            self._sample(len(batch), (seconds - self._plain) / draft_rows)
+            self._sample(len(batch), seconds - self._plain, draft_rows)
         elif last is not None and last[0] not in (0, draft_rows):
-            self._sample(len(batch), (seconds - last[1]) / (draft_rows - last[0]))
+            self._sample(len(batch), seconds - last[1], draft_rows - last[0])
         self._steady = self._steady + 1 if last is not None and last[0] == draft_rows else 0
         self._last = (draft_rows, seconds)
 
-    def _sample(self, requests: int, price: float) -> None:
-        self._samples.setdefault(requests, deque(maxlen=SAMPLES)).append(max(0.0, price))
+    def _sample(self, requests: int, seconds: float, rows: int) -> None:
+        """``rows`` more drafts took ``seconds`` more (fewer: both negative)."""
+        self._samples.setdefault(requests, deque(maxlen=SAMPLES)).append(
+            (max(0.0, seconds / rows), abs(rows))
+        )
+
+    def _price(self, requests: int) -> float | None:
+        """A draft row's seconds beside ``requests`` decoding ones: the median of the recent
+        pairs' prices, each counted as many times as it has rows; None before ``MIN_ROWS``."""
+        samples = sorted(self._samples.get(requests, ()))
+        total = sum(rows for _, rows in samples)
+        if total < MIN_ROWS:
+            return None
+        counted = 0
+        for price, rows in samples:
+            counted += rows
+            if 2 * counted >= total:
+                return price
+        raise AssertionError("unreachable: the counts reach the total")
 
     def series(self, batch: frozenset[str], count: int) -> list[float] | None:
         """Predicted seconds of ``batch``'s next step with 0 … ``count`` drafts; None until these
@@ -73,24 +100,24 @@ class DraftRowPrice:
         be asked instead, prices them by the steps that mislead it)."""
         if batch != self._batch:
             return None
-        samples = self._samples.get(len(batch))
+        measured = self._price(len(batch))
         if self._plain is not None:
-            plain, price = self._plain, statistics.median(samples) if samples else 0.0
-        elif samples and self._last is not None:
-            price = statistics.median(samples)
+            plain, price = self._plain, measured or 0.0
+        elif measured is not None and self._last is not None:
+            price = measured
             plain = max(0.0, self._last[1] - self._last[0] * price)
         else:
             return None
         return [plain + i * price for i in range(count + 1)]
 
     def wants_probe(self, batch: frozenset[str], draft_rows: int) -> bool:
-        """Whether ``batch``'s next step, about to run ``draft_rows`` drafts, should run one fewer:
+        """Whether ``batch``'s next step, about to run ``draft_rows`` drafts, should run fewer:
         it ran as many in each of its last ``STEADY_STEPS`` steps and nothing prices them (no plain
         step of its own, no price for as many requests)."""
         return (
             batch == self._batch
             and self._plain is None
-            and not self._samples.get(len(batch))
+            and self._price(len(batch)) is None
             and self._last is not None
             and self._last[0] == draft_rows > 0
             and self._steady >= STEADY_STEPS - 1

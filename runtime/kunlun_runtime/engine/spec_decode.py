@@ -145,8 +145,8 @@ class SpeculativeDecoder:
         )
         del candidates[max(spare, 0) :]  # the step's rows: no more drafts than that can run
         run = draft_rows_worth_running(cost, decoding, [candidate[0] for candidate in candidates], measured)
-        if self.price.wants_probe(batch, run):  # unpriced, as many drafts step after step: one fewer
-            run -= 1
+        if self.price.wants_probe(batch, run):  # unpriced, as many drafts step after step: half
+            run -= max(1, run // 2)
         counts = [0] * len(decoding)
         for _, _, index in candidates[:run]:
             counts[index] += 1

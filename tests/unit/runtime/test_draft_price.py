@@ -2,7 +2,7 @@
 
 import pytest
 
-from kunlun_runtime.engine.draft_price import SAMPLES, DraftRowPrice
+from kunlun_runtime.engine.draft_price import MIN_ROWS, SAMPLES, DraftRowPrice
 
 BATCH = frozenset(f"r{i}" for i in range(8))
 OTHER = frozenset(f"s{i}" for i in range(8))
@@ -19,7 +19,19 @@ def test_a_draft_row_costs_what_a_step_with_drafts_adds_to_the_steps_without():
     price.observe(BATCH, 0, 0.022)  # the plain step: their mean, recent ones weighted more
     assert _ms(price.series(BATCH, 2)) == [21.0, 21.0, 21.0]  # never paired: drafts run, priced 0
     price.observe(BATCH, 4, 0.029)  # 8 ms more for 4 drafts
+    assert MIN_ROWS > 4 and _ms(price.series(BATCH, 2)) == [21.0, 21.0, 21.0]  # too few rows to price
+    price.observe(BATCH, 4, 0.029)
     assert _ms(price.series(BATCH, 3)) == [21.0, 23.0, 25.0, 27.0]
+
+
+def test_one_noisy_pair_of_few_drafts_does_not_set_the_price():
+    price = DraftRowPrice()
+    price.observe(BATCH, 0, 0.030)
+    price.observe(BATCH, 1, 0.0357)  # one draft, and the step 5.7 ms slower: mostly noise
+    assert _ms(price.series(BATCH, 2)) == [30.0, 30.0, 30.0]  # unpriced: the drafts run
+    assert not price.wants_probe(BATCH, 1)  # its plain step is known: pairs come without probes
+    price.observe(BATCH, 7, 0.0405)  # seven drafts at 1.5 ms outweigh the one
+    assert _ms(price.series(BATCH, 2)) == [30.0, 31.5, 33.0]
 
 
 def test_one_slow_step_does_not_set_the_price():
@@ -34,7 +46,7 @@ def test_one_slow_step_does_not_set_the_price():
 def test_the_price_holds_for_as_many_requests_and_the_plain_step_for_the_same_ones():
     price = DraftRowPrice()
     price.observe(BATCH, 0, 0.020)
-    price.observe(BATCH, 3, 0.026)
+    price.observe(BATCH, 8, 0.036)
     price.observe(OTHER, 2, 0.040)  # no plain step of these yet: not a pair
     assert _ms(price.series(OTHER, 1)) == [36.0, 38.0]  # eight requests' price; the step less its drafts
     assert price.series(BATCH, 1) is None  # the latest batch is another: its plain step is not known
@@ -66,15 +78,17 @@ def test_a_batch_that_drafts_every_step_is_priced_by_its_steps_with_different_dr
     price.observe(BATCH, 4, 0.030)
     assert price.series(BATCH, 1) is None  # one step with drafts: neither its price nor its plain step
     price.observe(BATCH, 6, 0.034)  # two more rows, 4 ms more
+    assert price.series(BATCH, 1) is None  # two rows measured: too few
+    price.observe(BATCH, 12, 0.046)  # six more rows at 2 ms
     # A row at 2 ms; the plain step is the latest step less its drafts.
     assert _ms(price.series(BATCH, 2)) == [22.0, 24.0, 26.0]
-    price.observe(BATCH, 5, 0.033)
-    assert _ms(price.series(BATCH, 1)) == [25.5, 27.0]  # a row at the median of 2 ms and 1 ms
+    price.observe(BATCH, 4, 0.036)  # eight fewer rows, 10 ms less: 1.25 ms, counted eight times
+    assert _ms(price.series(BATCH, 1)) == [31.0, 32.25]
     price.observe(OTHER, 8, 0.040)  # as many requests: their price holds, their step is their own
-    assert _ms(price.series(OTHER, 1)) == [40.0 - 8 * 1.5, 40.0 - 7 * 1.5]
+    assert _ms(price.series(OTHER, 1)) == [40.0 - 8 * 1.25, 40.0 - 7 * 1.25]
 
 
-def test_an_unpriced_batch_drafting_as_many_rows_each_step_is_asked_for_one_fewer():
+def test_an_unpriced_batch_drafting_as_many_rows_each_step_is_asked_for_fewer():
     price = DraftRowPrice()
     price.observe(BATCH, 8, 0.040)
     price.observe(BATCH, 8, 0.041)
@@ -83,7 +97,14 @@ def test_an_unpriced_batch_drafting_as_many_rows_each_step_is_asked_for_one_fewe
     assert price.wants_probe(BATCH, 8)
     assert not price.wants_probe(BATCH, 6)  # a step with other drafts pairs anyway
     assert not price.wants_probe(OTHER, 8)
-    price.observe(BATCH, 7, 0.038)  # the probe: a row priced
+    price.observe(BATCH, 7, 0.038)  # one fewer: a pair of one row, too few to price
+    price.observe(BATCH, 8, 0.040)
+    price.observe(BATCH, 8, 0.040)
+    price.observe(BATCH, 8, 0.040)
+    assert price.wants_probe(BATCH, 8) and price.series(BATCH, 1) is None
+    price.observe(BATCH, 4, 0.032)  # half: the steps down and back up pair 4 rows each
+    price.observe(BATCH, 8, 0.040)
+    assert _ms(price.series(BATCH, 1)) == [24.0, 26.0]
     price.observe(BATCH, 8, 0.040)
     price.observe(BATCH, 8, 0.040)
     assert not price.wants_probe(BATCH, 8)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kunlun_runtime.config import SpeculativeConfig, parse_speculative_config
-from kunlun_runtime.engine.draft_price import STEADY_STEPS
+from kunlun_runtime.engine.draft_price import MIN_ROWS, STEADY_STEPS
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -290,9 +290,9 @@ def test_the_decoder_prices_drafts_from_its_pure_decode_steps_only():
         return SchedulerOutput(scheduled, features=features)
 
     decoder.observe(step(0), 0.020)
-    decoder.observe(step(2, prefill=64), 0.500)  # a prompt chunk beside the drafts: not a pair
+    decoder.observe(step(4, prefill=64), 0.500)  # a prompt chunk beside the drafts: not a pair
     decoder.observe(step(0, prefill=64), 0.400)  # nor a plain decode step
-    decoder.observe(step(2), 0.024)
+    decoder.observe(step(4), 0.028)  # 8 draft rows, 1 ms each
     assert [round(t * 1e3, 6) for t in decoder.price.series(batch, 2)] == [20.0, 21.0, 22.0]
 
 
@@ -328,8 +328,9 @@ def test_a_refusal_to_draft_stands_a_few_steps_unless_the_requests_change():
 
 def test_a_batch_drafting_as_many_rows_each_step_unpriced_runs_one_fewer_once():
     # Eight requests copying a repeated pattern: every step runs the 8 drafts the rows allow, so
-    # no step of theirs prices a draft row. After STEADY_STEPS such steps one runs a draft fewer
-    # (the least likely); the pair of steps prices the row, and the batch drafts fully again.
+    # no step of theirs prices a draft row. After STEADY_STEPS such steps one runs half of them
+    # (the likelier); the step down and the step back up price the row (twice 4 rows: MIN_ROWS),
+    # and the batch drafts fully again.
     decoder = SpeculativeDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), [0])
     requests = _copying(8)
     batch = frozenset(request.request_id for request in requests)
@@ -341,7 +342,8 @@ def test_a_batch_drafting_as_many_rows_each_step_unpriced_runs_one_fewer_once():
         decoder.price.observe(batch, rows, 0.030 + 0.001 * rows)
         return rows
 
-    assert [drafted() for _ in range(STEADY_STEPS + 3)] == [8] * STEADY_STEPS + [7, 8, 8]
+    assert MIN_ROWS <= 8
+    assert [drafted() for _ in range(STEADY_STEPS + 3)] == [8] * STEADY_STEPS + [4, 8, 8]
     assert [round(t * 1e3, 6) for t in decoder.price.series(batch, 1)] == [30.0, 31.0]
 
 
