@@ -22,8 +22,8 @@ on a shared machine, so one pair of one draft can put a row at 5 ms): a pair cou
 as it has drafts, and the price holds only once its pairs have measured ``MIN_ROWS`` rows; before
 that the rows count as unpriced (they run, and are measured). With requests coming and going
 (every few steps at batch 8 under continuous batching) a batch's own pairs are few, and one
-noisy pair of one draft priced rows at 5.7 ms against ~1.5, refused every draft after it, and so
-was never outvoted.
+noisy pair priced rows at 5.7 ms (where ~2 ms was measured over many), refused every draft after
+it, and so was never outvoted.
 Pairs are kept per number of decoding requests (a draft row beside one decode row rides on a
 read of the weights that is memory-bound; beside eight, the linears are compute-bound and it
 costs several times more). A step's rows stay within one pass of the kernels over the weights
