@@ -95,9 +95,9 @@ class DraftRowPrice:
     def series(self, batch: frozenset[str], count: int) -> list[float] | None:
         """Predicted seconds of ``batch``'s next step with 0 … ``count`` drafts; None until these
         requests' plain step is known: seen, or their latest step less its drafts where a draft
-        row beside as many requests has a price. Drafts beside as many requests as never paired
-        are priced 0, so they run and are priced from then on (the step-time model, which would
-        be asked instead, prices them by the steps that mislead it)."""
+        row beside as many requests has a price. Drafts beside as many requests as not yet paired
+        on ``MIN_ROWS`` rows are priced 0, so they run and are priced from then on (the step-time
+        model, which would be asked instead, prices them by the steps that mislead it)."""
         if batch != self._batch:
             return None
         measured = self._price(len(batch))
