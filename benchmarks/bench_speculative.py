@@ -49,7 +49,8 @@ from kunlun_runtime.models.tokenizer import Tokenizer
 # Batch sizes: 1 and 8 are closed batches (each set of prompts decoded until its last finishes);
 # IN_FLIGHT is 8 requests kept in flight over more prompts (continuous batching), timed over the
 # steps in which all 8 decode.
-IN_FLIGHT = "8 in flight"
+IN_FLIGHT_REQUESTS = 8
+IN_FLIGHT = f"{IN_FLIGHT_REQUESTS} in flight"
 BATCHES: tuple[int | str, ...] = (1, 8, IN_FLIGHT)
 TARGETS: dict[tuple[str, int | str], float | None] = {
     ("copy", 1): 2.0,
@@ -168,7 +169,11 @@ def measure(llm: LLM, tasks, batch: int | str, max_tokens: int) -> float:
     batch 8 is mostly batch 1-7, in flight it stays 8 (as a server's does while requests queue)."""
     if batch == IN_FLIGHT:
         timing = engine_batches.run_in_flight(
-            llm.engine, _prompts(llm, tasks), _params(max_tokens), 8, cache_salt=f"batch-{next(_BATCHES)}"
+            llm.engine,
+            _prompts(llm, tasks),
+            _params(max_tokens),
+            IN_FLIGHT_REQUESTS,
+            cache_salt=f"batch-{next(_BATCHES)}",
         )
         return timing.decode_tok_s
     assert isinstance(batch, int)
@@ -234,8 +239,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:  # prompts of a sentence or two: they fit a tiny test model's context
         args.max_tokens, args.repeats, args.in_flight_tasks = 8, 1, 12
-    if args.in_flight_tasks < max(CLOSED_TASKS, 8):
-        parser.error(f"--in-flight-tasks must be at least {max(CLOSED_TASKS, 8)}")
+    least = max(CLOSED_TASKS, IN_FLIGHT_REQUESTS)  # the closed batches' prompts are its first ones
+    if args.in_flight_tasks < least:
+        parser.error(f"--in-flight-tasks must be at least {least}")
     return args
 
 
