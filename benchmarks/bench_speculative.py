@@ -129,7 +129,9 @@ def free_tasks(count: int) -> list[list[dict[str, str]]]:
         "Describe a village festival in winter.",
         "Tell a fable about a tortoise and an eagle.",
     ]
-    return [[{"role": "user", "content": topics[index % len(topics)]}] for index in range(count)]
+    if count > len(topics):  # a repeated prompt would let suffix drafts copy its earlier answer
+        raise ValueError(f"at most {len(topics)} distinct free-generation prompts, asked for {count}")
+    return [[{"role": "user", "content": topic}] for topic in topics[:count]]
 
 
 def prompt_texts(tokenizer: Tokenizer, conversations: list[list[dict[str, str]]]) -> list[str]:
@@ -242,6 +244,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     least = max(CLOSED_TASKS, IN_FLIGHT_REQUESTS)  # the closed batches' prompts are its first ones
     if args.in_flight_tasks < least:
         parser.error(f"--in-flight-tasks must be at least {least}")
+    try:
+        free_tasks(args.in_flight_tasks)
+    except ValueError as error:
+        parser.error(f"--in-flight-tasks: {error}")
     return args
 
 
@@ -345,7 +351,11 @@ def ours_report(method: str, spec: LLM, counters_before, rates, workloads) -> tu
             target = TARGETS[name, batch]
             met = target is None or ratio >= target
             ok &= met
-            key = f"{name}_batch{batch}" if isinstance(batch, int) else f"{name}_batch8_in_flight"
+            key = (
+                f"{name}_batch{batch}"
+                if isinstance(batch, int)
+                else f"{name}_batch{IN_FLIGHT_REQUESTS}_in_flight"
+            )
             report[key] = {
                 "plain_tok_s": round(base, 1),
                 "spec_tok_s": round(ours, 1),

@@ -124,3 +124,11 @@ def test_in_flight_a_leaving_request_is_replaced_and_only_full_steps_count(repla
     assert closed.steps == 19 + 4 and closed.speedup < result.speedup
     with pytest.raises(ValueError, match="at least 4 prompts"):
         replay_module.replay(NGRAM, [copying, fresh], prices, batch=4, in_flight=True)
+
+
+def test_free_generation_prompts_never_repeat(replay_module):
+    bench = sys.modules["bench_speculative"]  # imported by the replay beside it
+    prompts = bench.free_tasks(24)
+    assert len({prompt[0]["content"] for prompt in prompts}) == 24
+    with pytest.raises(ValueError, match="at most 24 distinct"):
+        bench.free_tasks(25)
