@@ -30,6 +30,7 @@ class Request:
     params: SamplingParams
     max_total_tokens: int  # prompt + output may not exceed this (max_model_len or max_tokens)
     arrival_step: int = 0
+    arrival_order: int = 0  # the scheduler's count of requests added before it: ties keep arrival order
     arrival_time: float = 0.0
     priority: int = 0  # lower value = served earlier (vLLM convention)
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries

@@ -31,6 +31,7 @@ fewer) of its waiting steps, and never when it is protected.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,12 +91,14 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.step_index = 0
+        self._arrivals = itertools.count()
         self.num_preemptions_total = 0
         self.last_step_seconds: float | None = None
         self.last_step_tokens = 0
 
     def add(self, request: Request) -> None:
         request.arrival_step = self.step_index
+        request.arrival_order = next(self._arrivals)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -103,12 +106,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def _running_key(self, request: Request) -> tuple[bool, int, int, str]:
-        return (not request.protected, request.priority, request.arrival_step, request.request_id)
+    # Ties of priority go by arrival: requests added in the same step by the order they were added
+    # (their ids, as strings, put "10" before "2").
+    def _running_key(self, request: Request) -> tuple[bool, int, int]:
+        return (not request.protected, request.priority, request.arrival_order)
 
-    def _waiting_key(self, request: Request) -> tuple[bool, int, int, str]:
+    def _waiting_key(self, request: Request) -> tuple[bool, int, int]:
         aged = request.priority - request.waited_steps // self.limits.priority_aging_steps
-        return (not request.protected, aged, request.arrival_step, request.request_id)
+        return (not request.protected, aged, request.arrival_order)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

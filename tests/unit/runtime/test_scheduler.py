@@ -49,6 +49,18 @@ def test_max_num_seqs_caps_the_running_set():
     assert [r.request_id for r in scheduler.waiting] == ["c"]
 
 
+def test_requests_added_in_one_step_are_served_in_the_order_they_arrived_not_by_their_ids():
+    # Ids compared as strings put "10" before "2": twelve prompts added at once were prefilled
+    # out of order, so a batch's chunks (and FP32 prefill's roundings) changed with how many
+    # requests the engine had seen before.
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=16, budget=9)
+    for index in [2, 10, 1, 11, 3]:
+        scheduler.add(make_request(str(index), 3))
+    assert summary(run_step(scheduler)) == [("2", 3), ("10", 3), ("1", 3)]
+    assert [r.request_id for r in scheduler.waiting] == ["11", "3"]
+    assert [name for name, _ in summary(run_step(scheduler))] == ["2", "10", "1", "11", "3"]
+
+
 def test_out_of_blocks_preempts_the_lowest_priority_latest_request():
     scheduler = make_scheduler(num_blocks=4, budget=64)
     scheduler.add(make_request("high", 4, max_tokens=8, priority=0))
