@@ -6,8 +6,8 @@ interleaved, medians of ``--repeats``:
 
 - **linears**: one decode step's linears (30 layers, each with its own weights so they stream
   from memory as in a model, and the LM head) for M rows in one ``linear_bf16`` call, against the
-  same rows in calls of at most 8 (each call reads the weights again: what the kernel did for
-  9-16 rows before it served them in one pass);
+  same rows in calls of at most 8 (each call reads the weights again, as the kernel did for more
+  than 8 rows before it served 9-16, and then 17-32, in one pass);
 - **attention**: ``decode_attention`` over 30 layers for one decode row and its drafts (rows at
   consecutive positions over one block table, which share one read of their keys), against the
   same rows as separate sequences of the same length (each reads its own keys).
@@ -104,7 +104,7 @@ def measure(rows_list: list[int], context: int, repeats: int, layers: int = LAYE
         )
     for _ in range(repeats):  # interleaved: every case once per repetition
         for rows, (inputs, grouped, separate) in cases.items():
-            samples.setdefault(("linears", rows), []).append(_linears(weights, inputs, 16))
+            samples.setdefault(("linears", rows), []).append(_linears(weights, inputs, cpu_kernels.MAX_ROWS))
             samples.setdefault(("linears_passes_of_8", rows), []).append(_linears(weights, inputs, 8))
             samples.setdefault(("attention", rows), []).append(_attention(caches, grouped))
             samples.setdefault(("attention_separate", rows), []).append(_attention(caches, separate))
@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--rows", type=lambda text: [int(v) for v in text.split(",")], default=[1, 4, 8, 12, 16]
+        "--rows", type=lambda text: [int(v) for v in text.split(",")], default=[1, 4, 8, 12, 16, 24, 32]
     )
     parser.add_argument("--context", type=int, default=1300, help="keys before the first row")
     parser.add_argument("--repeats", type=int, default=7)

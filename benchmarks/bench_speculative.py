@@ -142,7 +142,7 @@ _BATCHES = itertools.count()
 CLOSED_TASKS = 8  # prompts per workload at batch 1 and 8; in flight takes all (--in-flight-tasks)
 
 
-def _prompts(llm: LLM, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+def prompt_ids(llm: LLM, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
     tokenizer = llm.engine.tokenizer
     return [
         tokenizer.encode(text, add_special_tokens=False) for text in prompt_texts(tokenizer, conversations)
@@ -158,7 +158,7 @@ def run_batch(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: i
     and the suffix method's cache of a tenant's answers must not hand a prompt its own earlier
     answer (a repeated question is what that cache is for, but not what this measures)."""
     timing = engine_batches.run_batch(
-        llm.engine, _prompts(llm, conversations), _params(max_tokens), cache_salt=f"batch-{next(_BATCHES)}"
+        llm.engine, prompt_ids(llm, conversations), _params(max_tokens), cache_salt=f"batch-{next(_BATCHES)}"
     )
     return {"tokens": timing.decode_tokens, "seconds": timing.decode_seconds}
 
@@ -172,7 +172,7 @@ def measure(llm: LLM, tasks, batch: int | str, max_tokens: int) -> float:
     if batch == IN_FLIGHT:
         timing = engine_batches.run_in_flight(
             llm.engine,
-            _prompts(llm, tasks),
+            prompt_ids(llm, tasks),
             _params(max_tokens),
             IN_FLIGHT_REQUESTS,
             cache_salt=f"batch-{next(_BATCHES)}",

@@ -102,17 +102,24 @@ HEADERS = (
 )
 PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
 # The largest batches our linears take instead of oneDNN, each streaming the weight once for all
-# its rows: BF16 runs 3-16 rows in one AMX pass where AMX is granted, and 9-16 rows in one AVX-512
-# pass otherwise; the INT8 kernels are compute-bound above 8.
-MAX_ROWS = 16
+# its rows: BF16 runs 9-32 rows in one AVX-512 pass (groups of 8 over each block of weights), or
+# 3-16 rows in one AMX pass where AMX is granted (more in passes of 16); the INT8 kernels are
+# compute-bound above 8. Past 16 rows oneDNN's BF16 GEMM took 1.2-1.8x our time, and a batch of 8
+# decodes with its drafts needs more than 16 rows to draft more than one token each.
+MAX_ROWS = 32
 INT8_MAX_ROWS = 8
+
+
+AMX_PASS_ROWS = 16
 
 
 def weight_pass_rows(quantized: bool) -> int:
     """The most decode rows our linears serve with one read of the weights, on every tier: a
     larger batch runs in passes, each streaming every weight again (the scheduler's step-cost
-    model prices them)."""
-    return INT8_MAX_ROWS if quantized else MAX_ROWS
+    model prices them). AMX takes BF16 rows a tile of 16 at a time."""
+    if quantized:
+        return INT8_MAX_ROWS
+    return AMX_PASS_ROWS if cpu_capabilities().tier is IsaTier.AMX else MAX_ROWS
 
 
 def tier_for_dtype(dtype: torch.dtype) -> KernelTier | None:

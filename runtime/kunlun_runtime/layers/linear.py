@@ -3,7 +3,7 @@
 - ``PackedLinear``: BF16 weights reordered into oneDNN's blocked layout (CPU), so each matmul
   streams the weight once without re-layout. oneDNN's BF16 path needs AVX-512 BW/VL/DQ (or
   AVX-NE-CONVERT); elsewhere ``prepacked`` is refused.
-- ``NativeLinear``: the plain BF16 weight; batches of up to 16 rows (decode) go through our kernels
+- ``NativeLinear``: the plain BF16 weight; batches of up to 32 rows (decode) go through our kernels
   (``cpu_kernels``: the AVX-512 tier for BF16 activations, the AVX2 tier for FP32 ones; they stream
   the weight near DRAM speed, which oneDNN's GEMM, built for large batches, falls well short of at
   one row), larger ones (prefill) through ``F.linear``, or ``widened_linear`` when the activations
@@ -118,6 +118,9 @@ class PackedLinear(nn.Module):
 
 class NativeLinear(nn.Module):
     bias_fp32: torch.Tensor | None  # buffer (register_buffer), None without a bias
+    # Batches of up to this many rows go through our kernels (lowered only by benchmarks that
+    # measure the earlier limit beside the current one).
+    max_rows: int = cpu_kernels.MAX_ROWS
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -132,7 +135,7 @@ class NativeLinear(nn.Module):
         self.register_buffer("bias_fp32", None if linear.bias is None else linear.bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _uses_small_batch_kernel(x):
+        if _uses_small_batch_kernel(x, self.max_rows):
             return cpu_kernels.linear_bf16(x.contiguous(), self.weight, self.bias_fp32)
         if x.dtype != self.weight.dtype:
             return widened_linear(x, self.weight, self.bias_fp32)

@@ -3,13 +3,13 @@
 // At decode a linear layer multiplies a few activation rows by a weight matrix read from DRAM once
 // per step, so it is bound by how fast the weight streams in. oneDNN's BF16 GEMM, built for large
 // M, falls well short of the memory bandwidth at M = 1. These kernels
-// stream each weight row once for all activation rows (up to 16 in BF16, 8 in INT8), accumulate
+// stream each weight row once for all activation rows (up to 32 in BF16, 8 in INT8), accumulate
 // in FP32 and round once; a larger M runs in passes, and 3..16 rows of whole tiles go to the AMX
-// kernel (amx_linear.cpp) where the CPU grants AMX. A block takes 2 or 4 weight rows (independent
-// accumulators hide the dot products' latency); 9..16 rows run as 8 and the rest over each block
-// while it is in L1: a decode batch of 8 with its speculative drafts still reads each weight once
-// (as two passes of 8 it read them twice, 1.5x the step's linear time at 12 rows on a 2-core
-// Zen 5):
+// kernel (amx_linear.cpp) where the CPU grants AMX (more rows: AMX passes of 16). A block takes 2
+// or 4 weight rows (independent accumulators hide the dot products' latency); 9..32 rows run in
+// groups of 8 over each block while it is in L1: a decode batch with its speculative drafts still
+// reads each weight once (as two passes of 8 it read them twice, 1.5x the step's linear time at
+// 12 rows on a 2-core Zen 5):
 //
 //   kunlun_cpu::linear_bf16(x bf16 [M, K], w bf16 [N, K], bias fp32 [N]?)              -> bf16 [M, N]
 //   kunlun_cpu::linear_int8(x bf16 [M, K], w int8 [N, K], scales fp32 [N], bias fp32 [N]?) -> bf16 [M, N]
@@ -24,6 +24,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -41,7 +42,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;      // BF16 rows per pass
+constexpr int64_t kMaxRows = 32;      // BF16 rows per pass
+constexpr int64_t kAmxPassRows = 16;  // rows per AMX pass (one tile of rows)
 constexpr int64_t kMaxInt8Rows = 8;  // INT8 rows per pass
 constexpr int64_t kMinAmxRows = 3;  // from this many rows on, the AMX kernel (amx_linear.cpp)
 // Software prefetch distance along the weight stream, in bytes: the hardware prefetcher alone leaves
@@ -172,10 +174,18 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
 }
 
-// 9..16 rows: each block of weight rows serves the first 8 rows, then the rest while it is still in
-// L1, so the weights stream from memory once. (One block of all the rows would need more
-// accumulators than there are registers, and a block of one weight row loads an activation
-// vector per dot product: measured 1.4x slower at 16 rows.)
+// 9..32 rows: each block of weight rows serves the rows in groups of 8 (the last one the rest)
+// while it is still in L1, so the weights stream from memory once. (One block of all the rows would
+// need more accumulators than there are registers, and a block of one weight row loads an
+// activation vector per dot product: measured 1.4x slower at 16 rows.) Every row goes through the
+// same block code whatever its group, so its result does not depend on the rows beside it.
+template <int M, int R>
+inline void bf16_groups(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, c10::BFloat16* out,
+                        int64_t K, int64_t N, int64_t n0) {
+  for (int g = 0; g + 8 <= M; g += 8) bf16_block<8, R>(x + g * K, w, bias, out + g * N, K, N, n0);
+  if constexpr (M % 8 != 0) bf16_block<M % 8, R>(x + (M - M % 8) * K, w, bias, out + (M - M % 8) * N, K, N, n0);
+}
+
 template <int M>
 void linear_bf16_rows(const c10::BFloat16* xp, const at::Tensor& w, const float* bias, c10::BFloat16* op) {
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
@@ -185,17 +195,9 @@ void linear_bf16_rows(const c10::BFloat16* xp, const at::Tensor& w, const float*
         N, [&](int64_t n0) { bf16_block<M, rows_per_block<M>()>(xp, wp, bias, op, K, N, n0); },
         [&](int64_t n) { bf16_block<M, 1>(xp, wp, bias, op, K, N, n); });
   } else {
-    constexpr int R = rows_per_block<8>();
     for_each_block<8>(
-        N,
-        [&](int64_t n0) {
-          bf16_block<8, R>(xp, wp, bias, op, K, N, n0);
-          bf16_block<M - 8, R>(xp + 8 * K, wp, bias, op + 8 * N, K, N, n0);
-        },
-        [&](int64_t n) {
-          bf16_block<8, 1>(xp, wp, bias, op, K, N, n);
-          bf16_block<M - 8, 1>(xp + 8 * K, wp, bias, op + 8 * N, K, N, n);
-        });
+        N, [&](int64_t n0) { bf16_groups<M, rows_per_block<8>()>(xp, wp, bias, op, K, N, n0); },
+        [&](int64_t n) { bf16_groups<M, 1>(xp, wp, bias, op, K, N, n); });
   }
 }
 
@@ -239,7 +241,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
   check_inputs(x, w, bias);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be bfloat16");
   const float* bias_ptr = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
-  if (x.size(0) >= kMinAmxRows && amx_linear_fits(x, w)) return linear_bf16_amx(x, w, bias_ptr);
+  if (x.size(0) >= kMinAmxRows && amx_linear_fits(x.narrow(0, 0, std::min<int64_t>(x.size(0), kAmxPassRows)), w)) {
+    if (x.size(0) <= kAmxPassRows) return linear_bf16_amx(x, w, bias_ptr);
+    std::vector<at::Tensor> passes;  // AMX computes a tile of 16 rows at a time: passes of 16
+    for (int64_t m0 = 0; m0 < x.size(0); m0 += kAmxPassRows) {
+      passes.push_back(linear_bf16_amx(x.narrow(0, m0, std::min(kAmxPassRows, x.size(0) - m0)), w, bias_ptr));
+    }
+    return at::cat(passes);
+  }
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   const auto* xp = x.const_data_ptr<c10::BFloat16>();
   auto* op = out.mutable_data_ptr<c10::BFloat16>();
