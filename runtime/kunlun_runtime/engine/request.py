@@ -29,7 +29,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_total_tokens: int  # prompt + output may not exceed this (max_model_len or max_tokens)
-    arrival_step: int = 0
     arrival_order: int = 0  # the scheduler's count of requests added before it: ties keep arrival order
     arrival_time: float = 0.0
     priority: int = 0  # lower value = served earlier (vLLM convention)

@@ -97,7 +97,6 @@ class Scheduler:
         self.last_step_tokens = 0
 
     def add(self, request: Request) -> None:
-        request.arrival_step = self.step_index
         request.arrival_order = next(self._arrivals)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)

@@ -108,9 +108,7 @@ PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
 # decodes with its drafts needs more than 16 rows to draft more than one token each.
 MAX_ROWS = 32
 INT8_MAX_ROWS = 8
-
-
-AMX_PASS_ROWS = 16
+AMX_PASS_ROWS = 16  # BF16 rows per AMX pass: one tile of rows
 
 
 def weight_pass_rows(quantized: bool) -> int:
