@@ -231,3 +231,24 @@ def test_labeler_node_restriction_policy_is_opt_in_and_valid_on_1_31(
     assert on.one("ValidatingAdmissionPolicyBinding")["spec"]["policyName"] == policy["metadata"]["name"]
     out = _validate(on, "1.31.0", tmp_path)
     assert "ERROR" not in out and out.count("passed for resource validatingadmissionpolicy") == 2, out
+
+
+def test_namespaces_that_yaml_would_read_as_numbers_or_booleans_render_as_strings() -> None:
+    """"123" and "yes" are valid namespace names; unquoted, YAML reads them as an int and a bool,
+    and the API server rejects the object."""
+    namespaces = ["123", "yes", "ml"]
+    rendered = render(
+        overrides={
+            "operator": {"watchNamespaces": namespaces, "rbac": {"apiKeySecrets": True}},
+            "networkPolicy": {"enabled": True},
+        }
+    )
+    seen = []
+    for doc in rendered.docs:
+        places = [doc.get("metadata", {}), *doc.get("subjects", [])]
+        for place in places:
+            if "namespace" in place:
+                assert isinstance(place["namespace"], str), f"{doc['kind']}: {place['namespace']!r}"
+                seen.append(place["namespace"])
+    for namespace in namespaces:  # the peering, the API-key Role and binding, the NetworkPolicy
+        assert seen.count(namespace) >= 4, (namespace, seen)
