@@ -234,7 +234,7 @@ def test_labeler_node_restriction_policy_is_opt_in_and_valid_on_1_31(
 
 
 def test_namespaces_that_yaml_would_read_as_numbers_or_booleans_render_as_strings() -> None:
-    """"123" and "yes" are valid namespace names; unquoted, YAML reads them as an int and a bool,
+    """ "123" and "yes" are valid namespace names; unquoted, YAML reads them as an int and a bool,
     and the API server rejects the object."""
     namespaces = ["123", "yes", "ml"]
     rendered = render(
