@@ -1,13 +1,16 @@
 """Speculative decoding (n-gram and suffix drafts) in the engine: under greedy decoding the tokens
-equal decoding without drafts, token for token, on the hidden-shape models (both methods), the
+equal decoding without drafts, token for token, on the hidden-shape models (both methods; FP32,
+and BF16 on the AVX-512 kernels with steps past 16 rows), the
 embedded model, and under tensor and pipeline parallelism; it interacts correctly with logprobs,
 stop strings, n > 1, structured outputs, preemption and the feedback scheduler; seeds reproduce;
 suffix drafts come from the same tenant's earlier outputs, never another's."""
 
 import pytest
+import torch
 
 from kunlun_runtime import LLM, SamplingParams, StructuredOutputsParams
 from kunlun_runtime.engine import spec_decode
+from kunlun_runtime.layers import cpu_kernels
 
 SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
@@ -57,6 +60,29 @@ def test_greedy_tokens_equal_decoding_without_drafts(tiny_model_dirs, name, meth
     counters = llm.engine.spec.counters
     assert counters.num_accepted_tokens > 0 and counters.num_drafts > 0
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
+)
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_greedy_tokens_equal_decoding_without_drafts_in_bf16_with_steps_past_16_rows(
+    tiny_model_dirs, method, monkeypatch
+):
+    """The default dtype, on the AVX-512 tier's kernels: 8 requests and their drafts fill steps of
+    up to 32 rows (one pass of the linears, one call of the layer stack), and each row still gives
+    what it gives decoded alone."""
+    rows = []
+    real = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = _run(_llm(tiny_model_dirs["llama-gqa"], None, dtype="bfloat16"), params)
+    llm = _llm(tiny_model_dirs["llama-gqa"], SPECS[method], dtype="bfloat16")
+    spec = _run(llm, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    # n-gram drafts fill steps past 16 rows here; suffix drafts fewer on these prompts (up to 13)
+    assert max(rows) > (16 if method == "ngram" else 8)
+    assert llm.engine.spec.counters.num_accepted_tokens > 0
 
 
 def test_the_engine_reports_every_pure_decode_step_to_the_draft_price(tiny_model_dirs):
