@@ -1,9 +1,9 @@
 """Speculative decoding (n-gram and suffix drafts) in the engine: under greedy decoding the tokens
 equal decoding without drafts, token for token, on the hidden-shape models (both methods; FP32,
-and BF16 on the AVX-512 kernels with steps past 16 rows), the
-embedded model, and under tensor and pipeline parallelism; it interacts correctly with logprobs,
-stop strings, n > 1, structured outputs, preemption and the feedback scheduler; seeds reproduce;
-suffix drafts come from the same tenant's earlier outputs, never another's."""
+and BF16 on the AVX-512 kernels with steps past 16 rows), the embedded model, and under tensor
+and pipeline parallelism; it interacts correctly with logprobs, stop strings, n > 1, structured
+outputs, preemption and the feedback scheduler; seeds reproduce; suffix drafts come from the same
+tenant's earlier outputs, never another's."""
 
 import pytest
 import torch
