@@ -101,14 +101,16 @@ HEADERS = (
     CSRC / "avx2" / "vec_avx2.h",
 )
 PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
-# The largest batches our linears take instead of oneDNN, each streaming the weight once for all
-# its rows: BF16 runs 9-32 rows in one AVX-512 pass (groups of 8 over each block of weights), or
-# 3-16 rows in one AMX pass where AMX is granted (more in passes of 16); the INT8 kernels are
-# compute-bound above 8. Past 16 rows oneDNN's BF16 GEMM took 1.2-1.8x our time, and a batch of 8
-# decodes with its drafts needs more than 16 rows to draft more than one token each.
-MAX_ROWS = 32
+# The largest decode steps our linears and the one-call layer stack take instead of oneDNN layer by
+# layer, and the rows each read of the weights serves: BF16 runs up to 32 rows in one AVX-512 pass
+# (groups of 8 over each block of weights) and more in passes of 32, or 3-16 rows in one AMX pass
+# where AMX is granted (more in passes of 16); the INT8 kernels are compute-bound above 8. Past 16
+# rows oneDNN's BF16 GEMM took 1.2-1.8x our time, and a batch of 8 decodes with its drafts needs
+# more than 16 rows to draft more than one token each.
+MAX_ROWS = 64
+PASS_ROWS = 32
 INT8_MAX_ROWS = 8
-AMX_PASS_ROWS = 16  # BF16 rows per AMX pass: one tile of rows
+AMX_PASS_ROWS = 16
 
 
 def weight_pass_rows(quantized: bool) -> int:
@@ -117,7 +119,7 @@ def weight_pass_rows(quantized: bool) -> int:
     model prices them). AMX takes BF16 rows a tile of 16 at a time."""
     if quantized:
         return INT8_MAX_ROWS
-    return AMX_PASS_ROWS if cpu_capabilities().tier is IsaTier.AMX else MAX_ROWS
+    return AMX_PASS_ROWS if cpu_capabilities().tier is IsaTier.AMX else PASS_ROWS
 
 
 def tier_for_dtype(dtype: torch.dtype) -> KernelTier | None:

@@ -3,7 +3,7 @@
 - ``PackedLinear``: BF16 weights reordered into oneDNN's blocked layout (CPU), so each matmul
   streams the weight once without re-layout. oneDNN's BF16 path needs AVX-512 BW/VL/DQ (or
   AVX-NE-CONVERT); elsewhere ``prepacked`` is refused.
-- ``NativeLinear``: the plain BF16 weight; batches of up to 32 rows (decode) go through our kernels
+- ``NativeLinear``: the plain BF16 weight; batches of up to 64 rows (decode) go through our kernels
   (``cpu_kernels``: the AVX-512 tier for BF16 activations, the AVX2 tier for FP32 ones; they stream
   the weight near DRAM speed, which oneDNN's GEMM, built for large batches, falls well short of at
   one row), larger ones (prefill) through ``F.linear``, or ``widened_linear`` when the activations

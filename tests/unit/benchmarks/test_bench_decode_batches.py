@@ -42,7 +42,7 @@ def test_both_engines_decode_each_batch_and_only_ours_keeps_wide_steps_on_the_la
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     for batch in ("4", "20"):
-        assert report[batch]["ours"] > 0 and report[batch]["limit16"] > 0
+        assert report[batch]["ours"] > 0 and report[batch]["limited"] > 0
         assert report[batch]["ratio"] > 0
     # Per repetition and engine, 3 decode steps of each batch (4 tokens: 1 from prefill); the
     # baseline's 20-row steps go layer by layer, so one call of 20 rows per step is ours alone.
