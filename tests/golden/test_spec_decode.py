@@ -70,8 +70,8 @@ def test_greedy_tokens_equal_decoding_without_drafts_in_bf16_with_steps_past_16_
     tiny_model_dirs, method, monkeypatch
 ):
     """The default dtype, on the AVX-512 tier's kernels: 8 requests and their drafts fill steps of
-    up to 32 rows (one pass of the linears, one call of the layer stack), and each row still gives
-    what it gives decoded alone."""
+    up to 40 rows (the linears in passes of up to 32, one call of the layer stack), and each row
+    still gives what it gives decoded alone."""
     rows = []
     real = cpu_kernels.decode_layers
     monkeypatch.setattr(cpu_kernels, "decode_layers", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
