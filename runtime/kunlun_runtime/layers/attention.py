@@ -60,6 +60,54 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Metadata for a batch: sequence b computes ``query_lens[b]`` new tokens and has
     ``context_lens[b]`` tokens in KV after this step (new ones included)."""
+    if max(query_lens) == 1:
+        return _decode_metadata(context_lens, block_tables, block_size, device, sliding_window)
+    return _batch_metadata(query_lens, context_lens, block_tables, block_size, device, sliding_window)
+
+
+def _decode_metadata(
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None,
+) -> AttentionMetadata:
+    """``_batch_metadata``'s tensors for a step in which every sequence decodes one token, worked
+    out on the lists: the general construction's twenty small tensor operations were ~0.4 ms of a
+    one-request decode step (~3 %)."""
+    positions = [length - 1 for length in context_lens]
+    max_blocks = max(len(table) for table in block_tables)
+    padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+    ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
+    key_pos = torch.arange(max_blocks * block_size).view(1, 1, -1)
+    query_pos = torch.tensor(positions, dtype=torch.int64).view(-1, 1, 1)
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    slot_blocks = [
+        table[position // block_size] for table, position in zip(block_tables, positions, strict=True)
+    ]
+    return AttentionMetadata(
+        slot_block_ids=torch.tensor(slot_blocks, dtype=torch.int64, device=device),
+        slot_offsets=torch.tensor([p % block_size for p in positions], dtype=torch.int64, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+        query_padded_index=torch.arange(len(positions), device=device),
+        attn_mask=mask.unsqueeze(1).to(device),
+        max_query_len=1,
+        context_lens=ctx_lens.to(device),
+        sliding_window=sliding_window or 0,
+    )
+
+
+def _batch_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None,
+) -> AttentionMetadata:
+    """Any batch: prefill chunks, decodes, or both (then in two parts)."""
     split = None
     if 1 in query_lens and max(query_lens) > 1:
         split = _split_mixed(query_lens, context_lens, block_tables, block_size, device, sliding_window)
