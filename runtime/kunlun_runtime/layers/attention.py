@@ -60,7 +60,7 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Metadata for a batch: sequence b computes ``query_lens[b]`` new tokens and has
     ``context_lens[b]`` tokens in KV after this step (new ones included)."""
-    if max(query_lens) == 1:
+    if min(query_lens) == 1 == max(query_lens):
         return _decode_metadata(context_lens, block_tables, block_size, device, sliding_window)
     return _batch_metadata(query_lens, context_lens, block_tables, block_size, device, sliding_window)
 
@@ -73,8 +73,8 @@ def _decode_metadata(
     sliding_window: int | None,
 ) -> AttentionMetadata:
     """``_batch_metadata``'s tensors for a step in which every sequence decodes one token, worked
-    out on the lists: the general construction's twenty small tensor operations were ~0.4 ms of a
-    one-request decode step (~3 %)."""
+    out on the lists: the general construction's twenty small tensor operations took a few times
+    the host time, every step (docs/performance.md)."""
     positions = [length - 1 for length in context_lens]
     max_blocks = max(len(table) for table in block_tables)
     padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]
