@@ -1,22 +1,12 @@
 """The engine benchmarks still run and produce well-formed results (no timing thresholds)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from kunlun_runtime.platforms.cpu import CpuPlatform
+from tests.support.benchmark_scripts import load_benchmark
 from tests.support.tiny_models import TINY_SPECS, make_tiny_model
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_engine_quick_run_writes_results_and_chart(tmp_path, capsys, monkeypatch):
@@ -24,7 +14,9 @@ def test_bench_engine_quick_run_writes_results_and_chart(tmp_path, capsys, monke
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
     out = tmp_path / "out"
     assert (
-        load("bench_engine").main(["--quick", "--model", str(model_dir), "--reps", "1", "--out", str(out)])
+        load_benchmark("bench_engine").main(
+            ["--quick", "--model", str(model_dir), "--reps", "1", "--out", str(out)]
+        )
         == 0
     )
     results = json.loads((out / "results.json").read_text())
@@ -40,7 +32,7 @@ def test_bench_engine_quick_run_writes_results_and_chart(tmp_path, capsys, monke
     assert single["decode_speedup"] == single["ours_decode_tok_s"] / single["hf_decode_tok_s"]
     long_prompt = results["scenarios"]["long_2048_ttft"]
     assert "ours_decode_tok_s" not in long_prompt and long_prompt["ttft_ratio"] > 0  # a TTFT-only row
-    assert set(results["ablation"]) == set(load("bench_engine").ablations())  # those the tier runs
+    assert set(results["ablation"]) == set(load_benchmark("bench_engine").ablations())  # those the tier runs
     assert {"all on", "no native norm/attention/layer-stack kernels", "no cache-set skew"} <= set(
         results["ablation"]
     )
@@ -76,7 +68,10 @@ def test_prefill_flops_match_a_flop_count_of_the_hf_forward(tmp_path):
         hf(torch.arange(tokens)[None], logits_to_keep=1)
     square = 4 * config.num_layers * config.q_size * tokens * tokens  # QKᵀ and ·V, every pair
     triangle = 4 * config.num_layers * config.q_size * tokens * (tokens + 1) / 2
-    assert load("bench_engine").prefill_flops(config, tokens) == counter.get_total_flops() - square + triangle
+    assert (
+        load_benchmark("bench_engine").prefill_flops(config, tokens)
+        == counter.get_total_flops() - square + triangle
+    )
 
 
 def test_kv_bytes_per_token_is_what_the_cache_keeps_per_token(tmp_path):
@@ -85,7 +80,7 @@ def test_kv_bytes_per_token_is_what_the_cache_keeps_per_token(tmp_path):
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
     engine = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory="8MiB", kv_block_skew=False).engine
     per_token = engine.kv_cache.nbytes / (engine.kv_cache.num_blocks * engine.config.block_size)
-    bench = load("bench_engine")
+    bench = load_benchmark("bench_engine")
     assert bench.kv_bytes_per_token(engine.model_config) == per_token
     weights = bench.weight_bytes_per_token(engine.model_config, None)
     assert bench.decode_roofline_tok_s(20.0, weights, 0, 8, 100) == 8 * 20e9 / weights
@@ -95,7 +90,7 @@ def test_kv_bytes_per_token_is_what_the_cache_keeps_per_token(tmp_path):
 
 
 def test_llama_cpp_comparison_says_which_gguf_it_needs(tmp_path, monkeypatch):
-    bench = load("bench_engine")
+    bench = load_benchmark("bench_engine")
     monkeypatch.delenv("LLAMA_BENCH", raising=False)
     assert bench.llama_bench_from_env() is None  # not asked for: the INT8 row has no llama.cpp column
     monkeypatch.setenv("LLAMA_BENCH", str(tmp_path / "llama-bench"))
@@ -110,7 +105,7 @@ def test_llama_cpp_comparison_says_which_gguf_it_needs(tmp_path, monkeypatch):
 
 def test_bench_kv_layout_quick_run(tmp_path):
     out = tmp_path / "kv.json"
-    assert load("bench_kv_layout").main(["--quick", "--out", str(out)]) == 0
+    assert load_benchmark("bench_kv_layout").main(["--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     line = CpuPlatform().cache_line_bytes
     assert result["stride_bytes"]["aligned+skewed"] == result["stride_bytes"]["aligned only"] + line
@@ -121,7 +116,7 @@ def test_bench_int8_quality_quick_run(tmp_path, capsys):
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["qwen2-bias"])
     out = tmp_path / "int8.json"
     args = ["--model", str(model_dir), "--text-tokens", "48", "--prompts", "2", "--new-tokens", "6"]
-    assert load("bench_int8_quality").main([*args, "--out", str(out)]) == 0
+    assert load_benchmark("bench_int8_quality").main([*args, "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["text_tokens"] == 48 and results["bf16_perplexity"] > 1
     row = results["variants"]["int8 (on the fly)"]
@@ -145,7 +140,7 @@ def test_bench_overlap_quick_run(tmp_path, capsys):
         "--json",
         str(out),
     ]
-    assert load("bench_overlap").main(argv) == 0
+    assert load_benchmark("bench_overlap").main(argv) == 0
     results = json.loads(out.read_text())
     for name in ("batch1", "batch3"):
         row = results[name]
@@ -162,7 +157,7 @@ def test_bench_overlap_split_step_generates_what_the_engine_generates(tmp_path):
 
     from kunlun_runtime import LLM
 
-    bench = load("bench_overlap")
+    bench = load_benchmark("bench_overlap")
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
     engine = LLM(str(model_dir), dtype="float32", kv_cache_memory="64MiB").engine
     produced = {}
@@ -186,7 +181,10 @@ def test_bench_overlap_split_step_generates_what_the_engine_generates(tmp_path):
 def test_bench_mixed_step_quick_run(tmp_path, capsys):
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
     out = tmp_path / "mixed.json"
-    assert load("bench_mixed_step").main(["--quick", "--model", str(model_dir), "--json", str(out)]) == 0
+    assert (
+        load_benchmark("bench_mixed_step").main(["--quick", "--model", str(model_dir), "--json", str(out)])
+        == 0
+    )
     (row,) = json.loads(out.read_text())
     assert row["split_ms"] > 0 and row["padded_ms"] > 0
     assert row["speedup"] == row["padded_ms"] / row["split_ms"]
@@ -196,7 +194,7 @@ def test_bench_mixed_step_quick_run(tmp_path, capsys):
 def test_bench_fork_join_quick_run(tmp_path, capsys):
     out = tmp_path / "fork_join.json"
     argv = ["--regions", "200", "--work", "100", "--reps", "1", "--json", str(out)]
-    assert load("bench_fork_join").main(argv) == 0
+    assert load_benchmark("bench_fork_join").main(argv) == 0
     result = json.loads(out.read_text())
     assert result["threads"] == 2
     assert result["region_s"] > 0 and result["share_s"] > 0 and result["empty_region_s"] > 0
@@ -205,14 +203,14 @@ def test_bench_fork_join_quick_run(tmp_path, capsys):
 
 
 @pytest.mark.skipif(
-    load("bench_prefill_attention").unavailable_reason() is not None,
-    reason=str(load("bench_prefill_attention").unavailable_reason()),
+    load_benchmark("bench_prefill_attention").unavailable_reason() is not None,
+    reason=str(load_benchmark("bench_prefill_attention").unavailable_reason()),
 )
 def test_bench_prefill_attention_quick_run_agrees_with_fp64_as_closely_as_sdpa(tmp_path, capsys):
     """The AMX experiment builds, runs, and is as accurate as SDPA's flash kernel against FP64
     (both round the probabilities and the output to BF16), over GQA, MHA, D = 128 and ragged T."""
     out = tmp_path / "prefill_attention.json"
-    assert load("bench_prefill_attention").main(["--quick", "--json", str(out)]) == 0
+    assert load_benchmark("bench_prefill_attention").main(["--quick", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert len(results["accuracy"]) == 5
     for row in results["accuracy"]:
@@ -230,7 +228,9 @@ def test_bench_int8_prefill_quick_run(tmp_path, capsys):
     if not cpu_kernels.load(torch.float32):
         pytest.skip(str(cpu_kernels.unavailable_reason(torch.float32)))
     model_dir = make_tiny_model(tmp_path / "tiny", TINY_SPECS["llama-gqa"])
-    assert load("bench_int8_prefill").main(["--quick", "--model", str(model_dir), "--reps", "1"]) == 0
+    assert (
+        load_benchmark("bench_int8_prefill").main(["--quick", "--model", str(model_dir), "--reps", "1"]) == 0
+    )
     printed = capsys.readouterr().out
     assert "one layer's linears, 16 rows: INT8 kernel" in printed
     assert "TTFT 24 tokens: HF FP32" in printed
@@ -243,7 +243,7 @@ def test_bench_structured_quick_run_measures_both_sides_side_by_side(tmp_path, m
         "sys.argv",
         ["bench_structured", "--quick", "--compare-overlap", "--model", str(model_dir), "--json", str(out)],
     )
-    load("bench_structured").main()
+    load_benchmark("bench_structured").main()
     results = json.loads(out.read_text())
     assert set(results["batches"]) == {"1", "8"} and results["compile_ms"] > 0
     for row in results["batches"].values():

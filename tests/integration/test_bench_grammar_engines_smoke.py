@@ -3,24 +3,14 @@ quick run on a tiny byte-level tokenizer walks every case to its end with every 
 writes well-formed results; an engine that cannot be imported is skipped with its reason. No
 timing thresholds: timings here are noise."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
+from tests.support.benchmark_scripts import load_benchmark
 from tests.support.tiny_models import build_tokenizer
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TIMINGS = ("p50_us", "p99_us", "mean_us", "worst_position_p50_us")
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "bench_grammar_engines", BENCHMARKS / "bench_grammar_engines.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_tokenizer_dir(directory: Path) -> Path:
@@ -31,7 +21,7 @@ def make_tokenizer_dir(directory: Path) -> Path:
 
 
 def test_quick_llguidance_run_accepts_every_token_of_every_case(tmp_path, capsys):
-    bench = load_benchmark()
+    bench = load_benchmark("bench_grammar_engines")
     results_path = tmp_path / "grammar.json"
     argv = ["--engines", "llguidance", "--quick", "--model", str(make_tokenizer_dir(tmp_path / "tok"))]
     assert bench.main([*argv, "--json", str(results_path)]) == 0
@@ -56,7 +46,7 @@ def test_quick_llguidance_run_accepts_every_token_of_every_case(tmp_path, capsys
 
 def test_an_engine_that_cannot_be_imported_is_skipped_with_its_reason(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "outlines_core", None)  # makes `import outlines_core` fail
-    bench = load_benchmark()
+    bench = load_benchmark("bench_grammar_engines")
     results_path = tmp_path / "grammar.json"
     argv = ["--engines", "llguidance,outlines-core", "--cases", "choice", "--quick"]
     argv += ["--model", str(make_tokenizer_dir(tmp_path / "tok")), "--json", str(results_path)]

@@ -1,17 +1,14 @@
 """benchmarks/bench_decode_batches.py: both engines decode every batch, and the baseline's steps of
 more than 16 rows really leave our one-call layer stack (while ours keep it)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from kunlun_runtime.layers import cpu_kernels
+from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
 from tests.support.tiny_models import make_tiny_model
-
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
@@ -21,12 +18,7 @@ needs_kernels = pytest.mark.skipif(
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports bench_speculative and engine_batches
-    spec = importlib.util.spec_from_file_location(
-        "bench_decode_batches", BENCHMARKS / "bench_decode_batches.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_decode_batches")
 
 
 @needs_kernels

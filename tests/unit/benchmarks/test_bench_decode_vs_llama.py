@@ -3,7 +3,6 @@ llama-bench run on that format's GGUF with the same shape, and the ratio is of t
 llama.cpp is not built in the test suite: a script in llama-bench's place records its command line
 and answers in llama-bench's JSON format (one row per flash-attention setting)."""
 
-import importlib.util
 import json
 import statistics
 import sys
@@ -11,20 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
 from tests.support.tiny_models import make_tiny_model
-
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports bench_engine, beside it
-    spec = importlib.util.spec_from_file_location(
-        "bench_decode_vs_llama", BENCHMARKS / "bench_decode_vs_llama.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_decode_vs_llama")
 
 
 def fake_llama_dir(tmp_path: Path) -> Path:

@@ -1,16 +1,13 @@
 """benchmarks/bench_draft_rows.py on a small setting: it times ours and the baseline for every row
 count and writes them."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from kunlun_runtime.layers import cpu_kernels
-
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_draft_rows.py"
+from tests.support.benchmark_scripts import load_benchmark
 
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
@@ -19,9 +16,7 @@ needs_kernels = pytest.mark.skipif(
 
 @needs_kernels
 def test_it_times_both_sides_for_every_row_count(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_draft_rows", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_draft_rows")
     out = tmp_path / "rows.json"
     argv = ["--rows", "1,9", "--context", "40", "--repeats", "1", "--layers", "1", "--json", str(out)]
     assert bench.main(argv) == 0

@@ -1,25 +1,16 @@
 """benchmarks/engine_batches.py: requests kept in flight are timed only over the steps in which
 all of them decode."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from kunlun_runtime import LLM, SamplingParams
+from tests.support.benchmark_scripts import load_benchmark
 from tests.support.tiny_models import make_tiny_model
-
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def engine_batches():
-    spec = importlib.util.spec_from_file_location("engine_batches", BENCHMARKS / "engine_batches.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["engine_batches"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("engine_batches")
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,11 @@
 """benchmarks/llama_lookup.py: the command lines of llama.cpp's three sides and the parsing of its
 programs' reports (their format as llama-lookup and llama-speculative-simple print it)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+from tests.support.benchmark_scripts import load_benchmark
 
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-llama_lookup = load("llama_lookup")
+llama_lookup = load_benchmark("llama_lookup")
 
 # The tail of a llama-lookup report (examples/lookup/lookup.cpp), stdout and stderr together.
 LOOKUP_REPORT = """<|im_start|>assistant

@@ -1,28 +1,21 @@
 """benchmarks/replay_drafting.py: greedy outputs replayed through the engine's proposer count the
 steps speculation would take (the tokens are the output's whatever the drafts)."""
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kunlun_runtime.config import SpeculativeConfig
+from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
 from tests.support.tiny_models import make_tiny_model
-
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def replay_module():
     sys.path.insert(0, str(BENCHMARKS))  # it imports bench_speculative beside it
     try:
-        spec = importlib.util.spec_from_file_location("replay_drafting", BENCHMARKS / "replay_drafting.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["replay_drafting"] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        yield module
+        yield load_benchmark("replay_drafting")
     finally:
         sys.path.remove(str(BENCHMARKS))
 
