@@ -121,7 +121,8 @@ def capture_engine(
     finally:
         for handle in handles:
             handle.remove()
-    captured = {name: torch.cat(parts) for name, parts in store.items()}
+    # On the host, where the reference runs: the engine may be on an accelerator.
+    captured = {name: torch.cat(parts).cpu() for name, parts in store.items()}
     captured["logits"] = torch.cat(logits)
     return captured
 

@@ -150,5 +150,6 @@ def test_gpu_check_script_is_valid_bash_and_python(tmp_path: Path) -> None:
     script = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
     text = script.read_text()
-    python = text.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    python = text.split("<<'EOF'", 1)[1].split("\n", 1)[1].split("\nEOF\n", 1)[0]
+    assert "sys.exit" in python
     compile(python, f"{script}:python", "exec")
