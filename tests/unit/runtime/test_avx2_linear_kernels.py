@@ -213,3 +213,12 @@ def test_linear_kernels_reject_bad_inputs_with_a_message():
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
             call()
+
+
+def test_the_tier_has_one_weight_prefetch_order_and_refuses_another():
+    ops = torch.ops.kunlun_avx2
+    assert ops.weight_prefetch() == "stream-l1"
+    ops.set_weight_prefetch("stream-l1")
+    with pytest.raises(RuntimeError, match="into L1 \\('stream-l1'\\) only, not 'rows-l2'"):
+        ops.set_weight_prefetch("rows-l2")
+    assert ops.weight_prefetch() == "stream-l1"

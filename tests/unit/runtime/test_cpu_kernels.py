@@ -1,5 +1,7 @@
 """Our AVX-512 tier (BF16 activations) against FP32 references, and how layers pick the kernels."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,6 +123,61 @@ def test_int8_kernel_turns_a_non_finite_row_into_nan_and_leaves_the_others():
     out = cpu_kernels.linear_int8(x, q, scales, None)
     assert out[0].isfinite().all() and out[1:].isnan().all()
     _close(out[:1], x[:1].float() @ (q.float() * scales[:, None]).T)
+
+
+def _cpu_vendor() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@pytest.fixture
+def weight_prefetch():
+    """The AVX-512 tier's weight-prefetch switch, put back as it was after the test."""
+    ops = torch.ops.kunlun_avx512
+    default = ops.weight_prefetch()
+    yield ops
+    ops.set_weight_prefetch(default)
+
+
+@needs_kernels
+def test_weight_prefetch_order_follows_the_cpu_vendor(weight_prefetch):
+    # AMD cores read the weight faster prefetched in address order into L1; Intel keeps the
+    # per-row order into L2 it was tuned with (benchmarks/bench_weight_prefetch.py).
+    expected = "stream-l1" if _cpu_vendor() == "AuthenticAMD" else "rows-l2"
+    assert weight_prefetch.weight_prefetch() == expected
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 32])
+def test_both_weight_prefetch_orders_give_the_same_bits(weight_prefetch, rows):
+    # The order of prefetches must not change a result: both orders run the same arithmetic over
+    # every row and column tail (on AMX CPUs 3-16 BF16 rows take the AMX kernel in both).
+    generator = torch.Generator().manual_seed(700 + rows)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=generator).bfloat16()
+        x = torch.randn(rows, k, generator=generator).bfloat16()
+        bias = torch.randn(n, generator=generator)
+        q, scales = quantize_per_channel_int8(w.float())
+        results = {}
+        for policy in ("rows-l2", "stream-l1"):
+            weight_prefetch.set_weight_prefetch(policy)
+            assert weight_prefetch.weight_prefetch() == policy
+            results[policy] = (
+                cpu_kernels.linear_bf16(x, w, bias),
+                cpu_kernels.linear_int8(x[: min(rows, 8)].contiguous(), q, scales, bias),
+            )
+        for ours, theirs in zip(results["rows-l2"], results["stream-l1"], strict=True):
+            assert torch.equal(ours, theirs)
+
+
+@needs_kernels
+def test_an_unknown_weight_prefetch_order_is_rejected_and_changes_nothing(weight_prefetch):
+    before = weight_prefetch.weight_prefetch()
+    with pytest.raises(RuntimeError, match="must be 'stream-l1' or 'rows-l2', not 'l3'"):
+        weight_prefetch.set_weight_prefetch("l3")
+    assert weight_prefetch.weight_prefetch() == before
 
 
 @needs_kernels

@@ -9,6 +9,7 @@
 #include <ATen/core/TensorBody.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace kunlun_cpu {
@@ -18,6 +19,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
 // y = (x · qᵀ) · scales (+ bias), q INT8 [N, K] with one FP32 scale per output channel.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
+// How the linears prefetch their weight stream: "stream-l1" (the thread's weight in address order,
+// into L1) or "rows-l2" (each row of a block its own line, into L2). Each tier picks for the CPU
+// it runs on; the setter exists for side-by-side measurement and rejects what the tier lacks.
+std::string weight_prefetch();
+void set_weight_prefetch(const std::string& policy);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
                                                 double eps);

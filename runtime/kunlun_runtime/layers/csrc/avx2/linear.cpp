@@ -53,6 +53,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -414,6 +415,14 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w, cons
 }  // namespace
 
 namespace kunlun_cpu {
+
+// This tier has the one order: the thread's weight stream, into L1 (see kPrefetchBytes).
+std::string weight_prefetch() { return "stream-l1"; }
+
+void set_weight_prefetch(const std::string& policy) {
+  TORCH_CHECK(policy == "stream-l1", "the avx2 tier prefetches the weight stream into L1 ('stream-l1') only, not '",
+              policy, "'");
+}
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   check_inputs("linear_bf16", x, w, bias);

@@ -21,6 +21,14 @@
 // arithmetic; blocks are scaled and summed in FP32. Widening INT8 weights to FP32 instead kept the
 // kernel compute-bound, below the memory bandwidth. Output channels are split across the intra-op
 // threads (at::parallel_for).
+//
+// The weight streams in kPrefetchBytes ahead of the arithmetic, in one of two orders (the
+// WeightPrefetch policy, chosen once per process by CPU vendor; weight_prefetch() says which):
+// on Intel each of a block's rows prefetches its own line into L2, as tuned on the Xeon this tier
+// was written on; on AMD the thread's weight is taken as the one contiguous stream it is and
+// prefetched in address order into L1, as the AVX2 tier does, which streamed faster on an AMD
+// Zen 5 at one to eight rows (benchmarks/bench_weight_prefetch.py compares the two in one run;
+// the per-row order was not measured against it on Intel).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -38,6 +46,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -52,6 +61,29 @@ constexpr int64_t kMinAmxRows = 3;  // from this many rows on, the AMX kernel (a
 // at one row (the AVX2 tier, tuned on AMD cores, found the opposite: it depends on the core).
 constexpr int64_t kPrefetchBytes = 16384;
 
+enum class WeightPrefetch { kRowsToL2, kStreamToL1 };
+
+WeightPrefetch& weight_prefetch_policy() {
+  static WeightPrefetch policy = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? WeightPrefetch::kStreamToL1 : WeightPrefetch::kRowsToL2;
+  }();
+  return policy;
+}
+
+// The stream policy's prefetches: `lines` lines from `address` on, into L1. (Addresses are
+// integers here: the stream runs past the end of the weight at the last blocks, harmlessly for a
+// prefetch, but not for pointer arithmetic.)
+inline void prefetch_lines_l1(uintptr_t address, int64_t lines) {
+  for (int64_t line = 0; line < lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(address + 64 * line), _MM_HINT_T0);
+}
+
+// Where the stream policy's prefetches for the block of channels [n0, n0 + R) begin: its first
+// byte, kPrefetchBytes ahead (a thread's blocks follow each other in memory).
+inline uintptr_t stream_ahead(const void* w, int64_t n0, int64_t row_bytes) {
+  return reinterpret_cast<uintptr_t>(w) + n0 * row_bytes + kPrefetchBytes;
+}
+
 inline __m512bh load_bf16x32(const c10::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
@@ -62,17 +94,21 @@ inline __m512bh load_bf16x32_tail(const c10::BFloat16* p, int64_t count) {  // c
 }
 
 // Output channels [n0, n0 + R) for all M rows of x.
+// Each 32 columns consume one line of each of the R rows: the stream policy prefetches R lines of
+// the stream, the rows policy one line of each row.
 template <int M, int R>
 inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, c10::BFloat16* out,
-                       int64_t K, int64_t N, int64_t n0) {
+                       int64_t K, int64_t N, int64_t n0, bool stream) {
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const uintptr_t ahead = stream_ahead(w, n0, K * 2);
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[R];
+    if (stream) prefetch_lines_l1(ahead + (k / 32) * R * 64, R);
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T1);
+      if (!stream) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T1);
       wv[r] = load_bf16x32(w + (n0 + r) * K + k);
     }
     for (int m = 0; m < M; ++m) {
@@ -81,6 +117,8 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
     }
   }
   if (k < K) {
+    // The block's last K % 32 columns per row: the stream's lines up to the block's end.
+    if (stream) prefetch_lines_l1(ahead + (k / 32) * R * 64, (R * (K - k) * 2 + 63) / 64);
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load_bf16x32_tail(w + (n0 + r) * K + k, K - k);
     for (int m = 0; m < M; ++m) {
@@ -108,9 +146,11 @@ inline __m512i load_int8x32_as_int16(const int8_t* p, __mmask32 mask) {
 // Output channels [n0, n0 + R) for all M rows: xq = x / x_scale per block of kInt8Block (row m's
 // scales at x_scales + m * blocks), so VPDPWSSD multiplies 32 weight/activation pairs per
 // instruction in integers; each block's sums are scaled into FP32 lane accumulators.
+// Each 64 columns consume one line of each of the R rows, prefetched as in bf16_block.
 template <int M, int R>
 inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks, const int8_t* w, const float* scales,
-                       const float* bias, c10::BFloat16* out, int64_t K, int64_t N, int64_t n0) {
+                       const float* bias, c10::BFloat16* out, int64_t K, int64_t N, int64_t n0, bool stream) {
+  const uintptr_t ahead = stream_ahead(w, n0, K);
   __m512 totals[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) totals[m][r] = _mm512_setzero_ps();
@@ -122,8 +162,9 @@ inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks,
     for (int64_t k = k0; k < k1; k += 32) {
       const __mmask32 mask = k + 32 <= k1 ? ~__mmask32(0) : (__mmask32(1) << (k1 - k)) - 1;
       __m512i wv[R];
+      if (stream && (k & 63) == 0) prefetch_lines_l1(ahead + (k / 64) * R * 64, R);
       for (int r = 0; r < R; ++r) {
-        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T1);
+        if (!stream && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T1);
         wv[r] = load_int8x32_as_int16(w + (n0 + r) * K + k, mask);
       }
       for (int m = 0; m < M; ++m) {
@@ -181,23 +222,26 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // same block code whatever its group, so its result does not depend on the rows beside it.
 template <int M, int R>
 inline void bf16_groups(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, c10::BFloat16* out,
-                        int64_t K, int64_t N, int64_t n0) {
-  for (int g = 0; g + 8 <= M; g += 8) bf16_block<8, R>(x + g * K, w, bias, out + g * N, K, N, n0);
-  if constexpr (M % 8 != 0) bf16_block<M % 8, R>(x + (M - M % 8) * K, w, bias, out + (M - M % 8) * N, K, N, n0);
+                        int64_t K, int64_t N, int64_t n0, bool stream) {
+  for (int g = 0; g + 8 <= M; g += 8) bf16_block<8, R>(x + g * K, w, bias, out + g * N, K, N, n0, stream);
+  if constexpr (M % 8 != 0) {
+    bf16_block<M % 8, R>(x + (M - M % 8) * K, w, bias, out + (M - M % 8) * N, K, N, n0, stream);
+  }
 }
 
 template <int M>
 void linear_bf16_rows(const c10::BFloat16* xp, const at::Tensor& w, const float* bias, c10::BFloat16* op) {
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
   const int64_t K = w.size(1), N = w.size(0);
+  const bool stream = weight_prefetch_policy() == WeightPrefetch::kStreamToL1;
   if constexpr (M <= 8) {
     for_each_block<M>(
-        N, [&](int64_t n0) { bf16_block<M, rows_per_block<M>()>(xp, wp, bias, op, K, N, n0); },
-        [&](int64_t n) { bf16_block<M, 1>(xp, wp, bias, op, K, N, n); });
+        N, [&](int64_t n0) { bf16_block<M, rows_per_block<M>()>(xp, wp, bias, op, K, N, n0, stream); },
+        [&](int64_t n) { bf16_block<M, 1>(xp, wp, bias, op, K, N, n, stream); });
   } else {
     for_each_block<8>(
-        N, [&](int64_t n0) { bf16_groups<M, rows_per_block<8>()>(xp, wp, bias, op, K, N, n0); },
-        [&](int64_t n) { bf16_groups<M, 1>(xp, wp, bias, op, K, N, n); });
+        N, [&](int64_t n0) { bf16_groups<M, rows_per_block<8>()>(xp, wp, bias, op, K, N, n0, stream); },
+        [&](int64_t n) { bf16_groups<M, 1>(xp, wp, bias, op, K, N, n, stream); });
   }
 }
 
@@ -206,12 +250,13 @@ void linear_int8_rows(const int16_t* xq, const float* x_scales, int64_t blocks, 
                       const float* scales, const float* bias, c10::BFloat16* op) {
   const auto* wp = w.const_data_ptr<int8_t>();
   const int64_t K = w.size(1), N = w.size(0);
+  const bool stream = weight_prefetch_policy() == WeightPrefetch::kStreamToL1;
   for_each_block<M>(
       N,
       [&](int64_t n0) {
-        int8_block<M, rows_per_block<M>()>(xq, x_scales, blocks, wp, scales, bias, op, K, N, n0);
+        int8_block<M, rows_per_block<M>()>(xq, x_scales, blocks, wp, scales, bias, op, K, N, n0, stream);
       },
-      [&](int64_t n) { int8_block<M, 1>(xq, x_scales, blocks, wp, scales, bias, op, K, N, n); });
+      [&](int64_t n) { int8_block<M, 1>(xq, x_scales, blocks, wp, scales, bias, op, K, N, n, stream); });
 }
 
 // Calls fn(std::integral_constant<int, rows>) for 1 <= rows <= MAX.
@@ -236,6 +281,16 @@ void for_each_pass(int64_t M, Fn fn) {
 }  // namespace
 
 namespace kunlun_cpu {
+
+std::string weight_prefetch() {
+  return weight_prefetch_policy() == WeightPrefetch::kStreamToL1 ? "stream-l1" : "rows-l2";
+}
+
+void set_weight_prefetch(const std::string& policy) {
+  TORCH_CHECK(policy == "stream-l1" || policy == "rows-l2",
+              "weight prefetch policy must be 'stream-l1' or 'rows-l2', not '", policy, "'");
+  weight_prefetch_policy() = policy == "stream-l1" ? WeightPrefetch::kStreamToL1 : WeightPrefetch::kRowsToL2;
+}
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   check_inputs(x, w, bias);
