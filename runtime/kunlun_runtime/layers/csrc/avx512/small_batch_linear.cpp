@@ -42,6 +42,7 @@
 #include "../kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -57,25 +58,34 @@ constexpr int64_t kMaxInt8Rows = 8;  // INT8 rows per pass
 constexpr int64_t kMinAmxRows = 3;  // from this many rows on, the AMX kernel (amx_linear.cpp)
 // Software prefetch distance along the weight stream, in bytes: the hardware prefetcher alone leaves
 // each core well below its share of the memory bandwidth; this distance did best on the Xeon (AMX)
-// this tier was tuned on. The lines go to L2 (_MM_HINT_T1): into L1 was slower there, most for INT8
-// at one row (the AVX2 tier, tuned on AMD cores, found the opposite: it depends on the core).
+// this tier was tuned on, and 4-64 KiB did alike on a Zen 5. Where the lines go depends on the core
+// (the policy below): on the Xeon into L2 (_MM_HINT_T1), into L1 being slower there, most for INT8
+// at one row; on AMD cores into L1, in stream order.
 constexpr int64_t kPrefetchBytes = 16384;
 
 enum class WeightPrefetch { kRowsToL2, kStreamToL1 };
 
-WeightPrefetch& weight_prefetch_policy() {
-  static WeightPrefetch policy = [] {
+// The process's policy: by vendor at first use; set_weight_prefetch changes it (atomic, as the
+// intra-op threads read it while a benchmark may switch it).
+std::atomic<WeightPrefetch>& weight_prefetch_policy() {
+  static std::atomic<WeightPrefetch> policy{[] {
     __builtin_cpu_init();
     return __builtin_cpu_is("amd") ? WeightPrefetch::kStreamToL1 : WeightPrefetch::kRowsToL2;
-  }();
+  }()};
   return policy;
+}
+
+bool stream_prefetch() {
+  return weight_prefetch_policy().load(std::memory_order_relaxed) == WeightPrefetch::kStreamToL1;
 }
 
 // The stream policy's prefetches: `lines` lines from `address` on, into L1. (Addresses are
 // integers here: the stream runs past the end of the weight at the last blocks, harmlessly for a
 // prefetch, but not for pointer arithmetic.)
 inline void prefetch_lines_l1(uintptr_t address, int64_t lines) {
-  for (int64_t line = 0; line < lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(address + 64 * line), _MM_HINT_T0);
+  for (int64_t line = 0; line < lines; ++line) {
+    _mm_prefetch(reinterpret_cast<const char*>(address + 64 * line), _MM_HINT_T0);
+  }
 }
 
 // Where the stream policy's prefetches for the block of channels [n0, n0 + R) begin: its first
@@ -164,7 +174,9 @@ inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks,
       __m512i wv[R];
       if (stream && (k & 63) == 0) prefetch_lines_l1(ahead + (k / 64) * R * 64, R);
       for (int r = 0; r < R; ++r) {
-        if (!stream && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T1);
+        if (!stream && (k & 63) == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r) * K + k) + kPrefetchBytes, _MM_HINT_T1);
+        }
         wv[r] = load_int8x32_as_int16(w + (n0 + r) * K + k, mask);
       }
       for (int m = 0; m < M; ++m) {
@@ -233,7 +245,7 @@ template <int M>
 void linear_bf16_rows(const c10::BFloat16* xp, const at::Tensor& w, const float* bias, c10::BFloat16* op) {
   const auto* wp = w.const_data_ptr<c10::BFloat16>();
   const int64_t K = w.size(1), N = w.size(0);
-  const bool stream = weight_prefetch_policy() == WeightPrefetch::kStreamToL1;
+  const bool stream = stream_prefetch();
   if constexpr (M <= 8) {
     for_each_block<M>(
         N, [&](int64_t n0) { bf16_block<M, rows_per_block<M>()>(xp, wp, bias, op, K, N, n0, stream); },
@@ -250,7 +262,7 @@ void linear_int8_rows(const int16_t* xq, const float* x_scales, int64_t blocks, 
                       const float* scales, const float* bias, c10::BFloat16* op) {
   const auto* wp = w.const_data_ptr<int8_t>();
   const int64_t K = w.size(1), N = w.size(0);
-  const bool stream = weight_prefetch_policy() == WeightPrefetch::kStreamToL1;
+  const bool stream = stream_prefetch();
   for_each_block<M>(
       N,
       [&](int64_t n0) {
@@ -282,14 +294,12 @@ void for_each_pass(int64_t M, Fn fn) {
 
 namespace kunlun_cpu {
 
-std::string weight_prefetch() {
-  return weight_prefetch_policy() == WeightPrefetch::kStreamToL1 ? "stream-l1" : "rows-l2";
-}
+std::string weight_prefetch() { return stream_prefetch() ? "stream-l1" : "rows-l2"; }
 
 void set_weight_prefetch(const std::string& policy) {
   TORCH_CHECK(policy == "stream-l1" || policy == "rows-l2",
               "weight prefetch policy must be 'stream-l1' or 'rows-l2', not '", policy, "'");
-  weight_prefetch_policy() = policy == "stream-l1" ? WeightPrefetch::kStreamToL1 : WeightPrefetch::kRowsToL2;
+  weight_prefetch_policy().store(policy == "stream-l1" ? WeightPrefetch::kStreamToL1 : WeightPrefetch::kRowsToL2);
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
