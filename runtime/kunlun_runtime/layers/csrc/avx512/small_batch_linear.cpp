@@ -25,16 +25,17 @@
 // The weight streams in kPrefetchBytes ahead of the arithmetic, in one of two orders (the
 // WeightPrefetch policy, chosen once per process by CPU vendor; weight_prefetch() says which):
 // on Intel each of a block's rows prefetches its own line into L2, as tuned on the Xeon this tier
-// was written on; on AMD the thread's weight is taken as the one contiguous stream it is and
-// prefetched in address order into L1, as the AVX2 tier does, which streamed faster on an AMD
-// Zen 5 at one to eight rows (benchmarks/bench_weight_prefetch.py compares the two in one run;
-// the per-row order was not measured against it on Intel).
+// was written on; on AMD (and Hygon) the thread's weight is taken as the one contiguous stream it
+// is and prefetched in address order into L1, as the AVX2 tier does, which streamed faster on an
+// AMD Zen 5 at one to eight rows (benchmarks/bench_weight_prefetch.py compares the two in one
+// run; the per-row order was not measured against it on Intel).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "bf16_vec.h"
@@ -45,6 +46,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -67,11 +69,19 @@ enum class WeightPrefetch { kRowsToL2, kStreamToL1 };
 
 // The process's policy: by vendor at first use; set_weight_prefetch changes it (atomic, as the
 // intra-op threads read it while a benchmark may switch it).
+// AMD's cores and Hygon's (derived from AMD's Zen) take the stream order.
+bool amd_core() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  return std::strcmp(vendor, "AuthenticAMD") == 0 || std::strcmp(vendor, "HygonGenuine") == 0;
+}
+
 std::atomic<WeightPrefetch>& weight_prefetch_policy() {
-  static std::atomic<WeightPrefetch> policy{[] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? WeightPrefetch::kStreamToL1 : WeightPrefetch::kRowsToL2;
-  }()};
+  static std::atomic<WeightPrefetch> policy{amd_core() ? WeightPrefetch::kStreamToL1 : WeightPrefetch::kRowsToL2};
   return policy;
 }
 
