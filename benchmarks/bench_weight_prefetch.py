@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 
 import torch
-from bench_engine import Ours, decode_rate, measure_bandwidth_gbs, prompts_of  # benchmarks/, beside this
+from bench_engine import (  # benchmarks/, beside this
+    Ours,
+    decode_rate,
+    linear_shapes,
+    measure_bandwidth_gbs,
+    prompts_of,
+    weight_bytes_per_token,
+)
 
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
@@ -49,18 +56,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def model_linear_shapes(config) -> list[tuple[int, int]]:
-    """(out, in) of one decoder layer's fused projections, as the engine holds them."""
-    head_dim = config.head_dim
-    qkv = (config.num_heads + 2 * config.num_kv_heads) * head_dim
-    return [
-        (qkv, config.hidden_size),
-        (config.hidden_size, config.num_heads * head_dim),
-        (2 * config.intermediate_size, config.hidden_size),
-        (config.hidden_size, config.intermediate_size),
-    ]
-
-
 def random_weight(fmt: str, n: int, k: int) -> torch.Tensor:
     if fmt == "int8":
         return torch.randint(-127, 128, (n, k), dtype=torch.int8)
@@ -69,7 +64,7 @@ def random_weight(fmt: str, n: int, k: int) -> torch.Tensor:
 
 def time_linears(ops, config, fmt: str, rows: int, reps: int) -> dict[str, list[float]]:
     """Seconds per pass over every layer's linears and the LM head, per policy, alternating."""
-    shapes = model_linear_shapes(config)
+    shapes = linear_shapes(config)
     layers = [[random_weight(fmt, n, k) for n, k in shapes] for _ in range(config.num_layers)]
     head = random_weight(fmt, config.vocab_size, config.hidden_size)
     scales = {w.shape[0]: torch.rand(w.shape[0]) * 0.01 for w in [*layers[0], head]}
@@ -96,12 +91,6 @@ def time_linears(ops, config, fmt: str, rows: int, reps: int) -> dict[str, list[
     return seconds
 
 
-def weight_bytes(config, fmt: str) -> int:
-    per_element = 1 if fmt == "int8" else 2
-    layer = sum(n * k for n, k in model_linear_shapes(config))
-    return per_element * (config.num_layers * layer + config.vocab_size * config.hidden_size)
-
-
 def run(args: argparse.Namespace) -> dict:
     from kunlun_runtime.models.model_dir import resolve_model_dir
 
@@ -118,12 +107,22 @@ def run(args: argparse.Namespace) -> dict:
         "linears": {},
         "engine": {},
     }
+    try:
+        _measure(args, ops, engines, config, results)
+    finally:  # the process's order as it was, whatever happened
+        ops.set_weight_prefetch(default)
+    results["dram_read_gb_s"] = measure_bandwidth_gbs(args.bandwidth_mb)
+    return results
+
+
+def _measure(args: argparse.Namespace, ops, engines: dict[str, Ours], config, results: dict) -> None:
     for fmt, rows in LINEAR_CASES:
         seconds = time_linears(ops, config, fmt, rows, args.reps)
+        weight_bytes = weight_bytes_per_token(config, "int8" if fmt == "int8" else None)
         medians = {policy: statistics.median(values) for policy, values in seconds.items()}
         results["linears"][f"{fmt} x{rows}"] = {
             "ms": {policy: 1e3 * value for policy, value in medians.items()},
-            "gb_s": {policy: weight_bytes(config, fmt) / value / 1e9 for policy, value in medians.items()},
+            "gb_s": {policy: weight_bytes / value / 1e9 for policy, value in medians.items()},
             "ratio": medians["rows-l2"] / medians["stream-l1"],
         }
     prompt = prompts_of(1, args.prompt, config.vocab_size)
@@ -136,7 +135,6 @@ def run(args: argparse.Namespace) -> dict:
                 ops.set_weight_prefetch(policy)
                 engine.reset_prefix_cache()
                 rates[fmt][policy].append(decode_rate(engine.run, prompt, args.new)[1])
-    ops.set_weight_prefetch(default)
     for fmt, samples in rates.items():
         medians = {policy: statistics.median(values) for policy, values in samples.items()}
         results["engine"][fmt] = {
@@ -144,8 +142,6 @@ def run(args: argparse.Namespace) -> dict:
             "ratio": medians["stream-l1"] / medians["rows-l2"],
             "samples": samples,
         }
-    results["dram_read_gb_s"] = measure_bandwidth_gbs(args.bandwidth_mb)
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
