@@ -147,12 +147,33 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
     }
   }
   // Each output sums its lanes in one spelled-out order, so a row's result does not depend on the
-  // rows beside it (a decode row gives the same bits with or without speculative drafts).
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      const float value = kunlun_cpu::vec::sum_halving(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
-      out[m * N + n0 + r] = c10::BFloat16(value);
+  // rows beside it (a decode row gives the same bits with or without speculative drafts). From 8
+  // outputs on they are summed, biased and rounded sixteen at a time (sum16_halving gives
+  // sum_halving's bits; the rounding is c10::BFloat16's): one by one, their shuffles, roundings and
+  // scalar stores were a large share of a block's time at K = 576 (18 steps of dot products).
+  if constexpr (M * R >= 8) {
+    constexpr int kOutputs = M * R, kGroups = (kOutputs + 15) / 16;
+    alignas(64) c10::BFloat16 rounded[kGroups * 16];
+    for (int g = 0; g < kGroups; ++g) {
+      __m512 v[16];
+      alignas(64) float bias_lanes[16] = {};
+      for (int i = 0; i < 16; ++i) {
+        const int o = 16 * g + i;
+        v[i] = o < kOutputs ? acc[o / R][o % R] : _mm512_setzero_ps();
+        if (bias && o < kOutputs) bias_lanes[i] = bias[n0 + o % R];
+      }
+      __m512 sums = kunlun_cpu::vec::sum16_halving(v);
+      if (bias) sums = _mm512_add_ps(sums, _mm512_load_ps(bias_lanes));
+      kunlun_cpu::vec::store_bf16x16(rounded + 16 * g, sums, 0xFFFF);
     }
+    for (int m = 0; m < M; ++m) std::memcpy(out + m * N + n0, rounded + m * R, R * sizeof(c10::BFloat16));
+  } else {
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) {
+        const float value = kunlun_cpu::vec::sum_halving(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+        out[m * N + n0 + r] = c10::BFloat16(value);
+      }
+  }
 }
 
 // Elements of a row per INT16 activation scale, and per INT32 accumulation: each lane adds 16
