@@ -54,12 +54,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_base(revision: str):
     """The AVX-512 kernel library of ``revision``, loaded as ``torch.ops.kunlun_base``."""
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{revision}^{{commit}}"],
+    resolved = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout.strip()
+    )
+    if resolved.returncode != 0:
+        raise ValueError(f"--base {revision!r} is not a commit of {REPO}")
+    commit = resolved.stdout.strip()
     csrc = cpu_kernels.CSRC.relative_to(REPO)
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", commit, str(csrc)], capture_output=True, check=True
@@ -149,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     if cpu.tier not in (IsaTier.AVX512, IsaTier.AMX) or not cpu_kernels.load(torch.bfloat16):
         print(f"bench_kernel_ab: compares the AVX-512 tier's kernels; this CPU runs {cpu.tier.value}")
         return 2
-    commit, base_ops = build_base(args.base)
+    try:
+        commit, base_ops = build_base(args.base)
+    except ValueError as error:
+        print(f"bench_kernel_ab: {error}", file=sys.stderr)
+        return 2
     config = LLM(args.model, dtype="auto").engine.model_config
     results = {
         "cpu": cpu.describe(),

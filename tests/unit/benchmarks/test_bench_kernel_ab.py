@@ -36,8 +36,11 @@ def test_the_base_commit_is_built_and_both_sides_are_timed_in_every_case(tmp_pat
         assert row["differing_outputs"] == 0
 
 
-def test_an_unknown_base_is_an_error_not_a_silent_comparison(monkeypatch):
+@needs_kernels
+def test_an_unknown_base_is_an_error_not_a_silent_comparison(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load_benchmark("bench_kernel_ab")
-    with pytest.raises(Exception, match="no-such-revision|128"):
+    with pytest.raises(ValueError, match="'no-such-revision' is not a commit"):
         bench.build_base("no-such-revision")
+    assert bench.main(["--base", "no-such-revision"]) == 2
+    assert "'no-such-revision' is not a commit" in capsys.readouterr().err
