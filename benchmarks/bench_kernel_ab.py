@@ -66,13 +66,14 @@ def build_base(revision: str):
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", commit, str(csrc)], capture_output=True, check=True
     ).stdout
-    root = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(root, filter="data")
     tier = cpu_kernels.TIERS[IsaTier.AVX512]
-    sources = [str(root / csrc / source.relative_to(cpu_kernels.CSRC)) for source in tier.sources]
     flags = [*tier.compile_flags, f"-DKUNLUN_OPS={BASE_NAMESPACE}"]
-    kernel_build.compile_and_load(f"{BASE_NAMESPACE}_{commit[:12]}", sources, flags)
+    with tempfile.TemporaryDirectory(prefix="kernel-ab-") as tmp:  # the sources, until compiled
+        root = Path(tmp)
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(root, filter="data")
+        sources = [str(root / csrc / source.relative_to(cpu_kernels.CSRC)) for source in tier.sources]
+        kernel_build.compile_and_load(f"{BASE_NAMESPACE}_{commit[:12]}", sources, flags)
     return commit, getattr(torch.ops, BASE_NAMESPACE)
 
 
