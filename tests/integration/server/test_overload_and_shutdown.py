@@ -12,10 +12,14 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.integration.server.live import health_status, serve_in_thread, start_serve_process
+from tests.integration.server.live import health_status, sample, scrape, serve_in_thread, start_serve_process
 from tests.support.waiting import wait_for
 
 BURST = 12
+# The SIGTERM test's three streams, one decoding at a time: the first long enough that the other
+# two are surely waiting behind it when the test looks, and the drain outlasts the test's checks on
+# a fast machine (the tiny model's context holds 512 positions).
+SHUTDOWN_TOKENS = (400, 60, 60)
 # The console script's entry point, run by this interpreter (``-m kunlun_runtime.commands.cli`` would load the
 # CLI module twice, once as __main__, and miss the subcommands registered on the other copy).
 
@@ -53,7 +57,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(tiny_model_dir: 
         def stream(index: int) -> None:
             try:
                 chunks = client.completions.create(
-                    model=tiny_model_dir.name, prompt="go", max_tokens=120, stream=True,
+                    model=tiny_model_dir.name, prompt="go", max_tokens=SHUTDOWN_TOKENS[index], stream=True,
                     stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
                 )  # fmt: skip
                 finish = None
@@ -67,14 +71,26 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(tiny_model_dir: 
                 results[index] = error
                 started[index].set()
 
+        # SIGTERM once the long first stream decodes and the other two wait behind it (one sequence
+        # at a time): two outputs and most of the first are still to come, so the drain lasts while
+        # /health and a new request are checked. (Signalled once every stream had started, only the
+        # last one's remainder was left: it could finish, and the server exit, before the new
+        # request was sent.)
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-        for thread in threads:
+        threads[0].start()
+        wait_for(started[0].is_set, timeout_seconds=60.0, message="the first stream to start")
+        for thread in threads[1:]:
             thread.start()
-        wait_for(
-            lambda: all(event.is_set() for event in started),
-            timeout_seconds=60.0,
-            message="every stream to start",
-        )
+
+        def two_waiting() -> bool:
+            metrics = scrape(base_url)
+            model = {"model_name": tiny_model_dir.name}
+            return (
+                sample(metrics, "vllm:num_requests_running", **model),
+                sample(metrics, "vllm:num_requests_waiting", **model),
+            ) == (1, 2)
+
+        wait_for(two_waiting, timeout_seconds=60.0, message="one stream decoding, two waiting")
         process.send_signal(signal.SIGTERM)
         wait_for(
             lambda: health_status(base_url) in (503, None),
@@ -85,7 +101,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(tiny_model_dir: 
         assert refused.status_code == 503 and refused.headers["Retry-After"]
         for thread in threads:
             thread.join(120)
-        assert results == [(120, "length")] * 3
+        assert results == [(tokens, "length") for tokens in SHUTDOWN_TOKENS]
         assert process.wait(60) == 0
     finally:
         if process.poll() is None:

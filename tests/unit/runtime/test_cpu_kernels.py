@@ -55,10 +55,11 @@ def test_bf16_kernel_gives_each_row_the_bits_it_has_alone(rows):
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=generator).bfloat16()
         x = torch.randn(rows, k, generator=generator).bfloat16()
-        bias = torch.randn(n, generator=generator)
-        batch = cpu_kernels.linear_bf16(x, w, bias)
-        for row in range(rows):
-            assert torch.equal(batch[row], cpu_kernels.linear_bf16(x[row : row + 1].contiguous(), w, bias)[0])
+        for bias in (torch.randn(n, generator=generator), None):
+            batch = cpu_kernels.linear_bf16(x, w, bias)
+            for row in range(rows):
+                alone = cpu_kernels.linear_bf16(x[row : row + 1].contiguous(), w, bias)[0]
+                assert torch.equal(batch[row].view(torch.int16), alone.view(torch.int16))
 
 
 @needs_kernels

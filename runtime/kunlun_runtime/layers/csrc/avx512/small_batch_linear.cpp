@@ -163,8 +163,8 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
         v[i] = o < kOutputs ? acc[o / R][o % R] : _mm512_setzero_ps();
         if (bias && o < kOutputs) bias_lanes[i] = bias[n0 + o % R];
       }
-      __m512 sums = kunlun_cpu::vec::sum16_halving(v);
-      if (bias) sums = _mm512_add_ps(sums, _mm512_load_ps(bias_lanes));
+      // + 0.0f without a bias, as the one-by-one path adds it (a -0.0 sum would become +0.0).
+      const __m512 sums = _mm512_add_ps(kunlun_cpu::vec::sum16_halving(v), _mm512_load_ps(bias_lanes));
       kunlun_cpu::vec::store_bf16x16(rounded + 16 * g, sums, 0xFFFF);
     }
     for (int m = 0; m < M; ++m) std::memcpy(out + m * N + n0, rounded + m * R, R * sizeof(c10::BFloat16));
