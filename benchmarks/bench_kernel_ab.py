@@ -7,7 +7,8 @@ and reports medians and the ratio base / tree, with a check that both give the s
 count of the outputs that differ, for a change that is meant to alter them):
 
 1. ``cached``: each projection of the model's decoder layers and its LM head alone, called again
-   and again, so its weight stays in cache: the kernels' arithmetic, at each of ``--rows``;
+   and again, so its weight stays in cache (an LM head larger than the L3, as SmolLM2's 57 MB,
+   still streams from memory): the kernels' arithmetic, at each of ``--rows``;
 2. ``step``: a decode step's linears, every layer its own weights and the LM head (as in a model,
    they stream from memory), at each of ``--rows``.
 
