@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 from bench_engine import linear_shapes  # benchmarks/, beside this
 
-from kunlun_runtime import LLM
 from kunlun_runtime.layers import cpu_kernels, kernel_build
+from kunlun_runtime.models.model_config import load_model_config
+from kunlun_runtime.models.model_dir import resolve_model_dir
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"bench_kernel_ab: {error}", file=sys.stderr)
         return 2
-    config = LLM(args.model, dtype="auto").engine.model_config
+    config = load_model_config(resolve_model_dir(args.model))  # the shapes only: no engine
     results = {
         "cpu": cpu.describe(),
         "base": commit,
