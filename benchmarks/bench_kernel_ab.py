@@ -1,21 +1,28 @@
-"""Our AVX-512 linear kernels at another commit against this tree's, side by side in one process.
+"""Our kernels at another commit against this tree's, side by side in one process.
 
 A kernel change is judged against the kernel it replaces on the same machine state: this builds
 the kernel sources of ``--base`` (``git archive``, compiled with this tree's flags into the op
-namespace ``kunlun_base``) beside this tree's library, alternates the two inside every repetition
-and reports medians and the ratio base / tree, with a check that both give the same bits (or a
-count of the outputs that differ, for a change that is meant to alter them):
+namespace ``kunlun_base``) beside this tree's library for the ISA tier in force, alternates the
+two and reports the ratio base / tree, with a check that both give the same bits (or a count of
+the outputs that differ, for a change that is meant to alter them):
 
 1. ``cached``: each projection of the model's decoder layers and its LM head alone, called again
    and again, so its weight stays in cache (an LM head larger than the L3, as SmolLM2's 57 MB,
    still streams from memory): the kernels' arithmetic, at each of ``--rows``;
 2. ``step``: a decode step's linears, every layer its own weights and the LM head (as in a model,
-   they stream from memory), at each of ``--rows``.
+   they stream from memory), at each of ``--rows``;
+3. ``engine`` (with ``--engine CONTEXTxBATCH ...``): the whole engine decoding, the two libraries
+   swapped every step, so each base step sits between two tree steps and the machine's drift
+   (busy neighbours move a 2-core VM's speed by 10-20 % within a minute) falls on both alike;
+   mean milliseconds per decode step (every request past its prefill). Two runs of the same
+   sources read within ~1 % of each other this way, where separate processes differed by ~5 %.
 
     .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1       # ~2 minutes on 2 cores
     .venv/bin/python benchmarks/bench_kernel_ab.py --base 23558ac --rows 1 8 16
+    .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --rows 1 --engine 256x1 1024x1 256x8
+    KUNLUN_CPU_ISA=avx2 .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --engine 256x1
 
-Needs the AVX-512 tier (BF16 activations); elsewhere it exits with status 2.
+Exits with status 2 where the tier's kernels do not build or ``--base`` is not a commit.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from pathlib import Path
 import torch
 from bench_engine import linear_shapes  # benchmarks/, beside this
 
+from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.layers import cpu_kernels, kernel_build
 from kunlun_runtime.models.model_config import load_model_config
 from kunlun_runtime.models.model_dir import resolve_model_dir
@@ -50,12 +58,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24])
     parser.add_argument("--reps", type=int, default=9, help="repetitions of each case, alternating")
     parser.add_argument("--calls", type=int, default=20, help="calls per repetition of a cached case")
+    parser.add_argument(
+        "--engine",
+        type=_engine_case,
+        nargs="*",
+        default=[],
+        metavar="CONTEXTxBATCH",
+        help="engine decode cases, e.g. 256x1 1024x8 (none: skip the engine)",
+    )
+    parser.add_argument("--engine-tokens", type=int, default=256, help="tokens each request decodes")
+    parser.add_argument("--engine-reps", type=int, default=3, help="batches per engine case")
     parser.add_argument("--json", type=Path, default=None)
     return parser.parse_args(argv)
 
 
-def build_base(revision: str):
-    """The AVX-512 kernel library of ``revision``, loaded as ``torch.ops.kunlun_base``."""
+def _engine_case(text: str) -> tuple[int, int]:
+    context, _, batch = text.partition("x")
+    if not (context.isdigit() and batch.isdigit() and int(context) > 0 and int(batch) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not CONTEXTxBATCH (e.g. 256x1)")
+    return int(context), int(batch)
+
+
+def build_base(revision: str, tier: cpu_kernels.KernelTier):
+    """``tier``'s kernel library at ``revision``, loaded as ``torch.ops.kunlun_base``."""
     resolved = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
         capture_output=True,
@@ -68,14 +93,13 @@ def build_base(revision: str):
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", commit, str(csrc)], capture_output=True, check=True
     ).stdout
-    tier = cpu_kernels.TIERS[IsaTier.AVX512]
     flags = [*tier.compile_flags, f"-DKUNLUN_OPS={BASE_NAMESPACE}"]
     with tempfile.TemporaryDirectory(prefix="kernel-ab-") as tmp:  # the sources, until compiled
         root = Path(tmp)
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(root, filter="data")
         sources = [str(root / csrc / source.relative_to(cpu_kernels.CSRC)) for source in tier.sources]
-        kernel_build.compile_and_load(f"{BASE_NAMESPACE}_{commit[:12]}", sources, flags)
+        kernel_build.compile_and_load(f"{BASE_NAMESPACE}_{tier.namespace}_{commit[:12]}", sources, flags)
     return commit, getattr(torch.ops, BASE_NAMESPACE)
 
 
@@ -89,7 +113,8 @@ def _alternate(reps: int, timed) -> dict[str, float]:
 
 
 def _differing(base_out: torch.Tensor, tree_out: torch.Tensor) -> int:
-    return int((base_out.view(torch.int16) != tree_out.view(torch.int16)).sum())
+    bits = torch.int16 if base_out.element_size() == 2 else torch.int32
+    return int((base_out.view(bits) != tree_out.view(bits)).sum())
 
 
 def _row(medians: dict[str, float], flops: float, differing: int) -> dict:
@@ -101,7 +126,7 @@ def _row(medians: dict[str, float], flops: float, differing: int) -> dict:
     }
 
 
-def measure(args: argparse.Namespace, ops: dict, config) -> dict:
+def measure(args: argparse.Namespace, ops: dict, config, activations: torch.dtype) -> dict:
     shapes = [*linear_shapes(config), (config.vocab_size, config.hidden_size)]
     names = ["qkv", "o", "gate_up", "down", "lm_head"]  # linear_shapes' order
     generator = torch.Generator().manual_seed(0)
@@ -113,7 +138,7 @@ def measure(args: argparse.Namespace, ops: dict, config) -> dict:
     for name, (n, k) in zip(names, shapes, strict=True):
         w = weight(n, k)
         for rows in args.rows:
-            x = torch.randn(rows, k, generator=generator).bfloat16()
+            x = torch.randn(rows, k, generator=generator).to(activations)
 
             def cached(side: str, x: torch.Tensor = x, w: torch.Tensor = w) -> float:
                 start = time.perf_counter()
@@ -127,7 +152,7 @@ def measure(args: argparse.Namespace, ops: dict, config) -> dict:
     layers = [weight(n, k) for _ in range(config.num_layers) for n, k in shapes[:-1]]
     step = [*layers, weight(*shapes[-1])]
     for rows in args.rows:
-        inputs = {k: torch.randn(rows, k, generator=generator).bfloat16() for _, k in shapes}
+        inputs = {k: torch.randn(rows, k, generator=generator).to(activations) for _, k in shapes}
 
         def whole_step(side: str, inputs: dict[int, torch.Tensor] = inputs) -> float:
             start = time.perf_counter()
@@ -148,25 +173,88 @@ def measure(args: argparse.Namespace, ops: dict, config) -> dict:
     return results
 
 
+def measure_engine(args: argparse.Namespace, base_ops, activations: torch.dtype) -> dict:
+    """Mean ms per decode step of each --engine case, the base library in every other step."""
+    llm = LLM(
+        args.model, dtype="auto", max_model_len=max(c for c, _ in args.engine) + args.engine_tokens + 64
+    )
+    engine = llm.engine
+    tree_ops_for = cpu_kernels._ops
+    use_base = False
+
+    def ops_for(x: torch.Tensor):  # the engine's every kernel call asks cpu_kernels._ops
+        return base_ops if use_base and x.dtype == activations else tree_ops_for(x)
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.engine_tokens, ignore_eos=True)
+    results = {}
+    cpu_kernels._ops = ops_for
+    try:
+        for context, batch in args.engine:
+            samples: dict[str, list[float]] = {"base": [], "tree": []}
+            for rep in range(args.engine_reps):
+                for index in range(batch):
+                    prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
+                    # A salt per batch: no prefix of an earlier batch is reused.
+                    engine.add_request(
+                        f"ab-{context}x{batch}-{rep}-{index}",
+                        {"prompt_token_ids": prompt},
+                        params,
+                        cache_salt=f"ab-{context}x{batch}-{rep}",
+                    )
+                started: set[str] = set()
+                steps = 0
+                while engine.has_unfinished_requests():
+                    side = ("base", "tree")[(steps + rep) % 2]
+                    use_base = side == "base"
+                    decoding = len(started) == batch  # every request past its prefill
+                    began = time.perf_counter()
+                    outputs = engine.step()
+                    elapsed = time.perf_counter() - began
+                    steps += 1
+                    if decoding:
+                        samples[side].append(elapsed)
+                    started.update(out.request_id for out in outputs if out.outputs[0].token_ids)
+            means = {side: statistics.fmean(values) for side, values in samples.items()}
+            results[f"{context}x{batch}"] = {
+                "ms_per_step": {side: 1e3 * value for side, value in means.items()},
+                "ratio": means["base"] / means["tree"],
+                "steps": {side: len(values) for side, values in samples.items()},
+            }
+    finally:
+        cpu_kernels._ops = tree_ops_for
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cpu = cpu_capabilities()
-    if cpu.tier not in (IsaTier.AVX512, IsaTier.AMX) or not cpu_kernels.load(torch.bfloat16):
-        print(f"bench_kernel_ab: compares the AVX-512 tier's kernels; this CPU runs {cpu.tier.value}")
+    tier = cpu_kernels.TIERS[IsaTier.AVX2 if cpu.tier is IsaTier.AVX2 else IsaTier.AVX512]
+    reason = cpu_kernels.unavailable_reason(tier.activation_dtype)
+    if reason is not None:
+        print(
+            f"bench_kernel_ab: this tree's {tier.tier.value} kernels do not run here: {reason}",
+            file=sys.stderr,
+        )
         return 2
     try:
-        commit, base_ops = build_base(args.base)
+        commit, base_ops = build_base(args.base, tier)
     except ValueError as error:
         print(f"bench_kernel_ab: {error}", file=sys.stderr)
         return 2
     config = load_model_config(resolve_model_dir(args.model))  # the shapes only: no engine
+    tree_ops = getattr(torch.ops, tier.namespace)
     results = {
         "cpu": cpu.describe(),
+        "tier": tier.tier.value,
         "base": commit,
-        **measure(args, {"base": base_ops, "tree": torch.ops.kunlun_avx512}, config),
+        **measure(args, {"base": base_ops, "tree": tree_ops}, config, tier.activation_dtype),
+        "engine": measure_engine(args, base_ops, tier.activation_dtype) if args.engine else {},
     }
     print(
-        f"{results['cpu']}; base {commit[:12]} against this tree; medians of {args.reps}, ratio base / tree"
+        f"{results['cpu']}; {tier.tier.value} kernels of base {commit[:12]} against this tree's; "
+        f"medians of {args.reps}, ratio base / tree"
     )
     for kind in ("cached", "step"):
         for case, row in results[kind].items():
@@ -176,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"tree {ms['tree']:8.3f} ms ({gf['tree']:5.0f})  {row['ratio']:.3f}x  "
                 f"{'same bits' if row['differing_outputs'] == 0 else str(row['differing_outputs']) + ' outputs differ'}"
             )
+    for case, row in results["engine"].items():
+        ms = row["ms_per_step"]
+        print(
+            f"engine {case:24s} base {ms['base']:8.3f} ms/step  tree {ms['tree']:8.3f} ms/step  "
+            f"{row['ratio']:.3f}x  ({row['steps']['base']} + {row['steps']['tree']} decode steps)"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -1,5 +1,6 @@
 """benchmarks/bench_kernel_ab.py on a tiny model: the last commit's kernels are built beside this
-tree's and both are timed in every case, with their outputs compared bit for bit."""
+tree's and both are timed in every case, with their outputs compared bit for bit, and in the
+engine the two libraries take turns step by step."""
 
 import json
 
@@ -41,6 +42,34 @@ def test_an_unknown_base_is_an_error_not_a_silent_comparison(monkeypatch, capsys
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load_benchmark("bench_kernel_ab")
     with pytest.raises(ValueError, match="'no-such-revision' is not a commit"):
-        bench.build_base("no-such-revision")
+        bench.build_base("no-such-revision", bench.cpu_kernels.TIERS[bench.IsaTier.AVX512])
     assert bench.main(["--base", "no-such-revision"]) == 2
     assert "'no-such-revision' is not a commit" in capsys.readouterr().err
+
+
+@needs_kernels
+def test_the_engine_cases_swap_the_libraries_every_decode_step(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = load_benchmark("bench_kernel_ab")
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "ab.json"
+    argv = ["--base", "HEAD", "--model", str(model), "--rows", "1", "--reps", "1", "--calls", "1"]
+    argv += ["--engine", "24x1", "16x3", "--engine-tokens", "6", "--engine-reps", "2"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    engine = json.loads(out.read_text())["engine"]
+    assert set(engine) == {"24x1", "16x3"}
+    for row in engine.values():
+        # Each batch decodes 5 steps after its prefill (6 tokens, the first from the prefill),
+        # split between the libraries in turn: 2 batches, 10 decode steps, 5 each.
+        assert row["steps"] == {"base": 5, "tree": 5}
+        assert row["ratio"] == pytest.approx(row["ms_per_step"]["base"] / row["ms_per_step"]["tree"])
+    assert bench.cpu_kernels._ops.__name__ == "_ops"  # the engine's dispatch is restored
+
+
+def test_an_engine_case_is_context_x_batch(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = load_benchmark("bench_kernel_ab")
+    assert bench.parse_args(["--engine", "256x1", "1024x8"]).engine == [(256, 1), (1024, 8)]
+    for bad in ("256", "0x1", "256x", "ax1"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--engine", bad])

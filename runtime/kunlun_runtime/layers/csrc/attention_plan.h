@@ -61,10 +61,13 @@ inline bool same_blocks(const int64_t* tables, int64_t max_blocks, int64_t a, in
 }
 
 // The tasks of B rows (block tables [B, max_blocks], context lengths [B]; window > 0 keeps each
-// row's last `window` keys) for H query heads, split until there are about two tasks per thread,
-// down to `min_split_keys` keys a split. Rows are grouped only where every row of the group sees
-// its keys from the first one (no window cuts into them), so a group's rows differ only in their
-// last few keys.
+// row's last `window` keys) for H query heads, split until there are about as many tasks as
+// threads, down to `min_split_keys` keys a split. Rows are grouped only where every row of the
+// group sees its keys from the first one (no window cuts into them), so a group's rows differ only
+// in their last few keys. No finer: a decode step's keys are cold (the weights streamed through the
+// caches since the layer last ran), and each split starts its own stream of them, whose first
+// chunks wait on memory before any prefetch runs ahead (twice as many splits as threads made a
+// one-row decode step measurably slower).
 inline AttentionPlan plan_attention(const int64_t* tables, const int64_t* lengths, int64_t B, int64_t max_blocks,
                                     int64_t block_size, int64_t window, int64_t H, int64_t threads,
                                     int64_t min_split_keys) {
@@ -81,7 +84,7 @@ inline AttentionPlan plan_attention(const int64_t* tables, const int64_t* length
   AttentionPlan plan;
   std::vector<std::vector<TaskPart>> row_parts(B);
   const int64_t count = static_cast<int64_t>(groups.size());
-  const int64_t wanted = (2 * threads + count - 1) / count;
+  const int64_t wanted = (threads + count - 1) / count;
   auto add = [&](int64_t first_row, int64_t rows, int64_t k0, int64_t k1) {
     const int64_t task = static_cast<int64_t>(plan.tasks.size());
     plan.tasks.push_back({first_row, rows, k0, k1, plan.heads});

@@ -7,9 +7,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <utility>
 
 namespace kunlun_cpu::paged {
@@ -98,6 +100,25 @@ inline void check_slots(const at::Tensor& slot_block_ids, const at::Tensor& slot
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(block_ids[t] >= 0 && block_ids[t] < num_blocks, "block id ", block_ids[t], " out of range");
     TORCH_CHECK(offsets[t] >= 0 && offsets[t] < block_size, "slot offset ", offsets[t], " out of range");
+  }
+}
+
+// Prefetches into L2 the K and V rows, every KV head's, of positions [start, end) of a sequence: a
+// run of slots within a block is one contiguous range of each cache.
+template <typename T>
+void prefetch_slots(const PagedCache<T>& keys, const PagedCache<T>& values, const int64_t* table,
+                    int64_t block_size, int64_t start, int64_t end) {
+  for (int64_t position = start; position < end;) {
+    const int64_t block = position / block_size, slot = position % block_size;
+    const int64_t count = std::min(block_size - slot, end - position);
+    for (const PagedCache<T>* cache : {&keys, &values}) {
+      const uintptr_t first = reinterpret_cast<uintptr_t>(cache->at(table[block], slot, 0));
+      const uintptr_t last = first + count * cache->slot_stride * sizeof(T);
+      for (uintptr_t line = first & ~uintptr_t{63}; line < last; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+      }
+    }
+    position += count;
   }
 }
 

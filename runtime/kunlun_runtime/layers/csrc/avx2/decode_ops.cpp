@@ -348,6 +348,11 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
   const T* ahead_value_slots[kKeyChunk];
   for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
   std::fill(acc, acc + H * padded_dim, 0.0f);
+  // The first kPrefetchChunks + 1 chunks' rows up front: a decode step's keys are cold (the weights
+  // streamed through the caches since this layer last ran), and nothing prefetched them; from
+  // then on each chunk prefetches the one kPrefetchChunks ahead while it computes.
+  kunlun_cpu::paged::prefetch_slots(keys, values, table, s.block_size, start,
+                                    std::min(end, start + (kPrefetchChunks + 1) * kKeyChunk));
   for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, end - c0);
     gather_slots(keys, table, s.block_size, c0, c0 + n, key_slots);

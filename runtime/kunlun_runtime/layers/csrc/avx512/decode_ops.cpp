@@ -268,6 +268,10 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   const bf16** next_value_slots = slot_storage[3];
   for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
   std::fill(acc, acc + H * D, 0.0f);
+  // The first two chunks' rows up front: a decode step's keys are cold (the weights streamed through
+  // the caches since this layer last ran), and nothing prefetched them; from then on each chunk
+  // prefetches the next one while it computes.
+  kunlun_cpu::paged::prefetch_slots(keys, values, table, block_size, start, std::min(end, start + 2 * kKeyChunk));
   gather_slots(keys, table, block_size, start, std::min(end, start + kKeyChunk), key_slots);
   gather_slots(values, table, block_size, start, std::min(end, start + kKeyChunk), value_slots);
   for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
