@@ -11,6 +11,7 @@ import torch
 from kunlun_runtime import LLM, SamplingParams, StructuredOutputsParams
 from kunlun_runtime.engine import spec_decode
 from kunlun_runtime.layers import cpu_kernels
+from tests.support.kernel_marks import needs_kernels
 
 SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
@@ -62,9 +63,7 @@ def test_greedy_tokens_equal_decoding_without_drafts(tiny_model_dirs, name, meth
     assert llm.engine.block_pool.num_free == llm.engine.block_pool.num_blocks
 
 
-@pytest.mark.skipif(
-    not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
-)
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_greedy_tokens_equal_decoding_without_drafts_in_bf16_with_steps_past_16_rows(
     tiny_model_dirs, method, monkeypatch

@@ -8,11 +8,8 @@ import torch
 
 from kunlun_runtime.layers import cpu_kernels
 from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
+from tests.support.kernel_marks import needs_kernels
 from tests.support.tiny_models import make_tiny_model
-
-needs_kernels = pytest.mark.skipif(
-    not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
-)
 
 
 @pytest.fixture
@@ -21,7 +18,7 @@ def bench(monkeypatch):
     return load_benchmark("bench_decode_batches")
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_both_engines_decode_each_batch_and_only_ours_keeps_wide_steps_on_the_layer_stack(
     bench, tmp_path, monkeypatch
 ):

@@ -3,18 +3,13 @@ count and writes them."""
 
 import json
 
-import pytest
 import torch
 
-from kunlun_runtime.layers import cpu_kernels
 from tests.support.benchmark_scripts import load_benchmark
-
-needs_kernels = pytest.mark.skipif(
-    not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
-)
+from tests.support.kernel_marks import needs_kernels
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_it_times_both_sides_for_every_row_count(tmp_path, capsys):
     bench = load_benchmark("bench_draft_rows")
     out = tmp_path / "rows.json"

@@ -7,16 +7,12 @@ import json
 import pytest
 import torch
 
-from kunlun_runtime.layers import cpu_kernels
 from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
+from tests.support.kernel_marks import needs_kernels
 from tests.support.tiny_models import make_tiny_model
 
-needs_kernels = pytest.mark.skipif(
-    not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
-)
 
-
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_the_base_commit_is_built_and_both_sides_are_timed_in_every_case(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports bench_engine, beside it
     bench = load_benchmark("bench_kernel_ab")
@@ -37,7 +33,7 @@ def test_the_base_commit_is_built_and_both_sides_are_timed_in_every_case(tmp_pat
         assert row["differing_outputs"] == 0
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_an_unknown_base_is_an_error_not_a_silent_comparison(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load_benchmark("bench_kernel_ab")
@@ -47,7 +43,7 @@ def test_an_unknown_base_is_an_error_not_a_silent_comparison(monkeypatch, capsys
     assert "'no-such-revision' is not a commit" in capsys.readouterr().err
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_the_engine_cases_swap_the_libraries_every_decode_step(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load_benchmark("bench_kernel_ab")

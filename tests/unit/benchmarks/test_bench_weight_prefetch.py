@@ -6,16 +6,12 @@ import json
 import pytest
 import torch
 
-from kunlun_runtime.layers import cpu_kernels
 from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
+from tests.support.kernel_marks import needs_kernels
 from tests.support.tiny_models import make_tiny_model
 
-needs_kernels = pytest.mark.skipif(
-    not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
-)
 
-
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_both_orders_are_timed_in_every_case_and_the_default_is_kept(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports bench_engine, beside it
     bench = load_benchmark("bench_weight_prefetch")

@@ -24,10 +24,9 @@ from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
 from kunlun_runtime.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from tests.support.kernel_marks import needs_kernels
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(torch.float32), reason=str(cpu_kernels.unavailable_reason(torch.float32))
-)
+pytestmark = needs_kernels(torch.float32)
 
 REL = 1e-5
 BLOCK = 16

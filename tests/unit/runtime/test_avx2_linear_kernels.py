@@ -7,10 +7,9 @@ import torch
 
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.platforms.cpu_features import IsaTier
+from tests.support.kernel_marks import needs_kernels
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(torch.float32), reason=str(cpu_kernels.unavailable_reason(torch.float32))
-)
+pytestmark = needs_kernels(torch.float32)
 
 # (N, K): SmolLM2-135M's qkv and down projections, then shapes that leave tails: K below one
 # vector, K and N not multiples of the kernels' steps (8 and 16 columns for BF16, 32 for INT8;

@@ -17,10 +17,8 @@ from kunlun_runtime.layers.linear import (
     quantize_per_channel_int8,
 )
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
+from tests.support.kernel_marks import needs_kernels
 
-needs_kernels = pytest.mark.skipif(
-    not cpu_kernels.load(torch.bfloat16), reason=str(cpu_kernels.unavailable_reason(torch.bfloat16))
-)
 # (N, K): SmolLM2's shapes, and odd ones that leave row and column tails.
 SHAPES = [(960, 576), (576, 1536), (577, 33), (5, 7), (13, 100)]
 BF16_REL = 2**-7  # one rounding of the output to BF16, plus FP32 accumulation-order noise
@@ -31,7 +29,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert ((actual.float() - expected).abs() <= bound).all(), (actual.float() - expected).abs().max()
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("rows", [*range(1, 17), 20, 24, 32, 37, 70])  # above 32: passes of 32 rows
 def test_bf16_kernel_matches_fp32_reference(rows):
     generator = torch.Generator().manual_seed(rows)
@@ -43,7 +41,7 @@ def test_bf16_kernel_matches_fp32_reference(rows):
         _close(cpu_kernels.linear_bf16(x, w, None), x.float() @ w.float().T)
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 8, 9, 12, 16, 21, 27, 32])
 def test_bf16_kernel_gives_each_row_the_bits_it_has_alone(rows):
     # A decode row and its speculative drafts run as one batch: greedy decoding stays exact only
@@ -62,7 +60,7 @@ def test_bf16_kernel_gives_each_row_the_bits_it_has_alone(rows):
                 assert torch.equal(batch[row].view(torch.int16), alone.view(torch.int16))
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_int8_kernel_matches_dequantized_fp32_reference(rows):
     generator = torch.Generator().manual_seed(100 + rows)
@@ -74,7 +72,7 @@ def test_int8_kernel_matches_dequantized_fp32_reference(rows):
         _close(cpu_kernels.linear_int8(x, q, scales, bias), expected)
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_int8_kernel_accumulates_long_rows_without_overflow():
     # 8,200 products of the largest activations and -128 weights: one INT32 sum would overflow.
     generator = torch.Generator().manual_seed(7)
@@ -97,7 +95,7 @@ def _int16_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return out
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_int8_kernel_quantizes_activations_per_block_so_an_outlier_spoils_only_its_block():
     # An attention-sink-like row: one activation of 3000 among values of ~0.05. The kernel must
     # equal the per-256-block INT16 scheme exactly up to FP32 summation, and beat one scale per row.
@@ -116,7 +114,7 @@ def test_int8_kernel_quantizes_activations_per_block_so_an_outlier_spoils_only_i
     assert (blockwise - exact).norm() < 0.5 * (rowwise - exact).norm()  # ~sqrt(256 / 1536) expected
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_int8_kernel_turns_a_non_finite_row_into_nan_and_leaves_the_others():
     q, scales = quantize_per_channel_int8(torch.randn(32, 64))
     x = torch.randn(3, 64).bfloat16()
@@ -142,7 +140,7 @@ def weight_prefetch():
     ops.set_weight_prefetch(default)
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_weight_prefetch_order_follows_the_cpu_vendor(weight_prefetch):
     # AMD cores (and Hygon's, derived from them) read the weight faster prefetched in address
     # order into L1; Intel keeps the per-row order into L2 it was tuned with
@@ -151,7 +149,7 @@ def test_weight_prefetch_order_follows_the_cpu_vendor(weight_prefetch):
     assert weight_prefetch.weight_prefetch() == expected
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 32])
 def test_both_weight_prefetch_orders_give_the_same_bits(weight_prefetch, rows):
     # The order of prefetches must not change a result: both orders run the same arithmetic over
@@ -174,7 +172,7 @@ def test_both_weight_prefetch_orders_give_the_same_bits(weight_prefetch, rows):
             assert torch.equal(ours, theirs)
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_an_unknown_weight_prefetch_order_is_rejected_and_changes_nothing(weight_prefetch):
     before = weight_prefetch.weight_prefetch()
     with pytest.raises(RuntimeError, match="must be 'stream-l1' or 'rows-l2', not 'l3'"):
@@ -182,7 +180,7 @@ def test_an_unknown_weight_prefetch_order_is_rejected_and_changes_nothing(weight
     assert weight_prefetch.weight_prefetch() == before
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_kernels_reject_bad_inputs_with_a_message():
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="at least one row"):
@@ -195,7 +193,7 @@ def test_kernels_reject_bad_inputs_with_a_message():
         cpu_kernels.linear_bf16(torch.zeros(1, 8, dtype=torch.bfloat16), w, torch.zeros(3))
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_native_linear_uses_the_kernel_for_decode_and_f_linear_for_prefill():
     linear = nn.Linear(64, 48, bias=True).to(torch.bfloat16).requires_grad_(False)
     native = NativeLinear(linear)
@@ -206,7 +204,7 @@ def test_native_linear_uses_the_kernel_for_decode_and_f_linear_for_prefill():
     _close(native(decode), decode.float() @ linear.weight.float().T + linear.bias.float())
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_int8_linear_native_and_oneDNN_paths_agree():
     linear = nn.Linear(96, 40, bias=True).requires_grad_(False)
     int8 = Int8Linear.from_linear(linear)
@@ -237,7 +235,7 @@ def test_explicit_native_backend_says_why_it_is_unavailable(monkeypatch):
 # ---- RMSNorm and fused decode attention: against the torch paths they replace -----------------
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("rows,hidden", [(5, 96), (37, 100)])  # decode-sized; prefill-sized with a lane tail
 def test_rms_norm_kernels_match_the_reference_norm(rows, hidden):
     from kunlun_runtime.layers.norm import RMSNorm
@@ -253,7 +251,7 @@ def test_rms_norm_kernels_match_the_reference_norm(rows, hidden):
     _close(normed, norm(x + delta).float())
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("rows,inner", [(1, 1536), (37, 100)])
 def test_silu_mul_matches_the_eager_roundings(rows, inner):
     gate_up = (torch.randn(rows, 2 * inner) * 4).bfloat16()
@@ -291,7 +289,7 @@ def _decode_case(window: int = 0, heads=(6, 2), head_dim=32, lengths=(1, 17, 40)
     return cache, tables, q, k, v, (cos, sin), apply_rotary
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("window", [0, 9])
 # head_dim 32/64/128 take the kernel's specialised widths, 48 the generic one and scalar rotary;
 # (heads, KV heads) cover GQA groups of 3 and 1; one thread and two split the head tiles differently.
@@ -301,7 +299,7 @@ def test_decode_attention_matches_the_torch_paged_path(window, heads, head_dim, 
     _check_decode_attention(window, heads, head_dim, threads, lengths=(1, 17, 40))
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("window", [0, 130])
 @pytest.mark.parametrize("lengths", [(300,), (300, 70)])
 def test_decode_attention_merges_long_contexts_split_across_threads(window, lengths):
@@ -312,7 +310,7 @@ def test_decode_attention_merges_long_contexts_split_across_threads(window, leng
     _check_decode_attention(window, (9, 3), 64, 2, lengths=lengths, tables=tables, num_blocks=40)
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("window", [0, 130, 400])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threads):
@@ -379,7 +377,7 @@ def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:
     _close(out, expected.float())
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_decode_attention_rejects_a_block_table_outside_the_pool():
     from kunlun_runtime.layers.attention import build_attention_metadata
 
@@ -394,7 +392,7 @@ def test_decode_attention_rejects_a_block_table_outside_the_pool():
     assert torch.equal(cache.k_blocks[0], before)  # checked before anything is written
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("head_dim", [64, 48])  # vector and scalar rotary
 def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_dim):
     from kunlun_runtime.layers.attention import build_attention_metadata
@@ -432,7 +430,7 @@ def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_d
     assert torch.equal(cache.k_blocks[0], before)  # checked before anything is written
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_decode_attention_rejects_an_empty_batch():
     cache, _tables, q, k, v, (cos, sin), _ = _decode_case(lengths=(17,))
     empty = torch.zeros(0, dtype=torch.long)
@@ -453,7 +451,7 @@ def test_a_broken_prebuilt_library_is_reported_not_raised(monkeypatch, tmp_path,
     assert str(library) in reason or "tier" in reason  # a CPU below the tier stops earlier
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_native_linear_accepts_a_non_contiguous_weight():
     linear = nn.Linear(64, 48, bias=False).to(torch.bfloat16).requires_grad_(False)
     linear.weight = nn.Parameter(
@@ -464,7 +462,7 @@ def test_native_linear_accepts_a_non_contiguous_weight():
     _close(native(x), x.float() @ linear.weight.float().T)
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 100003])
 def test_argmax_rows_matches_torch_argmax(vocab):
     generator = torch.Generator().manual_seed(vocab)
@@ -475,7 +473,7 @@ def test_argmax_rows_matches_torch_argmax(vocab):
     assert torch.equal(cpu_kernels.argmax_rows(logits), torch.argmax(logits, dim=-1))
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_argmax_rows_ties_across_lanes_and_chunks_keep_the_first_index():
     logits = torch.zeros(3, 70)
     logits[0, [5, 21, 37]] = 2.0  # the same maximum in three 16-wide chunks, three lanes
@@ -485,7 +483,7 @@ def test_argmax_rows_ties_across_lanes_and_chunks_keep_the_first_index():
     assert cpu_kernels.argmax_rows(logits).tolist() == [5, 9, 69] == torch.argmax(logits, dim=-1).tolist()
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_argmax_rows_rejects_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="contiguous FP32"):
         cpu_kernels.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
@@ -493,7 +491,7 @@ def test_argmax_rows_rejects_what_it_cannot_read():
         cpu_kernels.argmax_rows(torch.zeros(8, 2).t())
 
 
-@needs_kernels
+@needs_kernels(torch.bfloat16)
 def test_engines_on_our_kernels_pick_greedy_tokens_with_our_argmax_and_the_same_tokens(tmp_path):
     from kunlun_runtime import LLM, SamplingParams
     from kunlun_runtime.engine.sampler import Sampler
