@@ -14,8 +14,9 @@ the outputs that differ, for a change that is meant to alter them):
 3. ``engine`` (with ``--engine CONTEXTxBATCH ...``): the whole engine decoding, the two libraries
    swapped every step, so each base step sits between two tree steps and the machine's drift
    (busy neighbours move a 2-core VM's speed by 10-20 % within a minute) falls on both alike;
-   mean milliseconds per decode step (every request past its prefill). Two runs of the same
-   sources read within ~1 % of each other this way, where separate processes differed by ~5 %.
+   mean milliseconds per decode step (every request past its prefill). Whole runs in separate
+   processes differ by more than a kernel change moves them; swapped step by step, two runs of
+   the same sources agree (docs/performance.md).
 
     .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1       # ~2 minutes on 2 cores
     .venv/bin/python benchmarks/bench_kernel_ab.py --base 23558ac --rows 1 8 16
@@ -224,6 +225,7 @@ def measure_engine(args: argparse.Namespace, base_ops, activations: torch.dtype)
             }
     finally:
         cpu_kernels._ops = tree_ops_for
+        llm.close()  # its engine's threads and KV cache, not left to the process's exit
     return results
 
 
