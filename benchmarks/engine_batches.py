@@ -14,10 +14,20 @@ class BatchTiming:
     decode_tokens: int  # output tokens after each request's first
     decode_seconds: float  # from the batch's last first token to its end
     first_token_seconds: tuple[float, ...]  # each request's time to its first token
+    # each request's time from its first token to its last (its own decode, however long the
+    # batch's slowest request decodes after it)
+    request_decode_seconds: tuple[float, ...] = ()
 
     @property
     def decode_tok_s(self) -> float:
         return self.decode_tokens / self.decode_seconds
+
+    @property
+    def request_decode_tok_s(self) -> float:
+        """What a request of the batch decodes at, as its client sees it: tokens after the first
+        over the requests' own decode times (1 / the mean time per output token, TPOT, weighted
+        by tokens)."""
+        return self.decode_tokens / sum(self.request_decode_seconds)
 
 
 def run_batch(
@@ -40,18 +50,21 @@ def run_batch(
             cache_salt=cache_salt,
         )
     first: dict[str, float] = {}
+    last: dict[str, float] = {}
     counts: dict[str, int] = {}
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
             first.setdefault(out.request_id, now)
+            last[out.request_id] = now
             counts[out.request_id] = len(out.outputs[0].token_ids)
     ended = time.perf_counter()
     return BatchTiming(
         decode_tokens=sum(count - 1 for count in counts.values()),
         decode_seconds=ended - max(first.values()),
         first_token_seconds=tuple(t - began for t in first.values()),
+        request_decode_seconds=tuple(last[request_id] - first[request_id] for request_id in first),
     )
 
 

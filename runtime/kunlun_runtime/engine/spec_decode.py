@@ -116,8 +116,6 @@ class SpeculativeDecoder:
             self._refused = (situation, self._refused[1] - 1)
             return
         self._refused = None
-        batch = frozenset(r.request_id for r in decoding)
-        measured = self.price.series(batch, max(spare, 0))
         hoped = sorted(
             (
                 self.proposer.best_chance(r.request_id, p)
@@ -126,7 +124,10 @@ class SpeculativeDecoder:
             ),
             reverse=True,
         )
-        if draft_rows_worth_running(cost, decoding, hoped[: max(spare, 0)], measured) == 0:
+        del hoped[max(spare, 0) :]  # no more drafts than the step's rows can take
+        batch = frozenset(r.request_id for r in decoding)
+        measured = self.price.series(batch, len(hoped))
+        if draft_rows_worth_running(cost, decoding, hoped, measured) == 0:
             if any(allowed):
                 self._refused = (situation, REFUSAL_STEPS - 1)
             return

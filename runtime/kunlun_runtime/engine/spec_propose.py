@@ -54,6 +54,11 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self._first.setdefault(tuple(tokens[end - n : end]), end)
         self._indexed = max(self._indexed, length)
+        # Where the shortest suffix never occurred before, no longer one did (each occurrence of a
+        # longer one ends with it): most steps of text with nothing to copy stop at one lookup.
+        shortest = self._first.get(tuple(tokens[length - self.min_n :])) if length > self.min_n else None
+        if shortest is None or shortest >= length:
+            return NO_DRAFT
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             after = self._first.get(tuple(tokens[length - n :]))
             if after is not None and after < length:
@@ -221,7 +226,9 @@ class Proposer:
         at most ``room``. Call once per step."""
         if room <= 0:
             return 0
-        budget = self._budgets.setdefault(request.request_id, DraftBudget(self.config.num_speculative_tokens))
+        budget = self._budgets.get(request.request_id)
+        if budget is None:
+            budget = self._budgets[request.request_id] = DraftBudget(self.config.num_speculative_tokens)
         allowed = budget.next()
         # A request resting after failed drafts (it left the text it copied: an edit, a new
         # field) is woken by a match of WAKE_MATCH tokens or more: on copy tasks that means it

@@ -66,3 +66,28 @@ def test_a_request_that_finishes_early_is_replaced_and_the_gap_not_timed(engine_
 def test_fewer_prompts_than_in_flight_is_an_error(engine_batches):
     with pytest.raises(ValueError, match="at least 8 prompts"):
         engine_batches.run_in_flight(None, _prompts(3), None, 8)
+
+
+def test_a_closed_batch_times_each_request_from_its_first_token_to_its_last(engine_batches, model_dir):
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=16)
+    try:
+        engine = llm.engine
+        add = engine.add_request
+        added = []
+
+        def recording_add(request_id, prompt, request_params, **kwargs):
+            added.append(request_id)  # the second prompt stops after 2 tokens, the others run 8
+            short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            return add(request_id, prompt, short if len(added) == 2 else request_params, **kwargs)
+
+        engine.add_request = recording_add
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        timing = engine_batches.run_batch(engine, _prompts(3), params)
+        assert timing.decode_tokens == 7 + 1 + 7
+        short, *full = sorted(timing.request_decode_seconds)
+        # The short one decoded one step, the others seven; the batch lasted as long as they did.
+        assert 0 < short < min(full) and max(full) <= timing.decode_seconds
+        assert timing.request_decode_tok_s == pytest.approx(15 / sum(timing.request_decode_seconds))
+        assert timing.request_decode_tok_s > timing.decode_tokens / (3 * timing.decode_seconds)
+    finally:
+        llm.close()
