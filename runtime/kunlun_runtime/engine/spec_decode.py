@@ -37,11 +37,11 @@ from kunlun_runtime.config import SpeculativeConfig
 from kunlun_runtime.engine.draft_price import DraftRowPrice
 from kunlun_runtime.engine.logprobs import TokenLogprob
 from kunlun_runtime.engine.request import Request
-from kunlun_runtime.engine.sampler import AllowedTokens, Sampler
+from kunlun_runtime.engine.sampler import AllowedTokens, Sampler, plain_greedy
 from kunlun_runtime.engine.scheduler_output import SchedulerOutput
 from kunlun_runtime.engine.spec_grammar import grammar_drafts, masked_logits
 from kunlun_runtime.engine.spec_propose import Proposer, draft_rows_worth_running
-from kunlun_runtime.engine.spec_verify import accept_greedy, plain_greedy, verify
+from kunlun_runtime.engine.spec_verify import accept_greedy, verify
 from kunlun_runtime.engine.step_cost import StepCostModel
 from kunlun_runtime.structured.grammar import GrammarMatcher
 
@@ -171,15 +171,19 @@ class SpeculativeDecoder:
         offsets = [0]
         for count in counts:
             offsets.append(offsets[-1] + count)
-        plain = [i for i, count in enumerate(counts) if count == 1]
-        results: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in requests]
+        # Plain greedy requests, with drafts or without, take their tokens from one argmax over
+        # every row; the others without drafts sample as the plain engine does.
+        fast = {i for i, request in enumerate(requests) if plain_greedy(request)}
+        choices = sampler.argmax(logits).tolist() if fast else []
+        plain = [i for i, count in enumerate(counts) if count == 1 and i not in fast]
+        results: list[list[tuple[int, TokenLogprob | None]]] = [
+            [(choices[offsets[i]], None)] if i in fast and count == 1 else [] for i, count in enumerate(counts)
+        ]
         if plain:
             rows = torch.tensor([offsets[i] for i in plain], dtype=torch.long, device=logits.device)
             sampled = sampler.sample(logits.index_select(0, rows), [requests[i] for i in plain])
             for i, result in zip(plain, sampled, strict=True):
                 results[i] = [result]
-        fast = {i for i, count in enumerate(counts) if count > 1 and plain_greedy(requests[i])}
-        choices = sampler.argmax(logits).tolist() if fast else []  # one pass over every row
         for i, count in enumerate(counts):
             if count == 1:
                 continue

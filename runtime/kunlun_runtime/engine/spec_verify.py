@@ -20,21 +20,6 @@ from kunlun_runtime.engine.sampler import (
 )
 
 
-def plain_greedy(request: Request) -> bool:
-    """Whether ``request``'s choice at every position is the argmax of its raw logits (greedy, no
-    penalties, no min_tokens to hold, no logprobs to report): its drafts verify in one batched
-    argmax with the others'."""
-    params = request.params
-    return (
-        params.greedy
-        and params.logprobs is None
-        and params.repetition_penalty == 1.0
-        and not params.presence_penalty
-        and not params.frequency_penalty
-        and len(request.output_token_ids) >= params.min_tokens
-    )
-
-
 def accept_greedy(choices: Sequence[int], drafts: Sequence[int]) -> tuple[list[int], int]:
     """The tokens a plain greedy request emits given the model's choice at each position (after
     its last token and after each draft): the drafts it agrees with, then its own choice."""

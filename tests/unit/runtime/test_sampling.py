@@ -59,6 +59,22 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
     assert sampler.sample(logits, [make_request(params=params, output=[5, 5])])[0][0] == 0
 
 
+def test_a_batch_needing_only_argmax_gets_it_and_a_batch_mate_that_needs_more_gets_that():
+    sampler = Sampler(eos_token_ids=[0])
+    logits = torch.tensor([[9.0, 8.0, 1.0, 0.0], [0.0, 1.0, 7.0, 3.0]])
+    before = logits.clone()
+    greedy = SamplingParams(temperature=0)
+    held = SamplingParams(temperature=0, min_tokens=1)  # no EOS before its first token
+    penalised = SamplingParams(temperature=0, repetition_penalty=8.0)  # token 2 was in its prompt
+    assert sampler.sample(logits, [make_request(params=greedy), make_request(params=greedy)]) == [
+        (0, None),
+        (2, None),
+    ]
+    both = sampler.sample(logits, [make_request(params=held), make_request(params=penalised, prompt=[2])])
+    assert [token for token, _ in both] == [1, 3]
+    assert torch.equal(logits, before)  # the caller's logits are never changed
+
+
 def test_seeded_sampling_does_not_depend_on_batch_mates():
     row = torch.randn(50, generator=torch.Generator().manual_seed(1))
     seeded = SamplingParams(temperature=1.0, seed=1234)
