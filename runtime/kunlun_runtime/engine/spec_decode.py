@@ -177,7 +177,8 @@ class SpeculativeDecoder:
         choices = sampler.argmax(logits).tolist() if fast else []
         plain = [i for i, count in enumerate(counts) if count == 1 and i not in fast]
         results: list[list[tuple[int, TokenLogprob | None]]] = [
-            [(choices[offsets[i]], None)] if i in fast and count == 1 else [] for i, count in enumerate(counts)
+            [(choices[offsets[i]], None)] if i in fast and count == 1 else []
+            for i, count in enumerate(counts)
         ]
         if plain:
             rows = torch.tensor([offsets[i] for i in plain], dtype=torch.long, device=logits.device)
