@@ -174,7 +174,8 @@ def run_batch(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: i
     return {
         "tokens": timing.decode_tokens,
         "seconds": timing.decode_seconds,
-        "request_seconds": sum(timing.request_decode_seconds),
+        # Each request's own decode time, averaged: the batch's time as its requests see it.
+        "request_seconds": sum(timing.request_decode_seconds) / len(timing.request_decode_seconds),
     }
 
 
@@ -202,9 +203,8 @@ def measure(llm: LLM, tasks, batch: int | str, max_tokens: int) -> tuple[float, 
         tokens += result["tokens"]
         seconds += result["seconds"]
         request_seconds += result["request_seconds"]
-    # Requests' rate in tokens per second of one request's time, times the batch (with every
-    # request decoding for the whole batch time, as without drafts, the two are equal).
-    return tokens / seconds, tokens / request_seconds * batch
+    # Where every request decodes for the whole batch time (no drafts) the two are equal.
+    return tokens / seconds, tokens / request_seconds
 
 
 def measure_llama(
