@@ -10,8 +10,9 @@ none, ``SPECS["ngram"]``, ``SPECS["suffix"]``; ``--methods`` picks):
 - ``free``: open-ended generation with little to copy (stories, explanations).
 
 Each runs at batch 1 (every prompt alone), a closed batch of 8 (eight prompts at once) and 8 in
-flight (continuous batching over more prompts), greedy, alternating which engine goes first in
-every repetition (only ratios from one run mean anything on a shared machine). Reported: decode
+flight (continuous batching over more prompts), greedy; the engines take turns batch by batch, the
+order reversed each time, and which goes first alternates in every repetition (only ratios from
+one run mean anything on a shared machine, whose speed changes within seconds). Reported: decode
 tok/s, the ratio speculative / plain per method, the mean accepted tokens per verification step
 and the acceptance rate. Targets (issue: speculative decoding): copy ≥ 2.0× at batch 1 and ≥ 1.3×
 at batch 8; free ≥ 0.97× (no loss).
@@ -179,32 +180,43 @@ def run_batch(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: i
     }
 
 
-def measure(llm: LLM, tasks, batch: int | str, max_tokens: int) -> tuple[float, float | None]:
-    """Decode tok/s over ``tasks`` (the batch's, and its requests' where the batch is closed):
-    closed batches of ``batch`` (the first ``CLOSED_TASKS``), or ``IN_FLIGHT``: all of them, 8 in
-    flight. A closed batch of 8 decodes until its last request finishes; with drafts its requests
+def measure(
+    engines: dict[str, LLM], sides: list[str], tasks, batch: int | str, max_tokens: int
+) -> dict[str, tuple[float, float | None]]:
+    """Decode tok/s over ``tasks`` of each engine of ``sides`` (the batch's, and its requests'
+    where the batch is closed): closed batches of ``batch`` (the first ``CLOSED_TASKS``), or
+    ``IN_FLIGHT``: all of them, 8 in flight. Every side runs each closed batch in turn, the order
+    reversed from one batch to the next, so a change in the machine's speed during a run (other
+    tenants come and go within seconds) falls on the sides alike rather than on whichever ran
+    its batches while it lasted; in flight, a run of all the prompts per side, in ``sides``'
+    order. A closed batch of 8 decodes until its last request finishes; with drafts its requests
     finish apart (a copying one in a third of the steps), so most of its time goes to its last
     few requests decoding alone: closed, a speculative engine's batch 8 is mostly batch 1-7, in
     flight it stays 8 (as a server's does while requests queue)."""
     if batch == IN_FLIGHT:
-        timing = engine_batches.run_in_flight(
-            llm.engine,
-            prompt_ids(llm, tasks),
-            _params(max_tokens),
-            IN_FLIGHT_REQUESTS,
-            cache_salt=f"batch-{next(_BATCHES)}",
-        )
-        return timing.decode_tok_s, None
+        rates: dict[str, tuple[float, float | None]] = {}
+        for side in sides:
+            timing = engine_batches.run_in_flight(
+                engines[side].engine,
+                prompt_ids(engines[side], tasks),
+                _params(max_tokens),
+                IN_FLIGHT_REQUESTS,
+                cache_salt=f"batch-{next(_BATCHES)}",
+            )
+            rates[side] = (timing.decode_tok_s, None)
+        return rates
     assert isinstance(batch, int)
-    tokens = seconds = request_seconds = 0.0
+    totals = {side: [0.0, 0.0, 0.0] for side in sides}  # tokens, seconds, requests' seconds
     closed = tasks[:CLOSED_TASKS]
-    for start in range(0, len(closed), batch):
-        result = run_batch(llm, closed[start : start + batch], max_tokens)
-        tokens += result["tokens"]
-        seconds += result["seconds"]
-        request_seconds += result["request_seconds"]
+    for index, start in enumerate(range(0, len(closed), batch)):
+        for side in sides if index % 2 == 0 else sides[::-1]:
+            result = run_batch(engines[side], closed[start : start + batch], max_tokens)
+            total = totals[side]
+            total[0] += result["tokens"]
+            total[1] += result["seconds"]
+            total[2] += result["request_seconds"]
     # Where every request decodes for the whole batch time (no drafts) the two are equal.
-    return tokens / seconds, tokens / request_seconds
+    return {side: (tokens / seconds, tokens / request) for side, (tokens, seconds, request) in totals.items()}
 
 
 def measure_llama(
@@ -226,6 +238,23 @@ def measure_llama(
             )
         runs.append(run)
     return runs
+
+
+def run_llama(
+    llama: llama_lookup.LlamaLookup | None,
+    tokenizer: Tokenizer,
+    tasks,
+    name: str,
+    sides: list[str],
+    max_tokens: int,
+    runs: dict[str, dict[str, list[list[llama_lookup.LlamaRun]]]],
+) -> None:
+    """llama.cpp's ``sides`` over the closed batches' prompts of workload ``name``, one after another."""
+    for side in sides:
+        assert llama is not None
+        runs[name].setdefault(side, []).append(
+            measure_llama(llama, tokenizer, tasks[:CLOSED_TASKS], side, max_tokens)
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -302,21 +331,20 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         for name, tasks in workloads.items():
             for batch in BATCHES:
-                # Ours by engine name, llama.cpp's by side (both have a "plain").
-                order = [("ours", side) for side in engines]
-                if llama is not None and batch == 1:
-                    order += [("llama.cpp", side) for side in llama_lookup.SIDES]
+                our_sides = list(engines)
+                llama_sides = list(llama_lookup.SIDES) if llama is not None and batch == 1 else []
                 if repeat % 2:
-                    order.reverse()
-                for engine, side in order:
-                    if engine == "ours":
-                        rates.setdefault((name, batch, side), []).append(
-                            measure(engines[side], tasks, batch, args.max_tokens)
-                        )
-                    else:
-                        assert llama is not None
-                        runs = measure_llama(llama, tokenizer, tasks[:CLOSED_TASKS], side, args.max_tokens)
-                        llama_runs[name].setdefault(side, []).append(runs)
+                    our_sides.reverse()
+                    llama_sides.reverse()
+                # Ours side by side, batch by batch (measure); llama.cpp's sides (by side: both
+                # have a "plain") before ours in every other repetition, after them in the others.
+                if repeat % 2:
+                    run_llama(llama, tokenizer, tasks, name, llama_sides, args.max_tokens, llama_runs)
+                if our_sides:
+                    for side, rate in measure(engines, our_sides, tasks, batch, args.max_tokens).items():
+                        rates.setdefault((name, batch, side), []).append(rate)
+                if not repeat % 2:
+                    run_llama(llama, tokenizer, tasks, name, llama_sides, args.max_tokens, llama_runs)
     report: dict = {}
     ok = True
     if plain is not None:
