@@ -10,9 +10,9 @@ none, ``SPECS["ngram"]``, ``SPECS["suffix"]``; ``--methods`` picks):
 - ``free``: open-ended generation with little to copy (stories, explanations).
 
 Each runs at batch 1 (every prompt alone), a closed batch of 8 (eight prompts at once) and 8 in
-flight (continuous batching over more prompts), greedy; the engines run each batch in lockstep, a
-step of each in turn, each timed over its own steps (only ratios from one run mean anything on a
-shared machine, whose speed changes within seconds). Reported: decode
+flight (continuous batching over more prompts), greedy; the engines take turns batch by batch, the
+order reversed each time, and which goes first alternates in every repetition (only ratios from
+one run mean anything on a shared machine, whose speed changes within seconds). Reported: decode
 tok/s, the ratio speculative / plain per method, the mean accepted tokens per verification step
 and the acceptance rate. Targets (issue: speculative decoding): copy ≥ 2.0× at batch 1 and ≥ 1.3×
 at batch 8; free ≥ 0.97× (no loss).
@@ -165,20 +165,19 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _batch_run(
-    llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: int
-) -> engine_batches.Run[engine_batches.BatchTiming]:
+def run_batch(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: int) -> dict:
     """One batch, greedy, as a tenant of its own: the same prompts come back in every repetition,
     and the suffix method's cache of a tenant's answers must not hand a prompt its own earlier
     answer (a repeated question is what that cache is for, but not what this measures)."""
-    return engine_batches.batch_run(
+    timing = engine_batches.run_batch(
         llm.engine, prompt_ids(llm, conversations), _params(max_tokens), cache_salt=f"batch-{next(_BATCHES)}"
     )
-
-
-def run_batch(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: int) -> None:
-    """One batch alone, to its end (a warm-up)."""
-    engine_batches.lockstep([_batch_run(llm, conversations, max_tokens)])
+    return {
+        "tokens": timing.decode_tokens,
+        "seconds": timing.decode_seconds,
+        # Each request's own decode time, averaged: the batch's time as its requests see it.
+        "request_seconds": sum(timing.request_decode_seconds) / len(timing.request_decode_seconds),
+    }
 
 
 def measure(
@@ -186,42 +185,36 @@ def measure(
 ) -> dict[str, tuple[float, float | None]]:
     """Decode tok/s over ``tasks`` of each engine of ``sides`` (the batch's, and its requests'
     where the batch is closed): closed batches of ``batch`` (the first ``CLOSED_TASKS``), or
-    ``IN_FLIGHT``: all of them, 8 in flight. The sides run each batch in lockstep, a step of each
-    in turn (``engine_batches.lockstep``), each timed over its own steps: a change in the
-    machine's speed (other tenants come and go within seconds) falls on all of them alike. A
-    closed batch of 8 decodes until its last request finishes; with drafts its requests finish
-    apart (a copying one in a third of the steps), so most of its time goes to its last few
-    requests decoding alone: closed, a speculative engine's batch 8 is mostly batch 1-7, in
+    ``IN_FLIGHT``: all of them, 8 in flight. Every side runs each closed batch in turn, the order
+    reversed from one batch to the next, so a change in the machine's speed during a run (other
+    tenants come and go within seconds) falls on the sides alike rather than on whichever ran
+    its batches while it lasted; in flight, a run of all the prompts per side, in ``sides``'
+    order. A closed batch of 8 decodes until its last request finishes; with drafts its requests
+    finish apart (a copying one in a third of the steps), so most of its time goes to its last
+    few requests decoding alone: closed, a speculative engine's batch 8 is mostly batch 1-7, in
     flight it stays 8 (as a server's does while requests queue)."""
     if batch == IN_FLIGHT:
-        runs = [
-            engine_batches.in_flight_run(
+        rates: dict[str, tuple[float, float | None]] = {}
+        for side in sides:
+            timing = engine_batches.run_in_flight(
                 engines[side].engine,
                 prompt_ids(engines[side], tasks),
                 _params(max_tokens),
                 IN_FLIGHT_REQUESTS,
                 cache_salt=f"batch-{next(_BATCHES)}",
             )
-            for side in sides
-        ]
-        return {
-            side: (timing.decode_tok_s, None)
-            for side, timing in zip(sides, engine_batches.lockstep(runs), strict=True)
-        }
+            rates[side] = (timing.decode_tok_s, None)
+        return rates
     assert isinstance(batch, int)
-    totals = {side: [0.0, 0.0, 0.0] for side in sides}  # tokens, seconds, requests' mean seconds
+    totals = {side: [0.0, 0.0, 0.0] for side in sides}  # tokens, seconds, requests' seconds
     closed = tasks[:CLOSED_TASKS]
     for index, start in enumerate(range(0, len(closed), batch)):
-        order = sides if index % 2 == 0 else sides[::-1]  # who steps first, alternately
-        timings = engine_batches.lockstep(
-            [_batch_run(engines[side], closed[start : start + batch], max_tokens) for side in order]
-        )
-        for side, timing in zip(order, timings, strict=True):
+        for side in sides if index % 2 == 0 else sides[::-1]:
+            result = run_batch(engines[side], closed[start : start + batch], max_tokens)
             total = totals[side]
-            total[0] += timing.decode_tokens
-            total[1] += timing.decode_seconds
-            # Each request's own decode time, averaged: the batch's time as its requests see it.
-            total[2] += sum(timing.request_decode_seconds) / len(timing.request_decode_seconds)
+            total[0] += result["tokens"]
+            total[1] += result["seconds"]
+            total[2] += result["request_seconds"]
     # Where every request decodes for the whole batch time (no drafts) the two are equal.
     return {side: (tokens / seconds, tokens / request) for side, (tokens, seconds, request) in totals.items()}
 

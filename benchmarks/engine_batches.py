@@ -1,22 +1,12 @@
-"""Drive batches of requests through engines to the end and time their decode (shared by the
-side-by-side benchmarks that run the engine in-process).
-
-Each run is a generator that takes one engine step per ``next`` and returns its timing, so several
-engines' runs can advance in lockstep (``lockstep``): a step of one, a step of the next, … On a
-shared machine whose speed changes within seconds (other tenants), the engines then see the same
-machine, step for step, where runs one after another each see their own stretch of it. A run's
-clock counts only its own steps (and the requests it adds), never the others' between them.
-"""
+"""Drive one batch of requests through an engine to the end and time its decode (shared by the
+side-by-side benchmarks that run the engine in-process)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-T = TypeVar("T")
-Run = Generator[None, None, T]  # one engine step per next(); returns the run's timing
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,36 +30,20 @@ class BatchTiming:
         return self.decode_tokens / sum(self.request_decode_seconds)
 
 
-class _Clock:
-    """Seconds spent inside the ``timed`` calls only."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def timed(self, call: Any, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            self.now += time.perf_counter() - start
-
-
-def batch_run(
+def run_batch(
     engine: Any,
     prompts: Sequence[list[int]],
     params: Any,
     loras: Sequence[Any] | None = None,
     cache_salt: str | None = None,
-) -> Run[BatchTiming]:
+) -> BatchTiming:
     """Add every prompt (token ids; with its LoRA request where given; all under ``cache_salt``,
     one tenant) at once, step until all finish, and time it."""
-    clock = _Clock()
-    tag = time.perf_counter()  # request ids unique across runs
+    began = time.perf_counter()
     for index, prompt in enumerate(prompts):
         lora = None if loras is None else loras[index]
-        clock.timed(
-            engine.add_request,
-            f"bench-{tag}-{index}",
+        engine.add_request(
+            f"bench-{began}-{index}",
             {"prompt_token_ids": prompt},
             params,
             lora_request=lora,
@@ -79,29 +53,19 @@ def batch_run(
     last: dict[str, float] = {}
     counts: dict[str, int] = {}
     while engine.has_unfinished_requests():
-        outputs = clock.timed(engine.step)
+        outputs = engine.step()
+        now = time.perf_counter()
         for out in outputs:
-            first.setdefault(out.request_id, clock.now)
-            last[out.request_id] = clock.now
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
             counts[out.request_id] = len(out.outputs[0].token_ids)
-        yield
+    ended = time.perf_counter()
     return BatchTiming(
         decode_tokens=sum(count - 1 for count in counts.values()),
-        decode_seconds=clock.now - max(first.values()),
-        first_token_seconds=tuple(first.values()),
+        decode_seconds=ended - max(first.values()),
+        first_token_seconds=tuple(t - began for t in first.values()),
         request_decode_seconds=tuple(last[request_id] - first[request_id] for request_id in first),
     )
-
-
-def run_batch(
-    engine: Any,
-    prompts: Sequence[list[int]],
-    params: Any,
-    loras: Sequence[Any] | None = None,
-    cache_salt: str | None = None,
-) -> BatchTiming:
-    """``batch_run`` alone, to its end."""
-    return lockstep([batch_run(engine, prompts, params, loras, cache_salt)])[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +80,9 @@ class InFlightTiming:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def in_flight_run(
+def run_in_flight(
     engine: Any, prompts: Sequence[list[int]], params: Any, in_flight: int, cache_salt: str | None = None
-) -> Run[InFlightTiming]:
+) -> InFlightTiming:
     """Keep ``in_flight`` of ``prompts`` (token ids; all under ``cache_salt``, one tenant) in the
     engine, adding the next as soon as one finishes (a server's continuous batching under that
     many concurrent clients), until all finish; time only the steps in which all ``in_flight``
@@ -128,7 +92,7 @@ def in_flight_run(
         raise ValueError(
             f"{in_flight} requests in flight need at least {in_flight} prompts, got {len(prompts)}"
         )
-    tag = time.perf_counter()
+    began = time.perf_counter()
     pending = list(enumerate(prompts))
     counts: dict[str, int] = {}
     active = tokens = steps = 0
@@ -137,7 +101,7 @@ def in_flight_run(
         while pending and active < in_flight:
             index, prompt = pending.pop(0)
             engine.add_request(
-                f"bench-{tag}-{index}", {"prompt_token_ids": prompt}, params, cache_salt=cache_salt
+                f"bench-{began}-{index}", {"prompt_token_ids": prompt}, params, cache_salt=cache_salt
             )
             active += 1
         # The scheduler's own view (a running request may still be part-way through its prompt):
@@ -159,27 +123,4 @@ def in_flight_run(
             active -= out.finished
         if full:
             tokens, seconds, steps = tokens + emitted, seconds + elapsed, steps + 1
-        yield
     return InFlightTiming(tokens, seconds, steps, len(prompts))
-
-
-def run_in_flight(
-    engine: Any, prompts: Sequence[list[int]], params: Any, in_flight: int, cache_salt: str | None = None
-) -> InFlightTiming:
-    """``in_flight_run`` alone, to its end."""
-    return lockstep([in_flight_run(engine, prompts, params, in_flight, cache_salt)])[0]
-
-
-def lockstep(runs: Sequence[Run[T]]) -> list[T]:
-    """Advance ``runs`` a step each in turn, in their order, until every one has returned; their
-    timings, in that order."""
-    results: dict[int, T] = {}
-    while len(results) < len(runs):
-        for index, run in enumerate(runs):
-            if index in results:
-                continue
-            try:
-                next(run)
-            except StopIteration as stop:
-                results[index] = stop.value
-    return [results[index] for index in range(len(runs))]

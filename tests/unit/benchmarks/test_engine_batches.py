@@ -1,8 +1,6 @@
 """benchmarks/engine_batches.py: requests kept in flight are timed only over the steps in which
 all of them decode."""
 
-import time
-
 import pytest
 
 from kunlun_runtime import LLM, SamplingParams
@@ -93,33 +91,3 @@ def test_a_closed_batch_times_each_request_from_its_first_token_to_its_last(engi
         assert timing.request_decode_tok_s > timing.decode_tokens / (3 * timing.decode_seconds)
     finally:
         llm.close()
-
-
-def test_runs_in_lockstep_alternate_steps_and_each_counts_only_its_own(engine_batches, model_dir):
-    slow, fast = (LLM(str(model_dir), dtype="float32", max_num_seqs=16) for _ in range(2))
-    try:
-        order = []
-        for name, llm, pause in (("slow", slow, 0.02), ("fast", fast, 0.0)):
-            step = llm.engine.step
-
-            def recorded_step(step=step, name=name, pause=pause):
-                order.append(name)
-                time.sleep(pause)
-                return step()
-
-            llm.engine.step = recorded_step
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        slow_run = engine_batches.in_flight_run(slow.engine, _prompts(4), params, 2)
-        fast_run = engine_batches.batch_run(fast.engine, _prompts(2), params)
-        slow_timing, fast_timing = engine_batches.lockstep([slow_run, fast_run])
-        # Two waves of a prefill step and 5 decode steps in flight; one of those for the batch.
-        # Step by step in turn while both run, then the one left alone.
-        assert order == ["slow", "fast"] * 6 + ["slow"] * 6
-        assert slow_timing.decode_steps == 2 * 5 and fast_timing.decode_tokens == 2 * 5
-        # The slow engine's pauses count in its own decode steps, and in none of the batch's,
-        # though they came between its steps.
-        assert slow_timing.decode_seconds >= 10 * 0.02
-        assert fast_timing.decode_seconds < 5 * 0.02
-    finally:
-        slow.close()
-        fast.close()
