@@ -1,0 +1,50 @@
+"""benchmarks/bench_speculative.py: the engines take turns batch by batch, the order reversed from
+one batch to the next, and each side's rates come from its own batches."""
+
+import pytest
+
+from kunlun_runtime import LLM
+from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
+from tests.support.tiny_models import make_tiny_model
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports engine_batches and llama_lookup
+    return load_benchmark("bench_speculative")
+
+
+def test_closed_batches_alternate_between_the_sides_in_reversed_order(bench, tmp_path):
+    model = make_tiny_model(tmp_path / "tiny")
+    engines = {
+        "plain": LLM(str(model), dtype="float32", max_num_seqs=16),
+        "ngram": LLM(str(model), dtype="float32", max_num_seqs=16, speculative_config=bench.SPEC),
+    }
+    try:
+        turns = []
+        for side, llm in engines.items():
+            add = llm.engine.add_request
+
+            def recording_add(request_id, prompt, params, side=side, add=add, **kwargs):
+                turns.append((side, len(prompt["prompt_token_ids"])))
+                return add(request_id, prompt, params, **kwargs)
+
+            llm.engine.add_request = recording_add
+        tasks = bench.free_tasks(bench.CLOSED_TASKS)
+        lengths = [len(ids) for ids in bench.prompt_ids(engines["plain"], tasks)]
+        rates = bench.measure(engines, ["plain", "ngram"], tasks, 2, 4)
+        # Four batches of two prompts: plain then ngram, ngram then plain, and so on, each side
+        # adding the batch's own prompts.
+        order = ["plain", "ngram", "ngram", "plain"] * 2
+        expected = [
+            (side, lengths[2 * batch + index])
+            for batch, pair in enumerate(zip(order[::2], order[1::2], strict=True))
+            for side in pair
+            for index in range(2)
+        ]
+        assert turns == expected
+        for batch_rate, requests_rate in rates.values():
+            assert batch_rate > 0 and requests_rate is not None and requests_rate > 0
+    finally:
+        for llm in engines.values():
+            llm.close()
