@@ -13,7 +13,9 @@
 //                                context_lens [B], scale, window)  -> [B, H * D]
 //     one new token per sequence: rotary on q and k, k and v written into the paged cache at
 //     position context_len - 1, then softmax(scale · q·Kᵀ) · V over the sequence's blocks
-//     (GQA: query head h reads KV head h / (H / KVH); window > 0 keeps the last `window` keys).
+//     (GQA: query head h reads KV head h / (H / KVH); window > 0 keeps the last `window` keys),
+//     the probabilities rounded to BF16 before they weigh the values, as HF's eager attention and
+//     PyTorch's CPU flash attention round them.
 //   kunlun_cpu::rotary_kv_write(q [T, H, D], k [T, KVH, D], v [T, KVH, D], cos [T, D], sin [T, D],
 //                               k_blocks, v_blocks, slot_block_ids [T], slot_offsets [T])
 //                                 -> (rotated q [T, H, D], rotated k [T, KVH, D])
@@ -161,10 +163,35 @@ constexpr int64_t kKeyChunk = 64;       // keys scored per pass (their K and V r
 constexpr int64_t kMinSplitKeys = 64;   // a sequence's keys are split across threads down to this
 
 // Query heads whose P · V accumulators (CHUNKS vectors each) stay in registers together with one
-// value row: the value row is loaded and widened once for all of them.
+// pair of value rows, interleaved once for all of them.
 template <int CHUNKS>
 constexpr int64_t head_tile() {
   return CHUNKS <= 2 ? 8 : (CHUNKS <= 4 ? 6 : (CHUNKS <= 8 ? 2 : 1));
+}
+
+// 2^f for f in [0, 1): sqrt(2) · e^r, r = (f - 1/2) · ln 2 in [-0.35, 0.35), a degree-6 Taylor
+// polynomial (relative error below 2e-7).
+inline __m512 exp2_fraction(__m512 f) {
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(f, _mm512_set1_ps(0.5f)), _mm512_set1_ps(0.693147180559945f));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_mul_ps(p, _mm512_set1_ps(1.41421356237309505f));
+}
+
+// The BF16 probabilities of 16 base-2 scores t under the whole-number maximum m: 2^(t - m) as
+// bf16(2^frac(t)) · 2^(floor(t) - m). The rounding depends on t alone (scaling by a power of two
+// is exact), so a key's probability has the same bits whatever maximum its task reached, and a
+// row's P · V rounds alike however its keys are split across tasks (a draft row and the same row
+// decoded alone). Lanes outside `mask` are 0.
+inline __m512 probabilities(__m512 t, float m, __mmask16 mask) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 unit = kunlun_cpu::vec::round_bf16(exp2_fraction(_mm512_sub_ps(t, n)));
+  return _mm512_maskz_scalef_ps(mask, unit, _mm512_sub_ps(n, _mm512_set1_ps(m)));
 }
 
 // Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
@@ -199,21 +226,36 @@ inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16
   return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
 }
 
-// P · V for TILE query heads (probabilities at probs + g * kKeyChunk, accumulators at base + g * D)
-// over n value rows (slots[j] + offset).
+// P · V for TILE query heads over n value rows (slots[j] + offset), two keys to a VDPBF16PS: the
+// probabilities of each head as BF16 pairs (pairs + g * kKeyChunk / 2: keys 2i and 2i + 1 in the
+// low and high half of element i), each pair of value rows interleaved element by element once for
+// all TILE heads; accumulators at base + g * D. An odd last key pairs with a probability of 0 (and
+// its own row again).
 template <int TILE, int CHUNKS>
-inline void weigh_values(const float* probs, const bf16* const* slots, int64_t offset, int64_t n,
-                         const __mmask16* lane_mask, float* base, int64_t D) {
+inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_t offset, int64_t n,
+                         const __mmask32* pair_mask, const __mmask16* lane_mask, float* base, int64_t D) {
+  constexpr int PAIRS = (CHUNKS + 1) / 2;
+  // Element 2i of a pair's first row and of its second, for i in the low (high) 16 of the 32.
+  static constexpr uint16_t kInterleave[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                               8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_loadu_si512(kInterleave);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   __m512 sum[TILE][CHUNKS];
   for (int g = 0; g < TILE; ++g)
     for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_maskz_loadu_ps(lane_mask[c], base + g * D + 16 * c);
-  for (int64_t j = 0; j < n; ++j) {
-    const bf16* row = slots[j] + offset;
-    __m512 value[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) value[c] = load_bf16x16(row + 16 * c, lane_mask[c]);
+  for (int64_t j = 0; j < n; j += 2) {
+    const bf16* first = slots[j] + offset;
+    const bf16* second = j + 1 < n ? slots[j + 1] + offset : first;
+    __m512i value[CHUNKS];
+    for (int c = 0; c < PAIRS; ++c) {
+      const __m512i a = _mm512_maskz_loadu_epi16(pair_mask[c], first + 32 * c);
+      const __m512i b = _mm512_maskz_loadu_epi16(pair_mask[c], second + 32 * c);
+      value[2 * c] = _mm512_permutex2var_epi16(a, low, b);
+      if (2 * c + 1 < CHUNKS) value[2 * c + 1] = _mm512_permutex2var_epi16(a, high, b);
+    }
     for (int g = 0; g < TILE; ++g) {
-      const __m512 weight = _mm512_set1_ps(probs[g * kKeyChunk + j]);
-      for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_fmadd_ps(weight, value[c], sum[g][c]);
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g * (kKeyChunk / 2) + j / 2]));
+      for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_dpbf16_ps(sum[g][c], (__m512bh)value[c], weight);
     }
   }
   for (int g = 0; g < TILE; ++g)
@@ -222,11 +264,12 @@ inline void weigh_values(const float* probs, const bf16* const* slots, int64_t o
 
 // weigh_values for the last `tile` (< head_tile) heads of a group.
 template <int CHUNKS, int TILE = 1>
-inline void weigh_values_tail(int64_t tile, const float* probs, const bf16* const* slots, int64_t offset, int64_t n,
-                              const __mmask16* lane_mask, float* base, int64_t D) {
+inline void weigh_values_tail(int64_t tile, const uint32_t* pairs, const bf16* const* slots, int64_t offset,
+                              int64_t n, const __mmask32* pair_mask, const __mmask16* lane_mask, float* base,
+                              int64_t D) {
   if constexpr (TILE < head_tile<CHUNKS>()) {
-    if (tile == TILE) return weigh_values<TILE, CHUNKS>(probs, slots, offset, n, lane_mask, base, D);
-    return weigh_values_tail<CHUNKS, TILE + 1>(tile, probs, slots, offset, n, lane_mask, base, D);
+    if (tile == TILE) return weigh_values<TILE, CHUNKS>(pairs, slots, offset, n, pair_mask, lane_mask, base, D);
+    return weigh_values_tail<CHUNKS, TILE + 1>(tile, pairs, slots, offset, n, pair_mask, lane_mask, base, D);
   }
 }
 
@@ -234,11 +277,13 @@ inline void weigh_values_tail(int64_t tile, const float* probs, const bf16* cons
 // [start, end), as flash-decoding does it: per head the running maximum score, the sum of
 // exponentials relative to it, and the unnormalised output (acc, H × D), merged across splits by
 // the caller. Each chunk of kKeyChunk slots is read from memory once for all heads: scores come 16
-// keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, and each
-// value row is loaded once for up to head_tile query heads that share its KV head; while a chunk
-// computes, the next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which
-// the hardware prefetcher cannot follow), a key's rows between two dot products as the first query
-// head of each KV head scores them. Issuing the whole next chunk's prefetches up front stalled on
+// keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, in
+// base 2 under a whole-number running maximum (probabilities()); each pair of value rows is
+// interleaved once for up to head_tile query heads that share its KV head and weighed by their
+// BF16 probabilities in VDPBF16PS (half the instructions of FP32 P · V, which was most of a draft
+// row's attention); while a chunk computes, the next chunk's K and V rows are prefetched into L2
+// (blocks sit in random order, which the hardware prefetcher cannot follow), a key's rows between
+// two dot products as the first query head of each KV head scores them. Issuing the whole next chunk's prefetches up front stalled on
 // the line fill buffers (a profile put a large share of this kernel's samples on those
 // instructions); spread out, into L2, they were a small gain at every batch and context size
 // tried. CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
@@ -257,9 +302,12 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   }
   __mmask16 lane_mask[CHUNKS];
   for (int c = 0; c < CHUNKS; ++c) lane_mask[c] = tail_mask(D - 16 * c);
-  const __m512 scale_v = _mm512_set1_ps(scale);
+  // Scores in base 2 (scale · log2 e): probabilities are powers of two of them (probabilities()).
+  const __m512 scale_v = _mm512_set1_ps(scale * 1.44269504088896341f);
   std::vector<float> probs_storage(kKeyChunk * group);  // [head in group][key]
   float* probs = probs_storage.data();
+  std::vector<uint32_t> pair_storage(kKeyChunk / 2 * group);  // [head in group][pair of keys], BF16 pairs
+  uint32_t* pairs = pair_storage.data();
   // Slot pointers of this chunk and the next, swapped as the chunks advance.
   const bf16* slot_storage[4][kKeyChunk];
   const bf16** key_slots = slot_storage[0];
@@ -307,14 +355,18 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
           _mm512_mask_storeu_ps(p + j, mask, scores);
           max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
         }
-        const float new_max = std::max(maxima[h], _mm512_reduce_max_ps(max_lanes));
-        const float correction = maxima[h] == -INFINITY ? 0.0f : std::exp(maxima[h] - new_max);
+        // The running maximum is a whole number (base 2): a correction is an exact power of two.
+        const float new_max = std::max(maxima[h], std::ceil(_mm512_reduce_max_ps(max_lanes)));
+        const float correction = maxima[h] == -INFINITY ? 0.0f : std::exp2(maxima[h] - new_max);
         __m512 total = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16) {
-          const __mmask16 mask = tail_mask(n - i);
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p + i), _mm512_set1_ps(new_max)));
-          _mm512_mask_storeu_ps(p + i, mask, e);
-          total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+        uint32_t* pair = pairs + g * (kKeyChunk / 2);
+        for (int64_t i = 0; i < n; i += 32) {  // 32 probabilities, packed as 16 BF16 pairs of keys
+          const __mmask16 first = tail_mask(n - i), second = tail_mask(n - i - 16);
+          const __m512 e0 = probabilities(_mm512_maskz_loadu_ps(first, p + i), new_max, first);
+          const __m512 e1 = probabilities(_mm512_maskz_loadu_ps(second, p + i + 16), new_max, second);
+          total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+          // Exact: each is a BF16 value already.
+          _mm512_storeu_si512(pair + i / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
         sums[h] = sums[h] * correction + _mm512_reduce_add_ps(total);
         maxima[h] = new_max;
@@ -327,10 +379,12 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       float* base = acc + kv * group * D;
       int64_t g0 = 0;
       for (; g0 + kTile <= group; g0 += kTile) {
-        weigh_values<kTile, CHUNKS>(probs + g0 * kKeyChunk, value_slots, value_offset, n, lane_mask, base + g0 * D, D);
+        weigh_values<kTile, CHUNKS>(pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask, lane_mask,
+                                    base + g0 * D, D);
       }
       if (g0 < group) {
-        weigh_values_tail<CHUNKS>(group - g0, probs + g0 * kKeyChunk, value_slots, value_offset, n, lane_mask,
+        weigh_values_tail<CHUNKS>(group - g0, pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask,
+                                  lane_mask,
                                   base + g0 * D, D);
       }
     }
@@ -457,17 +511,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       for (const paged::TaskPart* part = first; part != last; ++part) {
         largest = std::max(largest, maxima[plan.head_index(*part, h, group)]);
       }
-      float total = 0.0f;
+      float total = 0.0f;  // the maxima are base 2 and whole numbers: exact powers of two
       for (const paged::TaskPart* part = first; part != last; ++part) {
         const int64_t i = plan.head_index(*part, h, group);
-        total += sums[i] * std::exp(maxima[i] - largest);
+        total += sums[i] * std::exp2(maxima[i] - largest);
       }
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 mask = tail_mask(D - d);
         __m512 merged = _mm512_setzero_ps();
         for (const paged::TaskPart* part = first; part != last; ++part) {
           const int64_t i = plan.head_index(*part, h, group);
-          const __m512 weight = _mm512_set1_ps(std::exp(maxima[i] - largest) / total);
+          const __m512 weight = _mm512_set1_ps(std::exp2(maxima[i] - largest) / total);
           merged = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, partial.data() + i * D + d), merged);
         }
         store_bf16x16(op + b * H * D + h * D + d, merged, mask);
