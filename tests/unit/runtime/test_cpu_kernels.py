@@ -380,7 +380,9 @@ def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:
     # over |V| bounds that, with the output's own share in BF16_REL.
     weighed = paged_attention(qr, kr, v.abs(), theirs_k, theirs_v.abs(), meta, 0.125).float()
     bound = BF16_REL * expected.float().abs() + 2**-8 * weighed + 1e-3 * expected.float().abs().max()
-    assert ((out.float() - expected.float()).abs() <= bound).all(), (out.float() - expected.float()).abs().max()
+    assert ((out.float() - expected.float()).abs() <= bound).all(), (
+        (out.float() - expected.float()).abs().max()
+    )
 
 
 @needs_kernels(torch.bfloat16)
