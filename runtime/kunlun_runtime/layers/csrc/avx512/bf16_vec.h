@@ -118,22 +118,26 @@ inline void transpose16x16(const __m512i in[16], __m512i out[16]) {
   }
 }
 
-// e^x for x <= 0 (softmax arguments): 2^n · p(r), r = x − n·ln2 in [−ln2/2, ln2/2], a degree-6
-// Taylor polynomial (relative error below 2e-7), clamped so that very negative x gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-88.0f), x);  // this operand order keeps a NaN x a NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+// e^r for |r| <= ln2 / 2: the degree-6 Taylor polynomial (relative error below 2e-7).
+inline __m512 exp_taylor6(__m512 r) {
   __m512 p = _mm512_set1_ps(1.0f / 720.0f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+}
+
+// e^x for x <= 0 (softmax arguments): 2^n · p(r), r = x − n·ln2 in [−ln2/2, ln2/2], p the degree-6
+// Taylor polynomial, clamped so that very negative x gives 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-88.0f), x);  // this operand order keeps a NaN x a NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  return _mm512_scalef_ps(exp_taylor6(r), n);
 }
 
 inline void store_bf16x16(bf16* p, __m512 v, __mmask16 mask) {

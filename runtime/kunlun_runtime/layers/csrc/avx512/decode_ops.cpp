@@ -169,18 +169,10 @@ constexpr int64_t head_tile() {
   return CHUNKS <= 2 ? 8 : (CHUNKS <= 4 ? 6 : (CHUNKS <= 8 ? 2 : 1));
 }
 
-// 2^f for f in [0, 1): sqrt(2) · e^r, r = (f - 1/2) · ln 2 in [-0.35, 0.35), a degree-6 Taylor
-// polynomial (relative error below 2e-7).
+// 2^f for f in [0, 1): sqrt(2) · e^r, r = (f - 1/2) · ln 2 in [-0.35, 0.35).
 inline __m512 exp2_fraction(__m512 f) {
   const __m512 r = _mm512_mul_ps(_mm512_sub_ps(f, _mm512_set1_ps(0.5f)), _mm512_set1_ps(0.693147180559945f));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_mul_ps(p, _mm512_set1_ps(1.41421356237309505f));
+  return _mm512_mul_ps(kunlun_cpu::vec::exp_taylor6(r), _mm512_set1_ps(1.41421356237309505f));
 }
 
 // The BF16 probabilities of 16 base-2 scores t under the whole-number maximum m: 2^(t - m) as
