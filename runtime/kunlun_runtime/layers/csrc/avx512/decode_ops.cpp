@@ -275,10 +275,10 @@ inline void weigh_values_tail(int64_t tile, const uint32_t* pairs, const bf16* c
 // BF16 probabilities in VDPBF16PS (half the instructions of FP32 P · V, which was most of a draft
 // row's attention); while a chunk computes, the next chunk's K and V rows are prefetched into L2
 // (blocks sit in random order, which the hardware prefetcher cannot follow), a key's rows between
-// two dot products as the first query head of each KV head scores them. Issuing the whole next chunk's prefetches up front stalled on
-// the line fill buffers (a profile put a large share of this kernel's samples on those
-// instructions); spread out, into L2, they were a small gain at every batch and context size
-// tried. CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
+// two dot products as the first query head of each KV head scores them. Issuing the whole next
+// chunk's prefetches up front stalled on the line fill buffers (a profile put a large share of
+// this kernel's samples on those instructions); spread out, into L2, they were a small gain at
+// every batch and context size tried. CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
 template <int CHUNKS>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
@@ -376,8 +376,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       }
       if (g0 < group) {
         weigh_values_tail<CHUNKS>(group - g0, pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask,
-                                  lane_mask,
-                                  base + g0 * D, D);
+                                  lane_mask, base + g0 * D, D);
       }
     }
     std::swap(key_slots, next_key_slots);
