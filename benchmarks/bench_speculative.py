@@ -10,8 +10,8 @@ none, ``SPECS["ngram"]``, ``SPECS["suffix"]``; ``--methods`` picks):
 - ``free``: open-ended generation with little to copy (stories, explanations).
 
 Each runs at batch 1 (every prompt alone), a closed batch of 8 (eight prompts at once) and 8 in
-flight (continuous batching over more prompts), greedy; the engines take turns batch by batch, the
-order reversed each time, and which goes first alternates in every repetition (only ratios from
+flight (continuous batching over more prompts), greedy; the engines take turns batch by batch (in
+flight, run by run, four runs each), the order reversed each time, and which goes first alternates in every repetition (only ratios from
 one run mean anything on a shared machine, whose speed changes within seconds). Reported: decode
 tok/s, the ratio speculative / plain per method, the mean accepted tokens per verification step
 and the acceptance rate. Targets (issue: speculative decoding): copy ≥ 2.0× at batch 1 and ≥ 1.3×
@@ -62,6 +62,7 @@ from kunlun_runtime.models.tokenizer import Tokenizer
 # IN_FLIGHT is 8 requests kept in flight over more prompts (continuous batching), timed over the
 # steps in which all 8 decode.
 IN_FLIGHT_REQUESTS = 8
+IN_FLIGHT_TURNS = 4  # in-flight runs per side and repetition, in turns (measure)
 IN_FLIGHT = f"{IN_FLIGHT_REQUESTS} in flight"
 BATCHES: tuple[int | str, ...] = (1, 8, IN_FLIGHT)
 TARGETS: dict[tuple[str, int | str], float | None] = {
@@ -188,23 +189,26 @@ def measure(
     ``IN_FLIGHT``: all of them, 8 in flight. Every side runs each closed batch in turn, the order
     reversed from one batch to the next, so a change in the machine's speed during a run (other
     tenants come and go within seconds) falls on the sides alike rather than on whichever ran
-    its batches while it lasted; in flight, a run of all the prompts per side, in ``sides``'
-    order. A closed batch of 8 decodes until its last request finishes; with drafts its requests
+    its batches while it lasted; in flight, ``IN_FLIGHT_TURNS`` runs of all the prompts per side,
+    taking turns the same way (a run lasts seconds, and one run per side left the ratio to
+    whichever of them a busy moment fell on). A closed batch of 8 decodes until its last request finishes; with drafts its requests
     finish apart (a copying one in a third of the steps), so most of its time goes to its last
     few requests decoding alone: closed, a speculative engine's batch 8 is mostly batch 1-7, in
     flight it stays 8 (as a server's does while requests queue)."""
     if batch == IN_FLIGHT:
-        rates: dict[str, tuple[float, float | None]] = {}
-        for side in sides:
-            timing = engine_batches.run_in_flight(
-                engines[side].engine,
-                prompt_ids(engines[side], tasks),
-                _params(max_tokens),
-                IN_FLIGHT_REQUESTS,
-                cache_salt=f"batch-{next(_BATCHES)}",
-            )
-            rates[side] = (timing.decode_tok_s, None)
-        return rates
+        decoded = {side: [0, 0.0] for side in sides}  # tokens, seconds
+        for turn in range(IN_FLIGHT_TURNS):
+            for side in sides if turn % 2 == 0 else sides[::-1]:
+                timing = engine_batches.run_in_flight(
+                    engines[side].engine,
+                    prompt_ids(engines[side], tasks),
+                    _params(max_tokens),
+                    IN_FLIGHT_REQUESTS,
+                    cache_salt=f"batch-{next(_BATCHES)}",
+                )
+                decoded[side][0] += timing.decode_tokens
+                decoded[side][1] += timing.decode_seconds
+        return {side: (tokens / seconds, None) for side, (tokens, seconds) in decoded.items()}
     assert isinstance(batch, int)
     totals = {side: [0.0, 0.0, 0.0] for side in sides}  # tokens, seconds, requests' seconds
     closed = tasks[:CLOSED_TASKS]

@@ -1,5 +1,5 @@
-"""benchmarks/bench_speculative.py: the engines take turns batch by batch, the order reversed from
-one batch to the next, and each side's rates come from its own batches."""
+"""benchmarks/bench_speculative.py: the engines take turns batch by batch (in flight, run by run),
+the order reversed from one turn to the next, and each side's rates come from its own batches."""
 
 import pytest
 
@@ -45,6 +45,36 @@ def test_closed_batches_alternate_between_the_sides_in_reversed_order(bench, tmp
         assert turns == expected
         for batch_rate, requests_rate in rates.values():
             assert batch_rate > 0 and requests_rate is not None and requests_rate > 0
+    finally:
+        for llm in engines.values():
+            llm.close()
+
+
+def test_in_flight_runs_alternate_between_the_sides(bench, tmp_path):
+    model = make_tiny_model(tmp_path / "tiny")
+    engines = {
+        "plain": LLM(str(model), dtype="float32", max_num_seqs=16),
+        "ngram": LLM(str(model), dtype="float32", max_num_seqs=16, speculative_config=bench.SPEC),
+    }
+    try:
+        added = []
+        for side, llm in engines.items():
+            add = llm.engine.add_request
+
+            def recording_add(request_id, prompt, params, side=side, add=add, **kwargs):
+                added.append(side)
+                return add(request_id, prompt, params, **kwargs)
+
+            llm.engine.add_request = recording_add
+        tasks = bench.free_tasks(10)
+        rates = bench.measure(engines, ["plain", "ngram"], tasks, bench.IN_FLIGHT, 4)
+        # Each run adds all the prompts; the runs go plain, ngram, then ngram, plain, and so on.
+        runs = [added[index] for index in range(0, len(added), len(tasks))]
+        assert added == [side for side in runs for _ in tasks]
+        assert bench.IN_FLIGHT_TURNS % 2 == 0
+        assert runs == ["plain", "ngram", "ngram", "plain"] * (bench.IN_FLIGHT_TURNS // 2)
+        for rate, requests_rate in rates.values():
+            assert rate > 0 and requests_rate is None
     finally:
         for llm in engines.values():
             llm.close()
