@@ -186,76 +186,36 @@ inline __m512 probabilities(__m512 t, float m, __mmask16 mask) {
   return _mm512_maskz_scalef_ps(mask, unit, _mm512_sub_ps(n, _mm512_set1_ps(m)));
 }
 
-// Keys i < count of a block of 16 (slots[i] + offset) as words, the BF16 pairs of dimensions 2w and
-// 2w + 1: word w of key i goes to kt[w * kKeyChunk + i], so that one vector holds one word of 16
-// keys (keys past `count` are zeros). A transpose of PAIRS 16 × 16 blocks, once per KV head for all
-// the query heads that read it (the rows of a task included). Meanwhile the rows of the first
-// `ahead` of ahead_keys / ahead_values (+ the offsets) go into L2, one key's between two loads
-// (issued together they stall on the line fill buffers).
-// FULL: count and ahead are 16 (most blocks), known at compile time so that the unrolled loads
-// branch on nothing.
-template <int PAIRS, bool FULL>
-inline void transpose_keys(const __mmask32* pair_mask, const bf16* const* slots, int64_t offset, int64_t count,
-                           uint32_t* kt, const bf16* const* ahead_keys, const bf16* const* ahead_values,
-                           int64_t value_offset, int64_t ahead) {
-  for (int c = 0; c < PAIRS; ++c) {
-    __m512i rows[16], words[16];
+// Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
+// scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
+// keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
+// 16 dot products stay in registers. Meanwhile the rows of the first `ahead` of ahead_keys /
+// ahead_values (+ the offsets) go into L2, one key's between two dot products (issued together
+// they stall on the line fill buffers).
+template <int PAIRS, bool WHOLE>
+inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16* const* slots, int64_t offset,
+                      int64_t count, __m512 scale, const bf16* const* ahead_keys, const bf16* const* ahead_values,
+                      int64_t value_offset, int64_t ahead, int64_t row_bytes) {
+  __m512 dots[16];
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      if (c == 0 && (FULL || i < ahead)) {
-        const char* next_key = reinterpret_cast<const char*>(ahead_keys[i] + offset);
-        const char* next_value = reinterpret_cast<const char*>(ahead_values[i] + value_offset);
-        for (int line = 0; line < PAIRS; ++line) {  // a row's 32 · PAIRS BF16 (a line past D is harmless)
-          _mm_prefetch(next_key + 64 * line, _MM_HINT_T1);
-          _mm_prefetch(next_value + 64 * line, _MM_HINT_T1);
-        }
+  for (int i = 0; i < 16; ++i) {
+    dots[i] = _mm512_setzero_ps();
+    if (i < ahead) {
+      const char* next_key = reinterpret_cast<const char*>(ahead_keys[i] + offset);
+      const char* next_value = reinterpret_cast<const char*>(ahead_values[i] + value_offset);
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        _mm_prefetch(next_key + line, _MM_HINT_T1);
+        _mm_prefetch(next_value + line, _MM_HINT_T1);
       }
-      rows[i] = FULL || i < count ? _mm512_maskz_loadu_epi16(pair_mask[c], slots[i] + offset + 32 * c) : _mm512_setzero_si512();
     }
-    kunlun_cpu::vec::transpose16x16(rows, words);
-    for (int w = 0; w < 16; ++w) _mm512_storeu_si512(kt + (16 * c + w) * kKeyChunk, words[w]);
-  }
-}
-
-// Base-2 scores of TILE query heads (queries: each one's 16 · PAIRS words, consecutive) against
-// BLOCKS blocks of 16 transposed keys (transpose_keys), scaled, into p + t · kKeyChunk: word w of
-// a query, broadcast, meets word w of 16 keys in one VDPBF16PS, with no reduction across lanes
-// after it. A key's dot product adds its words in one fixed order, so its score has the same bits
-// whichever task, split or neighbouring rows it is computed with.
-template <int TILE, int PAIRS, int BLOCKS>
-inline void score_tile(const uint32_t* queries, const uint32_t* kt, __m512 scale, float* p) {
-  constexpr int WORDS = 16 * PAIRS;
-  __m512 dots[TILE][BLOCKS];
-  for (int t = 0; t < TILE; ++t)
-    for (int b = 0; b < BLOCKS; ++b) dots[t][b] = _mm512_setzero_ps();
-  for (int w = 0; w < WORDS; ++w) {
-    __m512bh key[BLOCKS];
-    for (int b = 0; b < BLOCKS; ++b) key[b] = (__m512bh)_mm512_loadu_si512(kt + w * kKeyChunk + 16 * b);
-    for (int t = 0; t < TILE; ++t) {
-      const __m512bh query = (__m512bh)_mm512_set1_epi32(static_cast<int>(queries[t * WORDS + w]));
-      for (int b = 0; b < BLOCKS; ++b) dots[t][b] = _mm512_dpbf16_ps(dots[t][b], key[b], query);
+    if (!WHOLE && i >= count) continue;
+    const bf16* key = slots[i] + offset;
+#pragma GCC unroll 8
+    for (int c = 0; c < PAIRS; ++c) {
+      dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], key + 32 * c));
     }
   }
-  for (int t = 0; t < TILE; ++t)
-    for (int b = 0; b < BLOCKS; ++b) _mm512_storeu_ps(p + t * kKeyChunk + 16 * b, _mm512_mul_ps(dots[t][b], scale));
-}
-
-// Heads at a time whose score accumulators (BLOCKS vectors each) stay in registers together with
-// one word of the BLOCKS key vectors.
-template <int BLOCKS>
-constexpr int64_t score_tile_heads() {
-  return BLOCKS == 1 ? 8 : 6;
-}
-
-// score_tile for `heads` query heads, score_tile_heads at a time, then the rest.
-template <int PAIRS, int BLOCKS, int TILE = score_tile_heads<BLOCKS>()>
-inline void score_heads(int64_t heads, const uint32_t* queries, const uint32_t* kt, __m512 scale, float* p) {
-  for (; heads >= TILE; heads -= TILE, queries += TILE * 16 * PAIRS, p += TILE * kKeyChunk) {
-    score_tile<TILE, PAIRS, BLOCKS>(queries, kt, scale, p);
-  }
-  if constexpr (TILE > 1) {
-    if (heads > 0) score_heads<PAIRS, BLOCKS, TILE - 1>(heads, queries, kt, scale, p);
-  }
+  return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
 }
 
 // P · V for TILE query heads over n value rows (slots[j] + offset), two keys to a VDPBF16PS: the
@@ -308,26 +268,25 @@ inline void weigh_values_tail(int64_t tile, const uint32_t* pairs, const bf16* c
 // One split of one sequence: every query head (q: H rows of D, BF16, rotated) over keys
 // [start, end), as flash-decoding does it: per head the running maximum score, the sum of
 // exponentials relative to it, and the unnormalised output (acc, H × D), merged across splits by
-// the caller. Each chunk of kKeyChunk slots is read from memory once for all heads. Per KV head its
-// keys are transposed once (transpose_keys), so that the scores of all its query heads come from
-// VDPBF16PS dot products against 16 keys at a time with no reduction across lanes (score_tile);
-// they are in base 2 under a whole-number running maximum (probabilities()). Each pair of value
-// rows is interleaved once for up to head_tile query heads that share its KV head and weighed by
-// their BF16 probabilities in VDPBF16PS (half the instructions of FP32 P · V). While a chunk
-// computes, the next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which
-// the hardware prefetcher cannot follow), a key's rows between two loads of the transpose. Issuing
-// the whole next chunk's prefetches up front stalled on the line fill buffers (a profile put a large
-// share of this kernel's samples on those instructions); spread out, into L2, they were a small gain
-// at every batch and context size tried. CHUNKS = ceil(D / 16) (or more: the masks zero the lanes
-// past D).
+// the caller. Each chunk of kKeyChunk slots is read from memory once for all heads: scores come 16
+// keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, in
+// base 2 under a whole-number running maximum (probabilities()); each pair of value rows is
+// interleaved once for up to head_tile query heads that share its KV head and weighed by their
+// BF16 probabilities in VDPBF16PS (half the instructions of FP32 P · V, which was most of a draft
+// row's attention); while a chunk computes, the next chunk's K and V rows are prefetched into L2
+// (blocks sit in random order, which the hardware prefetcher cannot follow), a key's rows between
+// two dot products as the first query head of each KV head scores them. Issuing the whole next
+// chunk's prefetches up front stalled on the line fill buffers (a profile put a large share of
+// this kernel's samples on those instructions); spread out, into L2, they were a small gain at
+// every batch and context size tried. CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
 template <int CHUNKS>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
                   float* sums, float* acc) {
   constexpr int PAIRS = (CHUNKS + 1) / 2;
-  constexpr int64_t kWords = 16 * PAIRS;  // BF16 pairs of dimensions per head, zero past D
   constexpr int64_t kTile = head_tile<CHUNKS>();
   const int64_t group = H / KVH;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(bf16));
   __mmask32 pair_mask[PAIRS];
   for (int c = 0; c < PAIRS; ++c) {
     const int64_t left = D - 32 * c;
@@ -337,13 +296,6 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   for (int c = 0; c < CHUNKS; ++c) lane_mask[c] = tail_mask(D - 16 * c);
   // Scores in base 2 (scale · log2 e): probabilities are powers of two of them (probabilities()).
   const __m512 scale_v = _mm512_set1_ps(scale * 1.44269504088896341f);
-  std::vector<uint32_t> query_words(H * kWords);  // [head][word]
-  for (int64_t h = 0; h < H; ++h) {
-    for (int c = 0; c < PAIRS; ++c) {
-      _mm512_storeu_si512(query_words.data() + h * kWords + 16 * c, _mm512_maskz_loadu_epi16(pair_mask[c], q + h * D + 32 * c));
-    }
-  }
-  std::vector<uint32_t> key_words(kWords * kKeyChunk);  // [word][key]: one KV head's keys of a chunk
   std::vector<float> probs_storage(kKeyChunk * group);  // [head in group][key]
   float* probs = probs_storage.data();
   std::vector<uint32_t> pair_storage(kKeyChunk / 2 * group);  // [head in group][pair of keys], BF16 pairs
@@ -369,34 +321,31 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       gather_slots(keys, table, block_size, c0 + n, c0 + n + next, next_key_slots);
       gather_slots(values, table, block_size, c0 + n, c0 + n + next, next_value_slots);
     }
-    // A chunk of at most 16 keys (a draft row's own tail, a short sequence) is scored as one block.
-    const int64_t blocks = n <= 16 ? 1 : kKeyChunk / 16;
     for (int64_t kv = 0; kv < KVH; ++kv) {
       const int64_t key_offset = kv * keys.head_stride, value_offset = kv * values.head_stride;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t j = 16 * b;
-        const int64_t count = std::clamp<int64_t>(n - j, 0, 16), ahead = std::clamp<int64_t>(next - j, 0, 16);
-        if (count == 16 && ahead == 16) {
-          transpose_keys<PAIRS, true>(pair_mask, key_slots + j, key_offset, count, key_words.data() + j,
-                                      next_key_slots + j, next_value_slots + j, value_offset, ahead);
-        } else {
-          transpose_keys<PAIRS, false>(pair_mask, key_slots + j, key_offset, count, key_words.data() + j,
-                                       next_key_slots + j, next_value_slots + j, value_offset, ahead);
-        }
-      }
-      const uint32_t* group_queries = query_words.data() + kv * group * kWords;
-      if (blocks == 1) {
-        score_heads<PAIRS, 1>(group, group_queries, key_words.data(), scale_v, probs);
-      } else {
-        score_heads<PAIRS, kKeyChunk / 16>(group, group_queries, key_words.data(), scale_v, probs);
-      }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
-        const float* p = probs + g * kKeyChunk;
+        __m512bh qv[PAIRS];
+        for (int c = 0; c < PAIRS; ++c) qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + h * D + 32 * c);
+        float* p = probs + g * kKeyChunk;
         __m512 max_lanes = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n; j += 16) {
+        int64_t j = 0;
+        // The first query head of each KV head prefetches the next chunk's rows of that KV head.
+        auto ahead = [&](int64_t first) { return g == 0 ? std::clamp<int64_t>(next - first, 0, 16) : 0; };
+        for (; j + 16 <= n; j += 16) {
+          const __m512 scores = score16<PAIRS, true>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
+                                                     next_key_slots + j, next_value_slots + j, value_offset,
+                                                     ahead(j), row_bytes);
+          _mm512_storeu_ps(p + j, scores);
+          max_lanes = _mm512_max_ps(max_lanes, scores);
+        }
+        if (j < n) {
           const __mmask16 mask = tail_mask(n - j);
-          max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, _mm512_maskz_loadu_ps(mask, p + j));
+          const __m512 scores = score16<PAIRS, false>(qv, pair_mask, key_slots + j, key_offset, n - j, scale_v,
+                                                      next_key_slots + j, next_value_slots + j, value_offset,
+                                                      ahead(j), row_bytes);
+          _mm512_mask_storeu_ps(p + j, mask, scores);
+          max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
         }
         // The running maximum is a whole number (base 2): a correction is an exact power of two.
         const float new_max = std::max(maxima[h], std::ceil(_mm512_reduce_max_ps(max_lanes)));
