@@ -11,11 +11,11 @@ none, ``SPECS["ngram"]``, ``SPECS["suffix"]``; ``--methods`` picks):
 
 Each runs at batch 1 (every prompt alone), a closed batch of 8 (eight prompts at once) and 8 in
 flight (continuous batching over more prompts), greedy; the engines take turns batch by batch (in
-flight, run by run, four runs each), the order reversed each time, and which goes first alternates in every repetition (only ratios from
-one run mean anything on a shared machine, whose speed changes within seconds). Reported: decode
-tok/s, the ratio speculative / plain per method, the mean accepted tokens per verification step
-and the acceptance rate. Targets (issue: speculative decoding): copy ≥ 2.0× at batch 1 and ≥ 1.3×
-at batch 8; free ≥ 0.97× (no loss).
+flight, run by run, four runs each), the order reversed each time, and which goes first
+alternates in every repetition (only ratios from one run mean anything on a shared machine,
+whose speed changes within seconds). Reported: decode tok/s, the ratio speculative / plain per
+method, the mean accepted tokens per verification step and the acceptance rate. Targets (issue:
+speculative decoding): copy ≥ 2.0× at batch 1 and ≥ 1.3× at batch 8; free ≥ 0.97× (no loss).
 
 Decode tok/s of a closed batch is measured two ways: the batch's (output tokens after the first
 over the time after its last first token: when its slowest request ends) and its requests' (the
@@ -191,10 +191,10 @@ def measure(
     tenants come and go within seconds) falls on the sides alike rather than on whichever ran
     its batches while it lasted; in flight, ``IN_FLIGHT_TURNS`` runs of all the prompts per side,
     taking turns the same way (a run lasts seconds, and one run per side left the ratio to
-    whichever of them a busy moment fell on). A closed batch of 8 decodes until its last request finishes; with drafts its requests
-    finish apart (a copying one in a third of the steps), so most of its time goes to its last
-    few requests decoding alone: closed, a speculative engine's batch 8 is mostly batch 1-7, in
-    flight it stays 8 (as a server's does while requests queue)."""
+    whichever of them a busy moment fell on). A closed batch of 8 decodes until its last request
+    finishes; with drafts its requests finish apart (a copying one in a third of the steps), so
+    most of its time goes to its last few requests decoding alone: closed, a speculative engine's
+    batch 8 is mostly batch 1-7, in flight it stays 8 (as a server's does while requests queue)."""
     if batch == IN_FLIGHT:
         decoded = {side: [0, 0.0] for side in sides}  # tokens, seconds
         for turn in range(IN_FLIGHT_TURNS):

@@ -14,67 +14,56 @@ def bench(monkeypatch):
     return load_benchmark("bench_speculative")
 
 
-def test_closed_batches_alternate_between_the_sides_in_reversed_order(bench, tmp_path):
+@pytest.fixture
+def engines(bench, tmp_path):
+    """A plain and an ngram engine on a tiny model; each records (side, prompt length) in
+    ``engines["added"]`` as a request is added."""
     model = make_tiny_model(tmp_path / "tiny")
-    engines = {
+    llms = {
         "plain": LLM(str(model), dtype="float32", max_num_seqs=16),
         "ngram": LLM(str(model), dtype="float32", max_num_seqs=16, speculative_config=bench.SPEC),
     }
-    try:
-        turns = []
-        for side, llm in engines.items():
-            add = llm.engine.add_request
+    added: list[tuple[str, int]] = []
+    for side, llm in llms.items():
+        add = llm.engine.add_request
 
-            def recording_add(request_id, prompt, params, side=side, add=add, **kwargs):
-                turns.append((side, len(prompt["prompt_token_ids"])))
-                return add(request_id, prompt, params, **kwargs)
+        def recording_add(request_id, prompt, params, side=side, add=add, **kwargs):
+            added.append((side, len(prompt["prompt_token_ids"])))
+            return add(request_id, prompt, params, **kwargs)
 
-            llm.engine.add_request = recording_add
-        tasks = bench.free_tasks(bench.CLOSED_TASKS)
-        lengths = [len(ids) for ids in bench.prompt_ids(engines["plain"], tasks)]
-        rates = bench.measure(engines, ["plain", "ngram"], tasks, 2, 4)
-        # Four batches of two prompts: plain then ngram, ngram then plain, and so on, each side
-        # adding the batch's own prompts.
-        order = ["plain", "ngram", "ngram", "plain"] * 2
-        expected = [
-            (side, lengths[2 * batch + index])
-            for batch, pair in enumerate(zip(order[::2], order[1::2], strict=True))
-            for side in pair
-            for index in range(2)
-        ]
-        assert turns == expected
-        for batch_rate, requests_rate in rates.values():
-            assert batch_rate > 0 and requests_rate is not None and requests_rate > 0
-    finally:
-        for llm in engines.values():
-            llm.close()
+        llm.engine.add_request = recording_add
+    yield llms, added
+    for llm in llms.values():
+        llm.close()
 
 
-def test_in_flight_runs_alternate_between_the_sides(bench, tmp_path):
-    model = make_tiny_model(tmp_path / "tiny")
-    engines = {
-        "plain": LLM(str(model), dtype="float32", max_num_seqs=16),
-        "ngram": LLM(str(model), dtype="float32", max_num_seqs=16, speculative_config=bench.SPEC),
-    }
-    try:
-        added = []
-        for side, llm in engines.items():
-            add = llm.engine.add_request
+def test_closed_batches_alternate_between_the_sides_in_reversed_order(bench, engines):
+    llms, added = engines
+    tasks = bench.free_tasks(bench.CLOSED_TASKS)
+    lengths = [len(ids) for ids in bench.prompt_ids(llms["plain"], tasks)]
+    rates = bench.measure(llms, ["plain", "ngram"], tasks, 2, 4)
+    # Four batches of two prompts: plain then ngram, ngram then plain, and so on, each side
+    # adding the batch's own prompts.
+    order = ["plain", "ngram", "ngram", "plain"] * 2
+    expected = [
+        (side, lengths[2 * batch + index])
+        for batch, pair in enumerate(zip(order[::2], order[1::2], strict=True))
+        for side in pair
+        for index in range(2)
+    ]
+    assert added == expected
+    for batch_rate, requests_rate in rates.values():
+        assert batch_rate > 0 and requests_rate is not None and requests_rate > 0
 
-            def recording_add(request_id, prompt, params, side=side, add=add, **kwargs):
-                added.append(side)
-                return add(request_id, prompt, params, **kwargs)
 
-            llm.engine.add_request = recording_add
-        tasks = bench.free_tasks(10)
-        rates = bench.measure(engines, ["plain", "ngram"], tasks, bench.IN_FLIGHT, 4)
-        # Each run adds all the prompts; the runs go plain, ngram, then ngram, plain, and so on.
-        runs = [added[index] for index in range(0, len(added), len(tasks))]
-        assert added == [side for side in runs for _ in tasks]
-        assert bench.IN_FLIGHT_TURNS % 2 == 0
-        assert runs == ["plain", "ngram", "ngram", "plain"] * (bench.IN_FLIGHT_TURNS // 2)
-        for rate, requests_rate in rates.values():
-            assert rate > 0 and requests_rate is None
-    finally:
-        for llm in engines.values():
-            llm.close()
+def test_in_flight_runs_alternate_between_the_sides(bench, engines):
+    llms, added = engines
+    tasks = bench.free_tasks(10)
+    lengths = [len(ids) for ids in bench.prompt_ids(llms["plain"], tasks)]
+    rates = bench.measure(llms, ["plain", "ngram"], tasks, bench.IN_FLIGHT, 4)
+    # Each run adds all the prompts in order; the runs go plain, ngram, then ngram, plain, and so on.
+    assert bench.IN_FLIGHT_TURNS % 2 == 0
+    runs = ["plain", "ngram", "ngram", "plain"] * (bench.IN_FLIGHT_TURNS // 2)
+    assert added == [(side, length) for side in runs for length in lengths]
+    for rate, requests_rate in rates.values():
+        assert rate > 0 and requests_rate is None
