@@ -208,7 +208,9 @@ def measure(
                 )
                 decoded[side][0] += timing.decode_tokens
                 decoded[side][1] += timing.decode_seconds
-        return {side: (tokens / seconds, None) for side, (tokens, seconds) in decoded.items()}
+        return {
+            side: (tokens / seconds if seconds else 0.0, None) for side, (tokens, seconds) in decoded.items()
+        }
     assert isinstance(batch, int)
     totals = {side: [0.0, 0.0, 0.0] for side in sides}  # tokens, seconds, requests' seconds
     closed = tasks[:CLOSED_TASKS]
