@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 
 import cbor2
 import httpx
@@ -61,11 +62,20 @@ def start(model_dir, context, *, encoding="array", **options):
     return llm, subscriber
 
 
-def in_sync(llm, subscriber) -> set[int]:
-    """Take in what arrived live, replay the rest, and check the subscriber's set is the engine's."""
-    subscriber.receive_live()
-    subscriber.replay()
+def in_sync(llm, subscriber, within_s: float = 10.0) -> set[int]:
+    """Take in what arrived live, replay the rest, and check the subscriber's set becomes the
+    engine's. The publisher sends from its own thread (as vLLM's does), so the last step's batch
+    may still be queued when ``generate`` returns: on a loaded machine a replay asked for at once
+    found nothing new. The subscriber takes in and replays until the sets agree or ``within_s``
+    passes."""
     cached = set(llm.engine.block_pool.cached_block_hashes())
+    deadline = time.monotonic() + within_s
+    while True:
+        subscriber.receive_live()
+        subscriber.replay()
+        if subscriber.cached == cached or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     assert subscriber.cached == cached
     return cached
 
