@@ -16,8 +16,8 @@ def bench(monkeypatch):
 
 @pytest.fixture
 def engines(bench, tmp_path):
-    """A plain and an ngram engine on a tiny model; each records (side, prompt length) in
-    ``engines["added"]`` as a request is added."""
+    """A plain and an ngram engine on a tiny model, and the list to which each adds (side, prompt
+    length) as a request is added."""
     model = make_tiny_model(tmp_path / "tiny")
     llms = {
         "plain": LLM(str(model), dtype="float32", max_num_seqs=16),

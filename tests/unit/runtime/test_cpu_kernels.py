@@ -351,6 +351,40 @@ def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threa
     assert (together == alone).float().mean() > 0.99
 
 
+@needs_kernels(torch.bfloat16)
+@pytest.mark.parametrize("heads,head_dim", [((6, 2), 32), ((9, 3), 64), ((4, 4), 128), ((6, 3), 48)])
+@pytest.mark.parametrize("length", [7, 40, 300])
+def test_decode_attention_scores_a_row_with_drafts_as_it_scores_it_alone(heads, head_dim, length):
+    # A decode row and its drafts (rows at consecutive positions over one table) share a task, all
+    # their query heads over each chunk of keys at once; a row alone is a task of its own. On one
+    # thread the first row's keys are one task either way, so its attention must be the same bits:
+    # a draft's verification then sees what decoding without drafts would. (An ulp's change in a
+    # score, as another order of additions makes, rarely shows through the BF16 probabilities and
+    # output: this catches larger differences.)
+    from kunlun_runtime.layers.attention import build_attention_metadata
+
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(3)).tolist()
+    lengths = (length, length + 1, length + 2, length + 3)
+    case = {"lengths": lengths, "tables": [order[:20]] * 4, "num_blocks": 48}
+    outputs = []
+    for together in (True, False):
+        cache, tables, q, k, v, (cos, sin), _ = _decode_case(0, heads, head_dim, **case)
+        meta = build_attention_metadata([1] * 4, list(lengths), tables, 16, torch.device("cpu"))
+        cos, sin = cos.view(-1, head_dim), sin.view(-1, head_dim)
+        rows = slice(0, 4) if together else slice(0, 1)
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            out = cpu_kernels.decode_attention(
+                q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
+                meta.block_tables[rows], meta.context_lens[rows], 0.125, 0,
+            )  # fmt: skip
+        finally:
+            torch.set_num_threads(threads_before)
+        outputs.append(out[0])
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:
     """The kernel against apply_rotary + the torch paged path: same cache contents, same output."""
     from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
@@ -542,37 +576,3 @@ def test_build_to_writes_every_tier_without_loading_and_the_runtime_loads_them_f
     avx2, avx512 = done.stdout.split()
     assert avx2 == "True" and avx512 == str(cpu_kernels.load(torch.bfloat16))
     assert not (tmp_path / "none").exists()  # loaded from the folder, nothing compiled
-
-
-@needs_kernels(torch.bfloat16)
-@pytest.mark.parametrize("heads,head_dim", [((6, 2), 32), ((9, 3), 64), ((4, 4), 128), ((6, 3), 48)])
-@pytest.mark.parametrize("length", [7, 40, 300])
-def test_decode_attention_scores_a_row_with_drafts_as_it_scores_it_alone(heads, head_dim, length):
-    # A decode row and its drafts (rows at consecutive positions over one table) share a task, all
-    # their query heads over each chunk of keys at once; a row alone is a task of its own. On one
-    # thread the first row's keys are one task either way, so its attention must be the same bits:
-    # a draft's verification then sees what decoding without drafts would. (An ulp's change in a
-    # score, as another order of additions makes, rarely shows through the BF16 probabilities and
-    # output: this catches larger differences.)
-    from kunlun_runtime.layers.attention import build_attention_metadata
-
-    order = torch.randperm(48, generator=torch.Generator().manual_seed(3)).tolist()
-    lengths = (length, length + 1, length + 2, length + 3)
-    case = {"lengths": lengths, "tables": [order[:20]] * 4, "num_blocks": 48}
-    outputs = []
-    for together in (True, False):
-        cache, tables, q, k, v, (cos, sin), _ = _decode_case(0, heads, head_dim, **case)
-        meta = build_attention_metadata([1] * 4, list(lengths), tables, 16, torch.device("cpu"))
-        cos, sin = cos.view(-1, head_dim), sin.view(-1, head_dim)
-        rows = slice(0, 4) if together else slice(0, 1)
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            out = cpu_kernels.decode_attention(
-                q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
-                meta.block_tables[rows], meta.context_lens[rows], 0.125, 0,
-            )  # fmt: skip
-        finally:
-            torch.set_num_threads(threads_before)
-        outputs.append(out[0])
-    assert torch.equal(outputs[0], outputs[1])
