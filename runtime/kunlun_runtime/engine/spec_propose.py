@@ -23,9 +23,9 @@ from kunlun_runtime.engine.suffix_tree import NO_DRAFT, Draft
 def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> Draft:
     """Up to ``k`` tokens that followed the first occurrence of the last n tokens of ``tokens``
     (the suffix itself excluded), for the largest n in [min_n, max_n] that occurs, with n as its
-    match length; no draft when none does. The first, not the latest: a text being copied is in
-    the prompt, before the output's own repeats (on copy tasks it accepted 0.67 of its drafts
-    against 0.52 with the latest)."""
+    match length and the position they follow from as its source; no draft when none does. The
+    first, not the latest: a text being copied is in the prompt, before the output's own repeats
+    (on copy tasks it accepted 0.67 of its drafts against 0.52 with the latest)."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = list(tokens[length - n :])
@@ -33,7 +33,7 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> Draf
             if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
                 follow = tuple(tokens[start + n : start + n + k])
                 if follow:
-                    return Draft(follow, match_length=n)
+                    return Draft(follow, match_length=n, source=start + n)
     return NO_DRAFT
 
 
@@ -49,6 +49,8 @@ class NgramIndex:
     def propose(self, tokens: Sequence[int], k: int) -> Draft:
         """``propose_ngram(tokens, k, min_n, max_n)``, from the index."""
         length = len(tokens)
+        if not self._first:  # a request's first proposal: its whole prompt at once
+            self._index_all(tokens)
         # The suffix's own occurrence must not count: index every n-gram ending before the last token.
         for end in range(max(self._indexed, 1), length):
             for n in range(self.min_n, min(self.max_n, end) + 1):
@@ -62,8 +64,22 @@ class NgramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             after = self._first.get(tuple(tokens[length - n :]))
             if after is not None and after < length:
-                return Draft(tuple(tokens[after : after + k]), match_length=n)
+                return Draft(tuple(tokens[after : after + k]), match_length=n, source=after)
         return NO_DRAFT
+
+    def _index_all(self, tokens: Sequence[int]) -> None:
+        """Index every n-gram of ``tokens`` ending before the last token, as ``propose``'s loop does,
+        a whole n at a time: a 1,500-token prompt took ~3 ms in that loop, inside the decode step
+        in which its request first drafted, and a few tenths of that here."""
+        length = len(tokens)
+        for n in range(self.min_n, self.max_n + 1):
+            starts = length - n  # n-grams at 0 .. starts - 1, ending at n .. length - 1
+            if starts <= 0:
+                break
+            grams = list(zip(*(tokens[i : i + starts] for i in range(n)), strict=True))
+            # Of a repeated key, update keeps the last value: walked backwards, the first occurrence's.
+            self._first.update(zip(reversed(grams), range(length - 1, n - 1, -1), strict=True))
+        self._indexed = length
 
 
 @dataclass(slots=True)
@@ -155,6 +171,11 @@ ACCEPTANCE_MEMORY = 0.8  # per step: weight of the past in a request's acceptanc
 PRIOR_MEMORY = 0.95  # per verification: weight of the past in the acceptance across requests
 PRIOR_TESTS = 4.0  # how many tested drafts the prior counts as in a new request's acceptance
 LONGEST_MATCH = 16  # drafts from longer matches pool their acceptance with those from this long
+# How a draft's acceptance is pooled across requests (Proposer.draft_kind): ("copy", 1) a copied
+# draft that continues its request's copy, ("copy", 0) one from a new match, ("match", n) a draft
+# from elsewhere by its match length n.
+DraftKind = tuple[str, int]
+NO_KIND: DraftKind = ("match", 0)
 WAKE_MATCH = 3  # a resting request drafts again once its last this many tokens occurred before
 
 
@@ -188,11 +209,14 @@ class Proposer:
     """Drafts for the running requests about to decode, within their budgets and lengths, and
     only as many as their chances make worth this step's cost.
 
-    A draft's chance is its request's recent acceptance, lowered where drafts from matches as
-    long as its do worse across requests (a draft that follows 1 matched token is accepted far
-    less often than one that follows 8). Only lowered: raising it as well predicted acceptance
-    better on our workloads, but ran more of free text's drafts at batch 8, where they cost more
-    than they brought."""
+    A draft's chance is its request's recent acceptance, lowered where drafts of its kind do worse
+    across requests (``draft_kind``): a draft copied from the request's own tokens (``ngram``)
+    either continues the copy its request's drafts last came from, or starts from a new match (the
+    request left the text it copied: an edit, a new field), and the latter fail far more often; a
+    suffix draft by its match length (one that follows 1 matched token is accepted far less often
+    than one that follows 8). Only lowered: raising it as well predicted acceptance better on our
+    workloads, but ran more of free text's drafts at batch 8, where they cost more than they
+    brought."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -201,8 +225,9 @@ class Proposer:
         # Across requests, recent verifications weighted: where a new request starts, so a workload
         # whose drafts mostly fail (free text) does not try each new request at an optimistic rate.
         self._prior = Acceptance.starting_at(INITIAL_ACCEPTANCE, PRIOR_TESTS, PRIOR_MEMORY)
-        self._by_match: dict[int, Acceptance] = {}  # across requests, by match length (at most LONGEST_MATCH)
-        self._matched: dict[str, int] = {}  # the match length of each request's latest drafts
+        self._by_kind: dict[DraftKind, Acceptance] = {}  # across requests, by draft_kind
+        self._kinds: dict[str, DraftKind] = {}  # the kind of each request's latest drafts
+        self._copy_distance: dict[str, int] = {}  # how far behind its end each request last copied from
         self._indexes: dict[str, NgramIndex | SuffixIndex] = {}
         # suffix: its settings, and the tenants' outputs its drafts may also come from (None
         # under ngram, or with suffix_decoding_max_cached_requests 0)
@@ -243,17 +268,33 @@ class Proposer:
         """Up to ``k`` drafts for ``request`` from its index (its tokens so far)."""
         if k <= 0:
             return []
-        draft = self._index(request).propose(request.all_token_ids, k)
-        self._matched[request.request_id] = min(draft.match_length, LONGEST_MATCH)
+        tokens = request.all_token_ids
+        draft = self._index(request).propose(tokens, k)
+        self._kinds[request.request_id] = self.draft_kind(request.request_id, draft, len(tokens))
         return list(draft.token_ids)
+
+    def draft_kind(self, request_id: str, draft: Draft, length: int) -> DraftKind:
+        """Which drafts across requests ``draft`` (proposed after ``length`` tokens) pools its
+        acceptance with. A copied draft continues its request's copy where it comes from as far
+        behind the request's end as its last copied drafts did: a request copying a text keeps
+        that distance, however many of its tokens came from drafts, and leaving the text (an
+        edit, a new field, a rejected draft) moves its next match elsewhere, where drafts fail
+        more often (docs/performance.md: copy tasks, 8 in flight)."""
+        if draft.source < 0:
+            return ("match", min(draft.match_length, LONGEST_MATCH))
+        distance = length - draft.source
+        continues = self._copy_distance.get(request_id) == distance
+        self._copy_distance[request_id] = distance
+        return ("copy", int(continues))
 
     def chance(self, request_id: str, position: int) -> float:
         """The chance that the request's latest draft at ``position`` (0: the first) is accepted:
         its acceptance (a draft's chance after accepted ones), lowered halfway towards that of
-        drafts from as long a match where those do worse, to the power of the drafts up to it."""
+        drafts of its kind (``draft_kind``) where those do worse, to the power of the drafts up
+        to it."""
         own = self._request_rate(request_id)
-        match = self._by_match.get(self._matched.get(request_id, 0), self._prior)
-        return ((own + min(own, match.rate)) / 2) ** (position + 1)
+        pool = self._by_kind.get(self._kinds.get(request_id, NO_KIND), self._prior)
+        return ((own + min(own, pool.rate)) / 2) ** (position + 1)
 
     def best_chance(self, request_id: str, position: int) -> float:
         """``chance`` for a draft not proposed yet: at least what its chance will be once proposed."""
@@ -289,10 +330,10 @@ class Proposer:
                     self._prior.rate, PRIOR_TESTS, ACCEPTANCE_MEMORY
                 )
             acceptance.update(proposed, accepted)
-            match = self._matched.get(request_id, 0)
-            if match not in self._by_match:
-                self._by_match[match] = Acceptance.starting_at(self._prior.rate, PRIOR_TESTS, PRIOR_MEMORY)
-            self._by_match[match].update(proposed, accepted)
+            kind = self._kinds.get(request_id, NO_KIND)
+            if kind not in self._by_kind:
+                self._by_kind[kind] = Acceptance.starting_at(self._prior.rate, PRIOR_TESTS, PRIOR_MEMORY)
+            self._by_kind[kind].update(proposed, accepted)
             self._prior.update(proposed, accepted)
 
     def forget(self, request: Request) -> None:
@@ -300,6 +341,7 @@ class Proposer:
         self._budgets.pop(request.request_id, None)
         self._acceptance.pop(request.request_id, None)
         self._indexes.pop(request.request_id, None)
-        self._matched.pop(request.request_id, None)
+        self._kinds.pop(request.request_id, None)
+        self._copy_distance.pop(request.request_id, None)
         if self._suffix_cache is not None:
             self._suffix_cache.add(tenant_of(request), request.output_token_ids)

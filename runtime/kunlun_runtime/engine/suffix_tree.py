@@ -38,11 +38,14 @@ class _Node:
 @dataclass(frozen=True, slots=True)
 class Draft:
     """A proposal: its tokens, its score (the sum of each token's probability, the product of the
-    conditional probabilities along the path up to it) and how many context tokens matched."""
+    conditional probabilities along the path up to it), how many context tokens matched, and
+    where in the request's tokens its tokens were copied from (the first one's position; -1 where
+    they were not copied from one place, as a suffix tree's counts are not)."""
 
     token_ids: tuple[int, ...] = ()
     score: float = 0.0
     match_length: int = 0
+    source: int = -1
 
 
 NO_DRAFT = Draft()

@@ -401,12 +401,14 @@ def test_a_new_request_starts_from_the_acceptance_across_requests():
     assert 0.1 < proposer.chance("new", 0) < 0.6
 
 
-def test_a_draft_from_a_match_length_whose_drafts_fail_is_priced_lower():
+def test_a_suffix_draft_from_a_match_length_whose_drafts_fail_is_priced_lower():
     # Across requests, drafts after a 3-token match were all accepted and those after a 1-token
     # match none: a new request's draft from a 1-token match gets little more than half the chance of one
     # from a 3-token match (its own acceptance, lowered halfway to its match length's), and the
     # chance hoped for before proposing is never below the one a proposal gets.
-    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3))
+    proposer = Proposer(
+        SpeculativeConfig(method="suffix", num_speculative_tokens=2, suffix_decoding_max_cached_requests=0)
+    )
     long_match = [1, 2, 3, 4, 5, 1, 2, 3]  # [1, 2, 3] seen before: drafts [4, 5]
     short_match = [1, 6, 7, 8, 9, 1]  # only [1]: drafts [6, 7]
     for index in range(20):
@@ -426,6 +428,37 @@ def test_a_draft_from_a_match_length_whose_drafts_fail_is_priced_lower():
     assert proposer.chance("long", 0) == pytest.approx(hoped["long"])
     assert proposer.chance("short", 0) < 0.6 * proposer.chance("long", 0)
     assert all(hoped[name] >= proposer.chance(name, 0) for name in fresh)
+
+
+def test_a_copied_draft_that_continues_its_requests_copy_is_priced_apart_from_a_new_match():
+    # Across requests, copied drafts that came from a new match all failed and those that went on
+    # copying from as far behind the request's end as its drafts before them all held: a request's
+    # next draft that goes on copying keeps its own chance, one from a new match is lowered towards
+    # the failures; the chance hoped for before proposing is never below the one a proposal gets.
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2))
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+
+    def copying(name: str, copied: int) -> Request:  # the text, then its first `copied` tokens again
+        return Request(name, text + text[:copied], SamplingParams(temperature=0), max_total_tokens=64)
+
+    for index in range(20):
+        request = copying(f"old-{index}", 2)
+        assert proposer.drafts(request, 3) == [12, 13, 14]  # a new match: the copy starts
+        proposer.accepted(request.request_id, 3, 0)
+        request.output_token_ids = text[2:5]  # it copied on regardless, 3 tokens later
+        assert proposer.drafts(request, 3) == [15, 16, 17]  # the same distance back: continues
+        proposer.accepted(request.request_id, 3, 3)
+    going_on, jumping = copying("going-on", 2), copying("jumping", 2)
+    for request in (going_on, jumping):
+        proposer.drafts(request, 3)
+    going_on.output_token_ids = text[2:6]
+    jumping.output_token_ids = [12, 13, 17, 18]  # skipped to a later sentence: copies from elsewhere
+    hoped = {name: proposer.best_chance(name, 0) for name in ("going-on", "jumping")}
+    assert proposer.drafts(going_on, 3) == [16, 17, 18]
+    assert proposer.drafts(jumping, 3) == [19, 20, 21]
+    assert proposer.chance("going-on", 0) == pytest.approx(hoped["going-on"])
+    assert proposer.chance("jumping", 0) < 0.75 * proposer.chance("going-on", 0)
+    assert all(hoped[name] >= proposer.chance(name, 0) for name in hoped)
 
 
 @settings(max_examples=200, deadline=None)
