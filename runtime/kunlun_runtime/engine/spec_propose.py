@@ -176,7 +176,6 @@ LONGEST_MATCH = 16  # drafts from longer matches pool their acceptance with thos
 # from elsewhere by its match length n.
 DraftKind = tuple[str, int]
 NO_KIND: DraftKind = ("match", 0)
-CONTINUES: DraftKind = ("copy", 1)
 WAKE_MATCH = 3  # a resting request drafts again once its last this many tokens occurred before
 
 
@@ -215,10 +214,9 @@ class Proposer:
     either continues the copy its request's drafts last came from, or starts from a new match (the
     request left the text it copied: an edit, a new field), and the latter fail far more often; a
     suffix draft by its match length (one that follows 1 matched token is accepted far less often
-    than one that follows 8). Only lowered, but for a draft that continues its request's copy,
-    which is raised as well: raising every kind predicted acceptance better on our workloads but
-    ran more of free text's drafts at batch 8, where they cost more than they brought, while a
-    request back in a copy after an edit drafts too little on the acceptance its edit cost it."""
+    than one that follows 8). Only lowered: raising it as well predicted acceptance better on our
+    workloads, but ran more of free text's drafts at batch 8, where they cost more than they
+    brought."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -291,20 +289,16 @@ class Proposer:
 
     def chance(self, request_id: str, position: int) -> float:
         """The chance that the request's latest draft at ``position`` (0: the first) is accepted:
-        its acceptance (a draft's chance after accepted ones), moved halfway towards that of
-        drafts of its kind (``draft_kind``) where those do worse (or, continuing a copy, better),
-        to the power of the drafts up to it."""
+        its acceptance (a draft's chance after accepted ones), lowered halfway towards that of
+        drafts of its kind (``draft_kind``) where those do worse, to the power of the drafts up
+        to it."""
         own = self._request_rate(request_id)
-        kind = self._kinds.get(request_id, NO_KIND)
-        pool = self._by_kind.get(kind, self._prior).rate
-        return ((own + (pool if kind == CONTINUES else min(own, pool))) / 2) ** (position + 1)
+        pool = self._by_kind.get(self._kinds.get(request_id, NO_KIND), self._prior)
+        return ((own + min(own, pool.rate)) / 2) ** (position + 1)
 
     def best_chance(self, request_id: str, position: int) -> float:
         """``chance`` for a draft not proposed yet: at least what its chance will be once proposed."""
-        own = self._request_rate(request_id)
-        continuing = self._by_kind.get(CONTINUES)
-        best = own if continuing is None else max(own, continuing.rate)
-        return ((own + best) / 2) ** (position + 1)
+        return self._request_rate(request_id) ** (position + 1)
 
     def _request_rate(self, request_id: str) -> float:
         acceptance = self._acceptance.get(request_id)
