@@ -221,11 +221,13 @@ inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16
 // P · V for TILE query heads over n value rows (slots[j] + offset), two keys to a VDPBF16PS: the
 // probabilities of each head as BF16 pairs (pairs + g * kKeyChunk / 2: keys 2i and 2i + 1 in the
 // low and high half of element i), each pair of value rows interleaved element by element once for
-// all TILE heads; accumulators at base + g * D. An odd last key pairs with a probability of 0 (and
-// its own row again).
+// all TILE heads; accumulators at base + g * D, multiplied by corrections[g] (the previous chunks'
+// rescaling to the new maximum) as they are loaded. An odd last key pairs with a probability of 0
+// (and its own row again).
 template <int TILE, int CHUNKS>
 inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_t offset, int64_t n,
-                         const __mmask32* pair_mask, const __mmask16* lane_mask, float* base, int64_t D) {
+                         const __mmask32* pair_mask, const __mmask16* lane_mask, const float* corrections,
+                         float* base, int64_t D) {
   constexpr int PAIRS = (CHUNKS + 1) / 2;
   // Element 2i of a pair's first row and of its second, for i in the low (high) 16 of the 32.
   static constexpr uint16_t kInterleave[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
@@ -233,8 +235,11 @@ inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_
   const __m512i low = _mm512_loadu_si512(kInterleave);
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   __m512 sum[TILE][CHUNKS];
-  for (int g = 0; g < TILE; ++g)
-    for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_maskz_loadu_ps(lane_mask[c], base + g * D + 16 * c);
+  for (int g = 0; g < TILE; ++g) {  // the sums so far, rescaled to this chunk's maximum
+    const __m512 correction = _mm512_set1_ps(corrections[g]);
+    for (int c = 0; c < CHUNKS; ++c)
+      sum[g][c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask[c], base + g * D + 16 * c), correction);
+  }
   for (int64_t j = 0; j < n; j += 2) {
     const bf16* first = slots[j] + offset;
     const bf16* second = j + 1 < n ? slots[j + 1] + offset : first;
@@ -257,11 +262,80 @@ inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_
 // weigh_values for the last `tile` (< head_tile) heads of a group.
 template <int CHUNKS, int TILE = 1>
 inline void weigh_values_tail(int64_t tile, const uint32_t* pairs, const bf16* const* slots, int64_t offset,
-                              int64_t n, const __mmask32* pair_mask, const __mmask16* lane_mask, float* base,
-                              int64_t D) {
+                              int64_t n, const __mmask32* pair_mask, const __mmask16* lane_mask,
+                              const float* corrections, float* base, int64_t D) {
   if constexpr (TILE < head_tile<CHUNKS>()) {
-    if (tile == TILE) return weigh_values<TILE, CHUNKS>(pairs, slots, offset, n, pair_mask, lane_mask, base, D);
-    return weigh_values_tail<CHUNKS, TILE + 1>(tile, pairs, slots, offset, n, pair_mask, lane_mask, base, D);
+    if (tile == TILE) {
+      return weigh_values<TILE, CHUNKS>(pairs, slots, offset, n, pair_mask, lane_mask, corrections, base, D);
+    }
+    return weigh_values_tail<CHUNKS, TILE + 1>(tile, pairs, slots, offset, n, pair_mask, lane_mask, corrections,
+                                               base, D);
+  }
+}
+
+// 2^whole for a whole number (or -inf: 0), exactly: VSCALEFSS, no call into libm's exp2f (which
+// was a tenth of a draft row's attention, once per query head and chunk of keys).
+inline float exact_pow2(float whole) { return _mm_cvtss_f32(_mm_scalef_ss(_mm_set_ss(1.0f), _mm_set_ss(whole))); }
+
+// Lane j: the largest lane of v[j] (the transpose-reduce of transpose_sum16, with max).
+inline __m512 transpose_max16(const __m512 v[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    quads[i] = _mm512_max_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    halves[i] = _mm512_max_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_max_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Query heads per KV head from which their maxima and sums are reduced 16 at a time
+// (transpose_max16, sum16_halving); fewer, as a row without drafts has, one at a time.
+constexpr int64_t kBatchedHeads = 8;
+
+// The new running maxima of `count` query heads (whole numbers, base 2: the ceiling of the
+// largest score so far) from their lanes' largest scores in this chunk, and each head's
+// correction for what it summed before: an exact power of two, or 0 where the head had no keys
+// yet (maximum -inf). corrections holds count rounded up to 16.
+inline void update_maxima(const __m512* lanes, int64_t count, float* maxima, float* corrections) {
+  if (count < kBatchedHeads) {
+    for (int64_t g = 0; g < count; ++g) {
+      const float new_max = std::max(maxima[g], std::ceil(_mm512_reduce_max_ps(lanes[g])));
+      corrections[g] = maxima[g] == -INFINITY ? 0.0f : exact_pow2(maxima[g] - new_max);
+      maxima[g] = new_max;
+    }
+    return;
+  }
+  for (int64_t g0 = 0; g0 < count; g0 += 16) {
+    const __mmask16 mask = tail_mask(count - g0);
+    const __m512 largest = transpose_max16(lanes + g0);
+    const __m512 old_max = _mm512_maskz_loadu_ps(mask, maxima + g0);
+    const __m512 new_max =
+        _mm512_max_ps(old_max, _mm512_roundscale_ps(largest, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
+    const __mmask16 first = _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    _mm512_mask_storeu_ps(maxima + g0, mask, new_max);
+    _mm512_storeu_ps(corrections + g0,
+                     _mm512_maskz_scalef_ps(~first, _mm512_set1_ps(1.0f), _mm512_sub_ps(old_max, new_max)));
+  }
+}
+
+// sums = sums · correction + the lane sums of this chunk's probabilities (sum_halving's order
+// either way: the same bits for a head however many heads its task has).
+inline void update_sums(const __m512* lanes, int64_t count, const float* corrections, float* sums) {
+  if (count < kBatchedHeads) {
+    for (int64_t g = 0; g < count; ++g) sums[g] = sums[g] * corrections[g] + kunlun_cpu::vec::sum_halving(lanes[g]);
+    return;
+  }
+  for (int64_t g0 = 0; g0 < count; g0 += 16) {
+    const __mmask16 mask = tail_mask(count - g0);
+    const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sums + g0), _mm512_loadu_ps(corrections + g0));
+    _mm512_mask_storeu_ps(sums + g0, mask, _mm512_add_ps(scaled, kunlun_cpu::vec::sum16_halving(lanes + g0)));
   }
 }
 
@@ -300,6 +374,11 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   float* probs = probs_storage.data();
   std::vector<uint32_t> pair_storage(kKeyChunk / 2 * group);  // [head in group][pair of keys], BF16 pairs
   uint32_t* pairs = pair_storage.data();
+  // Per query head of a KV head: its lanes' largest score, then its probabilities' lane sums
+  // (rounded up to 16 heads, the tail's lanes unused); and its correction for the chunk.
+  const int64_t padded_group = (group + 15) / 16 * 16;
+  std::vector<__m512> head_lanes(padded_group, _mm512_setzero_ps());
+  std::vector<float> corrections(padded_group);
   // Slot pointers of this chunk and the next, swapped as the chunks advance.
   const bf16* slot_storage[4][kKeyChunk];
   const bf16** key_slots = slot_storage[0];
@@ -323,10 +402,16 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
     }
     for (int64_t kv = 0; kv < KVH; ++kv) {
       const int64_t key_offset = kv * keys.head_stride, value_offset = kv * values.head_stride;
+      float* head_maxima = maxima + kv * group;
+      float* head_sums = sums + kv * group;
+      // Every query head's scores first, then all their maxima; their probabilities, then all
+      // their sums: reduced 16 heads at a time where a row has drafts (one head at a time, with a
+      // scalar update and a libm exp2f each, they were a quarter of this kernel's time there).
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kv * group + g;
         __m512bh qv[PAIRS];
-        for (int c = 0; c < PAIRS; ++c) qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + h * D + 32 * c);
+        for (int c = 0; c < PAIRS; ++c) {
+          qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + (kv * group + g) * D + 32 * c);
+        }
         float* p = probs + g * kKeyChunk;
         __m512 max_lanes = _mm512_set1_ps(-INFINITY);
         int64_t j = 0;
@@ -347,9 +432,12 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
           _mm512_mask_storeu_ps(p + j, mask, scores);
           max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
         }
-        // The running maximum is a whole number (base 2): a correction is an exact power of two.
-        const float new_max = std::max(maxima[h], std::ceil(_mm512_reduce_max_ps(max_lanes)));
-        const float correction = maxima[h] == -INFINITY ? 0.0f : std::exp2(maxima[h] - new_max);
+        head_lanes[g] = max_lanes;
+      }
+      update_maxima(head_lanes.data(), group, head_maxima, corrections.data());
+      for (int64_t g = 0; g < group; ++g) {
+        const float* p = probs + g * kKeyChunk;
+        const float new_max = head_maxima[g];
         __m512 total = _mm512_setzero_ps();
         uint32_t* pair = pairs + g * (kKeyChunk / 2);
         for (int64_t i = 0; i < n; i += 32) {  // 32 probabilities, packed as 16 BF16 pairs of keys
@@ -360,23 +448,19 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
           // Exact: each is a BF16 value already.
           _mm512_storeu_si512(pair + i / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
-        sums[h] = sums[h] * correction + _mm512_reduce_add_ps(total);
-        maxima[h] = new_max;
-        for (int c = 0; c < CHUNKS; ++c) {
-          float* a = acc + h * D + 16 * c;
-          _mm512_mask_storeu_ps(a, lane_mask[c], _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask[c], a), _mm512_set1_ps(correction)));
-        }
+        head_lanes[g] = total;
       }
+      update_sums(head_lanes.data(), group, corrections.data(), head_sums);
       // P · V for this KV head's query heads, kTile at a time so the accumulators stay in registers.
       float* base = acc + kv * group * D;
       int64_t g0 = 0;
       for (; g0 + kTile <= group; g0 += kTile) {
         weigh_values<kTile, CHUNKS>(pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask, lane_mask,
-                                    base + g0 * D, D);
+                                    corrections.data() + g0, base + g0 * D, D);
       }
       if (g0 < group) {
         weigh_values_tail<CHUNKS>(group - g0, pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask,
-                                  lane_mask, base + g0 * D, D);
+                                  lane_mask, corrections.data() + g0, base + g0 * D, D);
       }
     }
     std::swap(key_slots, next_key_slots);
@@ -505,14 +589,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       float total = 0.0f;  // the maxima are base 2 and whole numbers: exact powers of two
       for (const paged::TaskPart* part = first; part != last; ++part) {
         const int64_t i = plan.head_index(*part, h, group);
-        total += sums[i] * std::exp2(maxima[i] - largest);
+        total += sums[i] * exact_pow2(maxima[i] - largest);
       }
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 mask = tail_mask(D - d);
         __m512 merged = _mm512_setzero_ps();
         for (const paged::TaskPart* part = first; part != last; ++part) {
           const int64_t i = plan.head_index(*part, h, group);
-          const __m512 weight = _mm512_set1_ps(std::exp2(maxima[i] - largest) / total);
+          const __m512 weight = _mm512_set1_ps(exact_pow2(maxima[i] - largest) / total);
           merged = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, partial.data() + i * D + d), merged);
         }
         store_bf16x16(op + b * H * D + h * D + d, merged, mask);
