@@ -352,7 +352,9 @@ inline void update_sums(const __m512* lanes, int64_t count, const float* correct
 // two dot products as the first query head of each KV head scores them. Issuing the whole next
 // chunk's prefetches up front stalled on the line fill buffers (a profile put a large share of
 // this kernel's samples on those instructions); spread out, into L2, they were a small gain at
-// every batch and context size tried. CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
+// every batch and context size tried. Per chunk and KV head, all its query heads are scored before
+// their maxima are updated together, and all their probabilities summed before their sums are
+// (update_maxima, update_sums). CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
 template <int CHUNKS>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,

@@ -269,7 +269,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // same block code whatever its group, so its result does not depend on the rows beside it. The
 // groups take turns at prefetching the weight stream, each every GROUPS-th step of 32 columns:
 // when the first group prefetched all of it, the stream stood still while the later groups
-// computed (16 rows took 1.4x the linear time of 8, where 16 rows' arithmetic with the weights in
+// computed (16 rows took 1.3-1.4x the linear time of 8, where 16 rows' arithmetic with the weights in
 // cache takes less than 8 rows' streaming); taking turns, a step's linears ran 1.03-1.10x faster at
 // 12-32 rows on a 2-core Zen 5. Taking turns into L2 instead was as fast in some runs and 0.8-0.9x
 // in others. (Issuing the same prefetches in every group cost ~5 % at 16-24 rows.)
