@@ -42,22 +42,34 @@ inline __m512 negate(__m512 v) {  // flips the sign bit, zeros included (as -x d
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
 }
 
-// Sixteen FP32 vectors in, one out: lane j holds the sum of the lanes of v[j].
-inline __m512 transpose_sum16(__m512 v[16]) {
+// Sixteen FP32 vectors in, one out: lane j holds combine() over the lanes of v[j], in one fixed
+// tree (within 128-bit lanes, then across them).
+template <typename Combine>
+inline __m512 transpose_reduce16(const __m512 v[16], Combine combine) {
   __m512 pairs[8], quads[4], halves[2];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    pairs[i] = combine(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane sums of v4i .. v4i+3
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lanes of v4i .. v4i+3 combined
+    quads[i] = combine(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   }
-  for (int i = 0; i < 2; ++i) {  // add 128-bit lanes pairwise: [q2i L0+L1, q2i L2+L3, q2i+1 L0+L1, q2i+1 L2+L3]
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i) {  // 128-bit lanes pairwise: [q2i L0+L1, q2i L2+L3, q2i+1 L0+L1, q2i+1 L2+L3]
+    halves[i] = combine(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return combine(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                 _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Lane j: the sum of the lanes of v[j].
+inline __m512 transpose_sum16(const __m512 v[16]) {
+  return transpose_reduce16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+
+// Lane j: the largest lane of v[j].
+inline __m512 transpose_max16(const __m512 v[16]) {
+  return transpose_reduce16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
 }
 
 // The sum of v's lanes, halving: lane i + lane i + 8, then i + 4, i + 2, i + 1 (the order GCC's

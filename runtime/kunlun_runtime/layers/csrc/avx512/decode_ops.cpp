@@ -277,24 +277,6 @@ inline void weigh_values_tail(int64_t tile, const uint32_t* pairs, const bf16* c
 // was a tenth of a draft row's attention, once per query head and chunk of keys).
 inline float exact_pow2(float whole) { return _mm_cvtss_f32(_mm_scalef_ss(_mm_set_ss(1.0f), _mm_set_ss(whole))); }
 
-// Lane j: the largest lane of v[j] (the transpose-reduce of transpose_sum16, with max).
-inline __m512 transpose_max16(const __m512 v[16]) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {
-    quads[i] = _mm512_max_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 2; ++i) {
-    halves[i] = _mm512_max_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return _mm512_max_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // Query heads per KV head from which their maxima and sums are reduced 16 at a time
 // (transpose_max16, sum16_halving); fewer, as a row without drafts has, one at a time.
 constexpr int64_t kBatchedHeads = 8;
@@ -314,7 +296,7 @@ inline void update_maxima(const __m512* lanes, int64_t count, float* maxima, flo
   }
   for (int64_t g0 = 0; g0 < count; g0 += 16) {
     const __mmask16 mask = tail_mask(count - g0);
-    const __m512 largest = transpose_max16(lanes + g0);
+    const __m512 largest = kunlun_cpu::vec::transpose_max16(lanes + g0);
     const __m512 old_max = _mm512_maskz_loadu_ps(mask, maxima + g0);
     const __m512 new_max =
         _mm512_max_ps(old_max, _mm512_roundscale_ps(largest, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
