@@ -190,14 +190,15 @@ def _check_decode_attention(
 
 # head_dim 64 and 128: whole vectors, rotary halves of whole vectors; 40: whole vectors, rotary
 # halves that are not (20); 36: a 4-lane row tail in scores, P·V and the output (masked loads).
-# (heads, KV heads): GQA groups of 3 (SmolLM2), 1 and 4 (a head tile of 3 plus 1). One thread for
+# (heads, KV heads): GQA groups of 3 (SmolLM2), 1, 4 and 5 (head tiles of 3 and 1, of 3 and 2:
+# scores and P·V take up to 3 heads of a KV head at once). One thread for
 # the grid (a second changes only which thread runs a sequence; on a busy machine every parallel
 # call can wait a scheduler slice for it), two for a few cases and for the split test below.
 DECODE_CASES = [
     *(
         (head_dim, heads, window, 1)
         for head_dim in (64, 128, 40, 36)
-        for heads in ((9, 3), (4, 4), (8, 2))
+        for heads in ((9, 3), (4, 4), (8, 2), (10, 2))
         for window in (0, 9)
     ),
     (64, (9, 3), 9, 2),
@@ -237,6 +238,36 @@ def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threa
     own = _random_tables((304, 304, 71), sum(-(-n // BLOCK) for n in lengths) + 3, 5)
     tables = [own[0]] * 4 + [own[1]] + [own[2]] * 2
     _check_decode_attention((9, 3), 64, lengths, window, threads, 7, cache_dtype, tables=tables)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("heads,head_dim,rows", [((9, 3), 64, 4), ((10, 2), 64, 2), ((8, 2), 36, 3)])
+@pytest.mark.parametrize("length", [7, 300])
+def test_decode_attention_gives_a_row_with_drafts_the_bits_it_has_alone(
+    heads, head_dim, rows, length, cache_dtype
+):
+    # A decode row and its drafts share a task, whose query heads of a KV head are scored and
+    # weighed in tiles that mix the rows' heads (12 heads per KV head in 4 tiles, 10 in 3 + 3 + 3
+    # + 1, 12 with a row tail); a row alone is a task of its own. On one thread the first row's
+    # keys are one task either way, so its attention must be the same bits: a draft's
+    # verification then sees what decoding without drafts would.
+    num_heads, kv_heads = heads
+    lengths = [length + r for r in range(rows)]
+    num_blocks = -(-lengths[-1] // BLOCK) + 3
+    table = _random_tables([lengths[-1]], num_blocks, 3)[0]
+    q, k, v = _qkv_views(rows, num_heads, kv_heads, head_dim, 1)
+    cos, sin = (t.view(-1, head_dim) for t in _cos_sin(head_dim, lengths))
+    outputs = []
+    for batch in (slice(0, rows), slice(0, 1)):
+        cache = _pool(kv_heads, head_dim, num_blocks, 0, cache_dtype)
+        meta = build_attention_metadata([1] * rows, lengths, [table] * rows, BLOCK, torch.device("cpu"))
+        with _threads(1):
+            out = cpu_kernels.decode_attention(
+                q[batch], k[batch], v[batch], cos[batch], sin[batch], cache.k_blocks[0], cache.v_blocks[0],
+                meta.block_tables[batch], meta.context_lens[batch], head_dim**-0.5, 0,
+            )  # fmt: skip
+        outputs.append(out[0])
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_decode_attention_spreads_a_nan_only_to_the_heads_that_read_it():

@@ -203,10 +203,11 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t D
 
 // ---- decode attention ----------------------------------------------------------------------
 
-// Keys scored per pass: a chunk's K and V rows of one KV head stay in L1 while every query head of
-// that KV head reads them (32 keys × D = 64 FP32 is 8 KiB of K and 8 of V, a quarter of a 32 KiB
-// L1 each; half or twice the chunk does as well, so the size is not critical).
-constexpr int64_t kKeyChunk = 32;
+// Keys scored per pass: a chunk's K and V rows stay in L1 while every query head reads them, beside
+// the next chunk's rows as they are prefetched. 16 keys of SmolLM2's 3 KV heads × 64 BF16 are
+// 12 KiB of K and V, twice that with the next chunk; chunks of 32 overflowed a 32 KiB L1 (a Zen 3's
+// attention 1.2-1.3x slower over 2,048 keys), chunks of 8 spent more on each chunk's bookkeeping.
+constexpr int64_t kKeyChunk = 16;
 constexpr int64_t kMinSplitKeys = 64;  // a sequence's keys are split across threads down to this
 // A P·V pass keeps kHeadTile × kStripe accumulators, kStripe value vectors and a weight in
 // registers: 13 of AVX2's 16 (4 × 3 spills; 3 × 3, 4 × 2 and 2 × 3 run about the same).
@@ -214,36 +215,78 @@ constexpr int kStripe = 3;             // 8-lane vectors of D a P·V pass keeps 
 constexpr int kHeadTile = 3;           // query heads a P·V pass accumulates at once
 constexpr int64_t kPrefetchChunks = 1;  // how far ahead K and V rows are prefetched
 
-// Eight FP32 vectors in, one out: lane j holds the sum of the lanes of v[j].
-inline __m256 transpose_sum8(const __m256 v[8]) {
-  __m256 pairs[4], quads[2];
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v2i, v2i+1
-    pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 2; ++i) {  // per 128-bit lane: the lane sums of v4i .. v4i+3
-    quads[i] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
-                       _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+// Four FP32 vectors in, one 4-lane vector out: lane j holds the sum of the lanes of v[j], added
+// within each 128-bit half as (l0 + l2) + (l1 + l3), then the two halves.
+inline __m128 transpose_sum4(const __m256 v[4]) {
+  const __m256 pairs0 = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+  const __m256 pairs1 = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+  const __m256 quads = _mm256_add_ps(_mm256_shuffle_ps(pairs0, pairs1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(pairs0, pairs1, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1));
 }
 
-// q · row for eight key rows: `full` whole vectors, then (TAIL) the last D % 8 lanes by a masked
-// load, so no read passes the end of a row (the pool's last row ends the allocation). q is zero
-// padded to whole vectors.
-template <bool TAIL, typename T>
-inline __m256 dot8(const float* q, const T* const rows[8], int64_t full, __m256i tail) {
-  __m256 dots[8];
-  for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
+// q · row for four key rows and TILE query heads of one KV head (q: the first head's row, the
+// others padded_dim apart): each key vector is loaded and widened once for all TILE heads, where
+// scoring head by head widened it once per head. `full` whole vectors, then (TAIL) the last
+// D % 8 lanes by a masked load, so no read passes the end of a row (the pool's last row ends the
+// allocation); q is zero padded to whole vectors. Each head's dot products are summed over the
+// vectors in order, then across its lanes by transpose_sum4.
+template <int TILE, bool TAIL, typename T>
+inline void dot4_heads(const float* q, int64_t padded_dim, const T* const rows[4], int64_t full, __m256i tail,
+                       __m128 (&scores)[TILE]) {
+  __m256 dots[TILE][4];
+  _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) dots[g][i] = _mm256_setzero_ps();
+  }
   for (int64_t c = 0; c < full; ++c) {
-    const __m256 qc = _mm256_loadu_ps(q + 8 * c);
-    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qc, load_row8(rows[i] + 8 * c), dots[i]);
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
+      const __m256 key = load_row8(rows[i] + 8 * c);
+      _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
+        dots[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * padded_dim + 8 * c), key, dots[g][i]);
+      }
+    }
   }
   if constexpr (TAIL) {
-    const __m256 qc = _mm256_loadu_ps(q + 8 * full);
-    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qc, load_row8_tail(rows[i] + 8 * full, tail), dots[i]);
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
+      const __m256 key = load_row8_tail(rows[i] + 8 * full, tail);
+      _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
+        dots[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * padded_dim + 8 * full), key, dots[g][i]);
+      }
+    }
   }
-  return transpose_sum8(dots);
+  _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) scores[g] = transpose_sum4(dots[g]);
+}
+
+// The scaled scores of eight key rows (lanes past `count` -inf) for TILE query heads, into
+// probs[g * kKeyChunk + j ..] (see attend_split).
+template <int TILE, bool TAIL, typename T>
+void score8_heads(const float* q, int64_t padded_dim, const T* const rows[8], int64_t count, int64_t full,
+                  __m256i tail, float scale, float* probs) {
+  __m128 low[TILE], high[TILE];
+  dot4_heads<TILE, TAIL, T>(q, padded_dim, rows, full, tail, low);
+  dot4_heads<TILE, TAIL, T>(q, padded_dim, rows + 4, full, tail, high);
+  for (int g = 0; g < TILE; ++g) {
+    __m256 scores = _mm256_mul_ps(_mm256_set_m128(high[g], low[g]), _mm256_set1_ps(scale));
+    if (count < 8) scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
+    _mm256_storeu_ps(probs + g * kKeyChunk, scores);  // kKeyChunk is a multiple of 8: whole vectors fit
+  }
+}
+
+template <typename T>
+using ScoreFn = void (*)(const float*, int64_t, const T* const*, int64_t, int64_t, __m256i, float, float*);
+
+// Query heads scored together: 4 keys × 3 heads of accumulators with a widened key vector fill 13
+// of AVX2's 16 registers.
+constexpr int kScoreTile = 3;
+
+template <bool TAIL, typename T>
+ScoreFn<T> pick_score(int tile) {
+  static_assert(kScoreTile == 3, "one case per tile size");
+  switch (tile) {
+    case 1: return &score8_heads<1, TAIL, T>;
+    case 2: return &score8_heads<2, TAIL, T>;
+    default: return &score8_heads<3, TAIL, T>;
+  }
 }
 
 // acc[g] = acc[g] · corrections[g] + Σ_j probs[g][j] · value_j over one stripe of W vectors of D
@@ -322,14 +365,13 @@ struct AttentionShape {
 // over keys [start, end), as flash-decoding does it: per head the running maximum score, the sum
 // of exponentials relative to it, and the unnormalised output (acc, H × padded_dim), merged across
 // splits by the caller. Each chunk of kKeyChunk slots is read from memory once for all heads:
-// scores come 8 keys at a time (one FMA chain per key, one transpose-reduce), each value vector is
-// loaded once for up to kHeadTile query heads that share its KV head, and the next chunk's K and V
-// rows are prefetched into L2 while this one computes (blocks sit in random order, which the
-// hardware prefetcher cannot follow), a row per key as the first query head of each KV head scores
-// it, spread out rather than all at once (issued all at once they stall on the line fill buffers,
-// as the AVX-512 kernel found). Prefetching helps long contexts a little; prefetching two chunks
-// ahead helps no more: at long contexts the kernel reads the cache about as fast as DRAM serves a
-// gather of scattered blocks, so it is memory-bound there.
+// each key vector is loaded and widened once for up to kScoreTile query heads that share its KV
+// head (one FMA chain per key and head, one transpose-reduce per 4 keys and head), each value
+// vector likewise for up to kHeadTile heads, and the next chunk's K and V rows are prefetched into
+// L2 while this one computes (blocks sit in random order, which the hardware prefetcher cannot
+// follow), a row per key as its KV head's keys are scored, spread out rather than all at once
+// (issued all at once they stall on the line fill buffers, as the AVX-512 kernel found).
+// Prefetching helps long contexts a little; prefetching two chunks ahead helps no more.
 template <bool TAIL, typename T>
 void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* table, int64_t start, int64_t end,
                   float* maxima, float* sums, float* acc) {
@@ -362,33 +404,31 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
     gather_slots(keys, table, s.block_size, ahead_start, ahead_start + ahead, ahead_key_slots);
     gather_slots(values, table, s.block_size, ahead_start, ahead_start + ahead, ahead_value_slots);
     for (int64_t kv = 0; kv < KVH; ++kv) {
+      for (int64_t j = 0; j < n; j += 8) {
+        const int64_t count = std::min<int64_t>(8, n - j);
+        const T* rows[8];
+        for (int64_t i = 0; i < 8; ++i) {  // lanes past the chunk re-read its first key, masked off
+          rows[i] = key_slots[j + (i < count ? i : 0)] + kv * keys.head_stride;
+        }
+        for (int64_t i = j; i < std::min(j + 8, ahead); ++i) {  // a later chunk's rows of this KV head, into L2
+          const char* key = reinterpret_cast<const char*>(ahead_key_slots[i] + kv * keys.head_stride);
+          const char* value = reinterpret_cast<const char*>(ahead_value_slots[i] + kv * values.head_stride);
+          for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+            _mm_prefetch(key + offset, _MM_HINT_T1);
+            _mm_prefetch(value + offset, _MM_HINT_T1);
+          }
+        }
+        for (int64_t g0 = 0; g0 < group; g0 += kScoreTile) {
+          const int tile = static_cast<int>(std::min<int64_t>(kScoreTile, group - g0));
+          pick_score<TAIL, T>(tile)(q + (kv * group + g0) * padded_dim, padded_dim, rows, count, full, tail, s.scale,
+                                    probs + g0 * kKeyChunk + j);
+        }
+      }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
         float* p = probs + g * kKeyChunk;
         __m256 max_lanes = _mm256_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n; j += 8) {
-          const int64_t count = std::min<int64_t>(8, n - j);
-          const T* rows[8];
-          for (int64_t i = 0; i < 8; ++i) {  // lanes past the chunk re-read its first key, masked below
-            rows[i] = key_slots[j + (i < count ? i : 0)] + kv * keys.head_stride;
-          }
-          if (g == 0) {  // a later chunk's rows of this KV head, into L2
-            for (int64_t i = j; i < std::min(j + 8, ahead); ++i) {
-              const char* key = reinterpret_cast<const char*>(ahead_key_slots[i] + kv * keys.head_stride);
-              const char* value = reinterpret_cast<const char*>(ahead_value_slots[i] + kv * values.head_stride);
-              for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-                _mm_prefetch(key + offset, _MM_HINT_T1);
-                _mm_prefetch(value + offset, _MM_HINT_T1);
-              }
-            }
-          }
-          __m256 scores = _mm256_mul_ps(dot8<TAIL, T>(q + h * padded_dim, rows, full, tail), _mm256_set1_ps(s.scale));
-          if (count < 8) {
-            scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
-          }
-          _mm256_storeu_ps(p + j, scores);  // kKeyChunk is a multiple of 8: whole vectors fit
-          max_lanes = _mm256_max_ps(max_lanes, scores);
-        }
+        for (int64_t j = 0; j < n; j += 8) max_lanes = _mm256_max_ps(max_lanes, _mm256_loadu_ps(p + j));
         const float new_max = std::max(maxima[h], hmax(max_lanes));
         corrections[g] = maxima[h] == -INFINITY ? 0.0f : std::exp(maxima[h] - new_max);
         __m256 total = _mm256_setzero_ps();
