@@ -473,8 +473,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
     constexpr int R = decltype(channels)::value;
     constexpr int largest = decltype(largest_tile)::value;
     for_each_tile<R, largest>(M, N, R * K * 2, [&](auto mt, auto r, int64_t m0, int64_t n0, auto policy, Turn turn) {
-      bf16_tile<decltype(mt)::value, decltype(r)::value, decltype(policy)::value>(xs.data() + m0 * stride, stride, wp + n0 * K, bp,
-                                                         op + m0 * N, K, N, n0, turn);
+      bf16_tile<decltype(mt)::value, decltype(r)::value, decltype(policy)::value>(
+          xs.data() + m0 * stride, stride, wp + n0 * K, bp, op + m0 * N, K, N, n0, turn);
     });
   });
   return out;
