@@ -80,6 +80,15 @@ def _engine_case(text: str) -> tuple[int, int]:
     return int(context), int(batch)
 
 
+def _sources_at(csrc: Path, tier: cpu_kernels.KernelTier) -> list[Path]:
+    """``tier``'s sources in a copy of ``csrc`` from another commit: the shared ones directly in
+    csrc/, and every .cpp of the tier's own folders as that commit has them (a commit from before a
+    source was split or added builds from the files it had)."""
+    shared = [csrc / s.name for s in tier.sources if s.parent == cpu_kernels.CSRC]
+    folders = sorted({s.parent.relative_to(cpu_kernels.CSRC) for s in tier.sources} - {Path(".")})
+    return [*(path for folder in folders for path in sorted((csrc / folder).glob("*.cpp"))), *shared]
+
+
 def build_base(revision: str, tier: cpu_kernels.KernelTier):
     """``tier``'s kernel library at ``revision``, loaded as ``torch.ops.kunlun_base``."""
     resolved = subprocess.run(
@@ -99,7 +108,7 @@ def build_base(revision: str, tier: cpu_kernels.KernelTier):
         root = Path(tmp)
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(root, filter="data")
-        sources = [str(root / csrc / source.relative_to(cpu_kernels.CSRC)) for source in tier.sources]
+        sources = [str(source) for source in _sources_at(root / csrc, tier)]
         kernel_build.compile_and_load(f"{BASE_NAMESPACE}_{tier.namespace}_{commit[:12]}", sources, flags)
     return commit, getattr(torch.ops, BASE_NAMESPACE)
 

@@ -63,6 +63,7 @@ TIERS = {
             CSRC / "avx512" / "small_batch_linear.cpp",
             CSRC / "avx512" / "amx_linear.cpp",
             CSRC / "avx512" / "decode_ops.cpp",
+            CSRC / "avx512" / "decode_attention.cpp",
             CSRC / "avx512" / "argmax.cpp",
             *_COMMON_SOURCES,
         ),
@@ -85,6 +86,7 @@ TIERS = {
         sources=(
             CSRC / "avx2" / "linear.cpp",
             CSRC / "avx2" / "decode_ops.cpp",
+            CSRC / "avx2" / "decode_attention.cpp",
             CSRC / "avx2" / "argmax.cpp",
             *_COMMON_SOURCES,
         ),
@@ -98,7 +100,9 @@ HEADERS = (
     CSRC / "attention_plan.h",
     CSRC / "avx512" / "bf16_vec.h",
     CSRC / "avx512" / "amx_linear.h",
+    CSRC / "avx512" / "rotary_cache.h",
     CSRC / "avx2" / "vec_avx2.h",
+    CSRC / "avx2" / "rotary_cache.h",
 )
 PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
 # The largest decode steps our linears and the one-call layer stack take instead of oneDNN layer by
@@ -280,7 +284,7 @@ def decode_attention(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """Rotary, KV write and paged attention for one new token per sequence (see decode_ops.cpp)."""
+    """Rotary, KV write and paged attention for one new token per sequence (see decode_attention.cpp)."""
     return _ops(q).decode_attention(
         q, k, v, cos, sin, k_blocks, v_blocks, block_tables, context_lens, scale, window
     )

@@ -69,3 +69,28 @@ def test_an_engine_case_is_context_x_batch(monkeypatch):
     for bad in ("256", "0x1", "256x", "ax1"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--engine", bad])
+
+
+def test_a_base_builds_from_the_sources_its_commit_has(tmp_path, monkeypatch):
+    """A commit from before a tier's source was split or added has fewer files than this tree's
+    tier lists: the base is its tier folders' .cpp files as they were, and the shared sources."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = load_benchmark("bench_kernel_ab")
+    tier = bench.cpu_kernels.TIERS[bench.IsaTier.AVX2]
+    csrc = tmp_path / "csrc"
+    (csrc / "avx2").mkdir(parents=True)
+    older = [
+        "avx2/argmax.cpp",
+        "avx2/decode_ops.cpp",
+        "avx2/linear.cpp",
+        "decode_layers.cpp",
+        "registration.cpp",
+    ]
+    for name in [*older, "avx2/vec_avx2.h", "kernels.h"]:
+        (csrc / name).touch()
+    assert bench._sources_at(csrc, tier) == [csrc / name for name in older]
+    (csrc / "avx2" / "decode_attention.cpp").touch()
+    assert csrc / "avx2" / "decode_attention.cpp" in bench._sources_at(csrc, tier)
+    # This tree's own csrc gives exactly the tier's sources.
+    here = bench._sources_at(bench.cpu_kernels.CSRC, tier)
+    assert sorted(here) == sorted(tier.sources)

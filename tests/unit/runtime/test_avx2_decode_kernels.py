@@ -1,5 +1,5 @@
-"""The AVX2 tier's decode operators (csrc/avx2/decode_ops.cpp, argmax.cpp) on FP32 activations,
-against the FP32 PyTorch paths they replace.
+"""The AVX2 tier's decode operators (csrc/avx2/decode_ops.cpp, decode_attention.cpp, argmax.cpp) on
+FP32 activations, against the FP32 PyTorch paths they replace.
 
 Bounds: the kernels do the references' FP32 arithmetic in another order and with their own exp
 (relative error ~2e-7), so results differ by a few FP32 ulps (2**-24 ≈ 6e-8 each): 1e-5 relative

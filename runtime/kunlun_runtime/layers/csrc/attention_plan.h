@@ -1,5 +1,6 @@
 // How a decode step's attention is divided into tasks, for both kernel tiers (ISA-independent: each
-// tier's decode_ops.cpp includes it and compiles it with its own flags, so it holds no intrinsics).
+// tier's decode_attention.cpp includes it and compiles it with its own flags, so it holds no
+// intrinsics).
 //
 // A task is a range of keys over one block table, for the query heads of one or more of the
 // step's sequences ("rows"). Rows that are consecutive positions over the same blocks, as a decode

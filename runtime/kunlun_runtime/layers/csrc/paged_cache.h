@@ -3,8 +3,8 @@
 // and rotary_kv_write are given (q/k/v, cos/sin and cache shapes, block tables and context lengths,
 // slot ids), and the prefetch of a range of positions' rows. ISA-independent, templated over the
 // cache's element type (BF16 in the AVX-512 tier, FP32 or BF16 in the AVX2 tier): each tier's
-// decode_ops.cpp includes it and compiles it with its own flags, so it holds no intrinsics but
-// SSE's prefetch, which every x86-64 CPU has.
+// decode_attention.cpp and decode_ops.cpp include it and compile it with their own flags, so it
+// holds no intrinsics but SSE's prefetch, which every x86-64 CPU has.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,4 +1,5 @@
-// Fused decode-step operators for x86 CPUs with AVX-512 (BF16 tensors, FP32 arithmetic).
+// Fused decode-step operators for x86 CPUs with AVX-512 (BF16 tensors, FP32 arithmetic), all but
+// attention (decode_attention.cpp).
 //
 // A decode step of a small model is dominated by per-operator overhead: RMSNorm alone is about
 // eight ATen calls, rotary embedding a dozen, and paged attention a scatter, two gathers and an
@@ -8,20 +9,13 @@
 //   kunlun_cpu::rms_norm(x [T, H], w [H], eps)                  -> bf16(w * bf16(x * rsqrt(mean(x²) + eps)))
 //   kunlun_cpu::add_rms_norm(x [T, H], delta [T, H], w [H], eps) -> (s = bf16(x + delta), rms_norm(s))
 //   kunlun_cpu::silu_mul(gate_up [T, 2I])                       -> bf16(bf16(silu(gate)) * up)
-//   kunlun_cpu::decode_attention(q [B, H, D], k [B, KVH, D], v [B, KVH, D], cos [B, D], sin [B, D],
-//                                k_blocks, v_blocks [NB, BS, KVH, D], block_tables [B, MB],
-//                                context_lens [B], scale, window)  -> [B, H * D]
-//     one new token per sequence: rotary on q and k, k and v written into the paged cache at
-//     position context_len - 1, then softmax(scale · q·Kᵀ) · V over the sequence's blocks
-//     (GQA: query head h reads KV head h / (H / KVH); window > 0 keeps the last `window` keys),
-//     the probabilities rounded to BF16 before they weigh the values, as HF's eager attention and
-//     PyTorch's CPU flash attention round them.
 //   kunlun_cpu::rotary_kv_write(q [T, H, D], k [T, KVH, D], v [T, KVH, D], cos [T, D], sin [T, D],
 //                               k_blocks, v_blocks, slot_block_ids [T], slot_offsets [T])
 //                                 -> (rotated q [T, H, D], rotated k [T, KVH, D])
-//     the same rotary and cache write for any number of tokens (prefill chunks), in one pass
-//     instead of a dozen ATen calls and two scatters per layer; attention is left to the caller.
-//     The slots must be distinct (as a step's metadata makes them): tokens are written in parallel.
+//     rotary on q and k and the K/V write into the paged cache for any number of tokens (prefill
+//     chunks), in one pass instead of a dozen ATen calls and two scatters per layer; attention is
+//     left to the caller. The slots must be distinct (as a step's metadata makes them): tokens
+//     are written in parallel.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,32 +25,26 @@
 #include <immintrin.h>
 
 #include "bf16_vec.h"
+#include "rotary_cache.h"
 #include "../kernels.h"
-#include "../attention_plan.h"
 #include "../paged_cache.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 namespace {
 
 using bf16 = c10::BFloat16;
+using kunlun_cpu::avx512::check_bf16;
+using kunlun_cpu::avx512::rotate;
 using kunlun_cpu::vec::load_bf16x16;
 using kunlun_cpu::vec::store_bf16x16;
 using kunlun_cpu::vec::exp_nonpositive;
 using kunlun_cpu::vec::tail_mask;
 using PagedCache = kunlun_cpu::paged::PagedCache<bf16>;
-using kunlun_cpu::paged::gather_slots;
-
-inline float round_bf16(float value) { return static_cast<float>(bf16(value)); }
-
-void check_bf16(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
-}
 
 // ---- RMSNorm -------------------------------------------------------------------------------
 
@@ -132,342 +120,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
-}  // namespace kunlun_cpu
-
-namespace {
-
-// ---- decode attention ----------------------------------------------------------------------
-
-// HF's rotate-half rotary with its roundings: bf16(bf16(x·cos) + bf16(rotate_half(x)·sin)).
-inline void rotate(const bf16* x, const bf16* cos, const bf16* sin, int64_t D, float* out) {
-  const int64_t half = D / 2;
-  if (half % 16 == 0) {  // each 16-lane chunk lies in one half
-    for (int64_t i = 0; i < D; i += 16) {
-      const __m512 rotated = i < half ? kunlun_cpu::vec::negate(load_bf16x16(x + i + half, 0xFFFF))
-                                      : load_bf16x16(x + i - half, 0xFFFF);
-      const __m512 a = kunlun_cpu::vec::round_bf16(_mm512_mul_ps(load_bf16x16(x + i, 0xFFFF), load_bf16x16(cos + i, 0xFFFF)));
-      const __m512 b = kunlun_cpu::vec::round_bf16(_mm512_mul_ps(rotated, load_bf16x16(sin + i, 0xFFFF)));
-      _mm512_storeu_ps(out + i, kunlun_cpu::vec::round_bf16(_mm512_add_ps(a, b)));
-    }
-    return;
-  }
-  for (int64_t i = 0; i < D; ++i) {
-    const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
-    const float a = round_bf16(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
-    const float b = round_bf16(rotated * static_cast<float>(sin[i]));
-    out[i] = round_bf16(a + b);
-  }
-}
-
-constexpr int64_t kKeyChunk = 64;       // keys scored per pass (their K and V rows stay in L1)
-constexpr int64_t kMinSplitKeys = 64;   // a sequence's keys are split across threads down to this
-
-// Query heads whose P · V accumulators (CHUNKS vectors each) stay in registers together with one
-// pair of value rows, interleaved once for all of them.
-template <int CHUNKS>
-constexpr int64_t head_tile() {
-  return CHUNKS <= 2 ? 8 : (CHUNKS <= 4 ? 6 : (CHUNKS <= 8 ? 2 : 1));
-}
-
-// 2^f for f in [0, 1): sqrt(2) · e^r, r = (f - 1/2) · ln 2 in [-0.35, 0.35).
-inline __m512 exp2_fraction(__m512 f) {
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(f, _mm512_set1_ps(0.5f)), _mm512_set1_ps(0.693147180559945f));
-  return _mm512_mul_ps(kunlun_cpu::vec::exp_taylor6(r), _mm512_set1_ps(1.41421356237309505f));
-}
-
-// The BF16 probabilities of 16 base-2 scores t under the whole-number maximum m: 2^(t - m) as
-// bf16(2^frac(t)) · 2^(floor(t) - m). The rounding depends on t alone (scaling by a power of two
-// is exact), so a key's probability has the same bits whatever maximum its task reached, and a
-// row's P · V rounds alike however its keys are split across tasks (a draft row and the same row
-// decoded alone). Lanes outside `mask` are 0.
-inline __m512 probabilities(__m512 t, float m, __mmask16 mask) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 unit = kunlun_cpu::vec::round_bf16(exp2_fraction(_mm512_sub_ps(t, n)));
-  return _mm512_maskz_scalef_ps(mask, unit, _mm512_sub_ps(n, _mm512_set1_ps(m)));
-}
-
-// Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
-// scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
-// keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
-// 16 dot products stay in registers. Meanwhile the rows of the first `ahead` of ahead_keys /
-// ahead_values (+ the offsets) go into L2, one key's between two dot products (issued together
-// they stall on the line fill buffers).
-template <int PAIRS, bool WHOLE>
-inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16* const* slots, int64_t offset,
-                      int64_t count, __m512 scale, const bf16* const* ahead_keys, const bf16* const* ahead_values,
-                      int64_t value_offset, int64_t ahead, int64_t row_bytes) {
-  __m512 dots[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    dots[i] = _mm512_setzero_ps();
-    if (i < ahead) {
-      const char* next_key = reinterpret_cast<const char*>(ahead_keys[i] + offset);
-      const char* next_value = reinterpret_cast<const char*>(ahead_values[i] + value_offset);
-      for (int64_t line = 0; line < row_bytes; line += 64) {
-        _mm_prefetch(next_key + line, _MM_HINT_T1);
-        _mm_prefetch(next_value + line, _MM_HINT_T1);
-      }
-    }
-    if (!WHOLE && i >= count) continue;
-    const bf16* key = slots[i] + offset;
-#pragma GCC unroll 8
-    for (int c = 0; c < PAIRS; ++c) {
-      dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], key + 32 * c));
-    }
-  }
-  return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
-}
-
-// P · V for TILE query heads over n value rows (slots[j] + offset), two keys to a VDPBF16PS: the
-// probabilities of each head as BF16 pairs (pairs + g * kKeyChunk / 2: keys 2i and 2i + 1 in the
-// low and high half of element i), each pair of value rows interleaved element by element once for
-// all TILE heads; accumulators at base + g * D, multiplied by corrections[g] (the previous chunks'
-// rescaling to the new maximum) as they are loaded. An odd last key pairs with a probability of 0
-// (and its own row again).
-template <int TILE, int CHUNKS>
-inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_t offset, int64_t n,
-                         const __mmask32* pair_mask, const __mmask16* lane_mask, const float* corrections,
-                         float* base, int64_t D) {
-  constexpr int PAIRS = (CHUNKS + 1) / 2;
-  // Element 2i of a pair's first row and of its second, for i in the low (high) 16 of the 32.
-  static constexpr uint16_t kInterleave[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-                                               8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i low = _mm512_loadu_si512(kInterleave);
-  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-  __m512 sum[TILE][CHUNKS];
-  for (int g = 0; g < TILE; ++g) {  // the sums so far, rescaled to this chunk's maximum
-    const __m512 correction = _mm512_set1_ps(corrections[g]);
-    for (int c = 0; c < CHUNKS; ++c)
-      sum[g][c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask[c], base + g * D + 16 * c), correction);
-  }
-  for (int64_t j = 0; j < n; j += 2) {
-    const bf16* first = slots[j] + offset;
-    const bf16* second = j + 1 < n ? slots[j + 1] + offset : first;
-    __m512i value[CHUNKS];
-    for (int c = 0; c < PAIRS; ++c) {
-      const __m512i a = _mm512_maskz_loadu_epi16(pair_mask[c], first + 32 * c);
-      const __m512i b = _mm512_maskz_loadu_epi16(pair_mask[c], second + 32 * c);
-      value[2 * c] = _mm512_permutex2var_epi16(a, low, b);
-      if (2 * c + 1 < CHUNKS) value[2 * c + 1] = _mm512_permutex2var_epi16(a, high, b);
-    }
-    for (int g = 0; g < TILE; ++g) {
-      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g * (kKeyChunk / 2) + j / 2]));
-      for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_dpbf16_ps(sum[g][c], (__m512bh)value[c], weight);
-    }
-  }
-  for (int g = 0; g < TILE; ++g)
-    for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(base + g * D + 16 * c, lane_mask[c], sum[g][c]);
-}
-
-// weigh_values for the last `tile` (< head_tile) heads of a group.
-template <int CHUNKS, int TILE = 1>
-inline void weigh_values_tail(int64_t tile, const uint32_t* pairs, const bf16* const* slots, int64_t offset,
-                              int64_t n, const __mmask32* pair_mask, const __mmask16* lane_mask,
-                              const float* corrections, float* base, int64_t D) {
-  if constexpr (TILE < head_tile<CHUNKS>()) {
-    if (tile == TILE) {
-      return weigh_values<TILE, CHUNKS>(pairs, slots, offset, n, pair_mask, lane_mask, corrections, base, D);
-    }
-    return weigh_values_tail<CHUNKS, TILE + 1>(tile, pairs, slots, offset, n, pair_mask, lane_mask, corrections,
-                                               base, D);
-  }
-}
-
-// 2^whole for a whole number (or -inf: 0), exactly: VSCALEFSS, no call into libm's exp2f (which
-// was a tenth of a draft row's attention, once per query head and chunk of keys).
-inline float exact_pow2(float whole) { return _mm_cvtss_f32(_mm_scalef_ss(_mm_set_ss(1.0f), _mm_set_ss(whole))); }
-
-// Query heads per KV head from which their maxima and sums are reduced 16 at a time
-// (transpose_max16, sum16_halving); fewer, as a row without drafts has, one at a time.
-constexpr int64_t kBatchedHeads = 8;
-
-// The new running maxima of `count` query heads (whole numbers, base 2: the ceiling of the
-// largest score so far) from their lanes' largest scores in this chunk, and each head's
-// correction for what it summed before: an exact power of two, or 0 where the head had no keys
-// yet (maximum -inf). corrections holds count rounded up to 16.
-inline void update_maxima(const __m512* lanes, int64_t count, float* maxima, float* corrections) {
-  if (count < kBatchedHeads) {
-    for (int64_t g = 0; g < count; ++g) {
-      const float new_max = std::max(maxima[g], std::ceil(_mm512_reduce_max_ps(lanes[g])));
-      corrections[g] = maxima[g] == -INFINITY ? 0.0f : exact_pow2(maxima[g] - new_max);
-      maxima[g] = new_max;
-    }
-    return;
-  }
-  for (int64_t g0 = 0; g0 < count; g0 += 16) {
-    const __mmask16 mask = tail_mask(count - g0);
-    const __m512 largest = kunlun_cpu::vec::transpose_max16(lanes + g0);
-    const __m512 old_max = _mm512_maskz_loadu_ps(mask, maxima + g0);
-    const __m512 new_max =
-        _mm512_max_ps(old_max, _mm512_roundscale_ps(largest, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
-    const __mmask16 first = _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-    _mm512_mask_storeu_ps(maxima + g0, mask, new_max);
-    _mm512_storeu_ps(corrections + g0,
-                     _mm512_maskz_scalef_ps(~first, _mm512_set1_ps(1.0f), _mm512_sub_ps(old_max, new_max)));
-  }
-}
-
-// sums = sums · correction + the lane sums of this chunk's probabilities (sum_halving's order
-// either way: the same bits for a head however many heads its task has).
-inline void update_sums(const __m512* lanes, int64_t count, const float* corrections, float* sums) {
-  if (count < kBatchedHeads) {
-    for (int64_t g = 0; g < count; ++g) sums[g] = sums[g] * corrections[g] + kunlun_cpu::vec::sum_halving(lanes[g]);
-    return;
-  }
-  for (int64_t g0 = 0; g0 < count; g0 += 16) {
-    const __mmask16 mask = tail_mask(count - g0);
-    const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sums + g0), _mm512_loadu_ps(corrections + g0));
-    _mm512_mask_storeu_ps(sums + g0, mask, _mm512_add_ps(scaled, kunlun_cpu::vec::sum16_halving(lanes + g0)));
-  }
-}
-
-// One split of one sequence: every query head (q: H rows of D, BF16, rotated) over keys
-// [start, end), as flash-decoding does it: per head the running maximum score, the sum of
-// exponentials relative to it, and the unnormalised output (acc, H × D), merged across splits by
-// the caller. Each chunk of kKeyChunk slots is read from memory once for all heads: scores come 16
-// keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, in
-// base 2 under a whole-number running maximum (probabilities()); each pair of value rows is
-// interleaved once for up to head_tile query heads that share its KV head and weighed by their
-// BF16 probabilities in VDPBF16PS (half the instructions of FP32 P · V, which was most of a draft
-// row's attention); while a chunk computes, the next chunk's K and V rows are prefetched into L2
-// (blocks sit in random order, which the hardware prefetcher cannot follow), a key's rows between
-// two dot products as the first query head of each KV head scores them. Issuing the whole next
-// chunk's prefetches up front stalled on the line fill buffers (a profile put a large share of
-// this kernel's samples on those instructions); spread out, into L2, they were a small gain at
-// every batch and context size tried. Per chunk and KV head, all its query heads are scored before
-// their maxima are updated together, and all their probabilities summed before their sums are
-// (update_maxima, update_sums). CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
-template <int CHUNKS>
-void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
-                  const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
-                  float* sums, float* acc) {
-  constexpr int PAIRS = (CHUNKS + 1) / 2;
-  constexpr int64_t kTile = head_tile<CHUNKS>();
-  const int64_t group = H / KVH;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(bf16));
-  __mmask32 pair_mask[PAIRS];
-  for (int c = 0; c < PAIRS; ++c) {
-    const int64_t left = D - 32 * c;
-    pair_mask[c] = left >= 32 ? ~__mmask32(0) : (left <= 0 ? __mmask32(0) : (__mmask32(1) << left) - 1);
-  }
-  __mmask16 lane_mask[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) lane_mask[c] = tail_mask(D - 16 * c);
-  // Scores in base 2 (scale · log2 e): probabilities are powers of two of them (probabilities()).
-  const __m512 scale_v = _mm512_set1_ps(scale * 1.44269504088896341f);
-  std::vector<float> probs_storage(kKeyChunk * group);  // [head in group][key]
-  float* probs = probs_storage.data();
-  std::vector<uint32_t> pair_storage(kKeyChunk / 2 * group);  // [head in group][pair of keys], BF16 pairs
-  uint32_t* pairs = pair_storage.data();
-  // Per query head of a KV head: its lanes' largest score, then its probabilities' lane sums
-  // (rounded up to 16 heads, the tail's lanes unused); and its correction for the chunk.
-  const int64_t padded_group = (group + 15) / 16 * 16;
-  std::vector<__m512> head_lanes(padded_group, _mm512_setzero_ps());
-  std::vector<float> corrections(padded_group);
-  // Slot pointers of this chunk and the next, swapped as the chunks advance.
-  const bf16* slot_storage[4][kKeyChunk];
-  const bf16** key_slots = slot_storage[0];
-  const bf16** value_slots = slot_storage[1];
-  const bf16** next_key_slots = slot_storage[2];
-  const bf16** next_value_slots = slot_storage[3];
-  for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
-  std::fill(acc, acc + H * D, 0.0f);
-  // The first two chunks' rows up front: a decode step's keys are cold (the weights streamed through
-  // the caches since this layer last ran), and nothing prefetched them; from then on each chunk
-  // prefetches the next one while it computes.
-  kunlun_cpu::paged::prefetch_slots(keys, values, table, block_size, start, std::min(end, start + 2 * kKeyChunk));
-  gather_slots(keys, table, block_size, start, std::min(end, start + kKeyChunk), key_slots);
-  gather_slots(values, table, block_size, start, std::min(end, start + kKeyChunk), value_slots);
-  for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
-    const int64_t n = std::min(kKeyChunk, end - c0);
-    const int64_t next = c0 + n < end ? std::min(kKeyChunk, end - c0 - n) : 0;  // <= n
-    if (next > 0) {
-      gather_slots(keys, table, block_size, c0 + n, c0 + n + next, next_key_slots);
-      gather_slots(values, table, block_size, c0 + n, c0 + n + next, next_value_slots);
-    }
-    for (int64_t kv = 0; kv < KVH; ++kv) {
-      const int64_t key_offset = kv * keys.head_stride, value_offset = kv * values.head_stride;
-      float* head_maxima = maxima + kv * group;
-      float* head_sums = sums + kv * group;
-      // Every query head's scores first, then all their maxima; their probabilities, then all
-      // their sums: reduced 16 heads at a time where a row has drafts (one head at a time, with a
-      // scalar update and a libm exp2f each, they were a quarter of this kernel's time there).
-      for (int64_t g = 0; g < group; ++g) {
-        __m512bh qv[PAIRS];
-        for (int c = 0; c < PAIRS; ++c) {
-          qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + (kv * group + g) * D + 32 * c);
-        }
-        float* p = probs + g * kKeyChunk;
-        __m512 max_lanes = _mm512_set1_ps(-INFINITY);
-        int64_t j = 0;
-        // The first query head of each KV head prefetches the next chunk's rows of that KV head.
-        auto ahead = [&](int64_t first) { return g == 0 ? std::clamp<int64_t>(next - first, 0, 16) : 0; };
-        for (; j + 16 <= n; j += 16) {
-          const __m512 scores = score16<PAIRS, true>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
-                                                     next_key_slots + j, next_value_slots + j, value_offset,
-                                                     ahead(j), row_bytes);
-          _mm512_storeu_ps(p + j, scores);
-          max_lanes = _mm512_max_ps(max_lanes, scores);
-        }
-        if (j < n) {
-          const __mmask16 mask = tail_mask(n - j);
-          const __m512 scores = score16<PAIRS, false>(qv, pair_mask, key_slots + j, key_offset, n - j, scale_v,
-                                                      next_key_slots + j, next_value_slots + j, value_offset,
-                                                      ahead(j), row_bytes);
-          _mm512_mask_storeu_ps(p + j, mask, scores);
-          max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
-        }
-        head_lanes[g] = max_lanes;
-      }
-      update_maxima(head_lanes.data(), group, head_maxima, corrections.data());
-      for (int64_t g = 0; g < group; ++g) {
-        const float* p = probs + g * kKeyChunk;
-        const float new_max = head_maxima[g];
-        __m512 total = _mm512_setzero_ps();
-        uint32_t* pair = pairs + g * (kKeyChunk / 2);
-        for (int64_t i = 0; i < n; i += 32) {  // 32 probabilities, packed as 16 BF16 pairs of keys
-          const __mmask16 first = tail_mask(n - i), second = tail_mask(n - i - 16);
-          const __m512 e0 = probabilities(_mm512_maskz_loadu_ps(first, p + i), new_max, first);
-          const __m512 e1 = probabilities(_mm512_maskz_loadu_ps(second, p + i + 16), new_max, second);
-          total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
-          // Exact: each is a BF16 value already.
-          _mm512_storeu_si512(pair + i / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        }
-        head_lanes[g] = total;
-      }
-      update_sums(head_lanes.data(), group, corrections.data(), head_sums);
-      // P · V for this KV head's query heads, kTile at a time so the accumulators stay in registers.
-      float* base = acc + kv * group * D;
-      int64_t g0 = 0;
-      for (; g0 + kTile <= group; g0 += kTile) {
-        weigh_values<kTile, CHUNKS>(pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask, lane_mask,
-                                    corrections.data() + g0, base + g0 * D, D);
-      }
-      if (g0 < group) {
-        weigh_values_tail<CHUNKS>(group - g0, pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask,
-                                  lane_mask, corrections.data() + g0, base + g0 * D, D);
-      }
-    }
-    std::swap(key_slots, next_key_slots);
-    std::swap(value_slots, next_value_slots);
-  }
-}
-
-void attend(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
-            const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
-            float* sums, float* acc) {
-  switch ((D + 15) / 16) {
-    case 2: return attend_split<2>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
-    case 4: return attend_split<4>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
-    case 8: return attend_split<8>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
-    default:
-      return attend_split<16>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
-  }
-}
-
-}  // namespace
-
-namespace kunlun_cpu {
-
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_bf16(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
@@ -494,96 +146,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         reciprocal = _mm512_mul_ps(reciprocal, _mm512_fnmadd_ps(denominator, reciprocal, _mm512_set1_ps(2.0f)));
         const __m512 silu = kunlun_cpu::vec::round_bf16(_mm512_mul_ps(g, _mm512_mul_ps(numerator, reciprocal)));
         store_bf16x16(op + t * I + i, _mm512_mul_ps(silu, load_bf16x16(up + i, mask)), mask);  // as eager
-      }
-    }
-  });
-  return out;
-}
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                            const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            int64_t window) {
-  paged::check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks, check_bf16, /*min_head_dim=*/0);
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(B >= 1, "decode_attention needs at least one sequence");
-  TORCH_CHECK(D <= 256 && H / KVH <= 256, "head_dim and query heads per KV head must be at most 256, got ", D,
-              " and ", H / KVH);
-  paged::check_block_tables(block_tables, context_lens, B, k_blocks);
-  const PagedCache keys = paged::cache<bf16>(k_blocks), values = paged::cache<bf16>(v_blocks);
-  const int64_t block_size = k_blocks.size(1), max_blocks = block_tables.size(1);
-  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
-  const int64_t* lengths = context_lens.const_data_ptr<int64_t>();
-  const bf16* cp = cos.const_data_ptr<bf16>();
-  const bf16* sp = sin.const_data_ptr<bf16>();
-
-  // The new token's K (rotated) and V go into the cache first: it attends to itself.
-  std::vector<float> rotated(D);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t position = lengths[b] - 1;
-    const int64_t block = tables[b * max_blocks + position / block_size], slot = position % block_size;
-    for (int64_t h = 0; h < KVH; ++h) {
-      rotate(k.const_data_ptr<bf16>() + b * k.stride(0) + h * k.stride(1), cp + b * D, sp + b * D, D, rotated.data());
-      bf16* key = keys.at(block, slot, h);
-      for (int64_t d = 0; d < D; ++d) key[d] = bf16(rotated[d]);
-      const bf16* value = v.const_data_ptr<bf16>() + b * v.stride(0) + h * v.stride(1);
-      std::copy(value, value + D, values.at(block, slot, h));
-    }
-  }
-  at::Tensor out = at::empty({B, H * D}, q.options());
-  bf16* op = out.mutable_data_ptr<bf16>();
-  // A task is a range of keys for the query heads of one or more sequences (attention_plan.h):
-  // each slot it covers is read once for all of them.
-  const int64_t group = H / KVH;
-  const paged::AttentionPlan plan = paged::plan_attention(tables, lengths, B, max_blocks, block_size, window, H,
-                                                          at::get_num_threads(), kMinSplitKeys);
-  std::vector<float> maxima(plan.heads), sums(plan.heads), partial(plan.heads * D);
-  paged::run_tasks(plan, [&](auto take) {
-    std::vector<float> rotated_q(D);
-    std::vector<bf16> queries;
-    for (int64_t t = take(); t >= 0; t = take()) {
-      const paged::AttentionTask& task = plan.tasks[t];
-      queries.resize(task.rows * H * D);
-      for (int64_t r = 0; r < task.rows; ++r) {
-        const int64_t b = task.first_row + r;
-        for (int64_t h = 0; h < H; ++h) {
-          rotate(q.const_data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1), cp + b * D, sp + b * D, D,
-                 rotated_q.data());
-          bf16* query = queries.data() + (((h / group) * task.rows + r) * group + h % group) * D;
-          for (int64_t d = 0; d < D; d += 16) {
-            const __mmask16 mask = tail_mask(D - d);
-            store_bf16x16(query + d, _mm512_maskz_loadu_ps(mask, rotated_q.data() + d), mask);
-          }
-        }
-      }
-      attend(queries.data(), task.rows * H, KVH, D, keys, values, tables + task.first_row * max_blocks, block_size,
-             task.key_begin, task.key_end, static_cast<float>(scale), maxima.data() + task.head_offset,
-             sums.data() + task.head_offset, partial.data() + task.head_offset * D);
-    }
-  });
-  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / H, h = item % H;
-      const paged::TaskPart* first = plan.parts.data() + plan.first_part[b];
-      const paged::TaskPart* last = plan.parts.data() + plan.first_part[b + 1];
-      float largest = -INFINITY;
-      for (const paged::TaskPart* part = first; part != last; ++part) {
-        largest = std::max(largest, maxima[plan.head_index(*part, h, group)]);
-      }
-      float total = 0.0f;  // the maxima are base 2 and whole numbers: exact powers of two
-      for (const paged::TaskPart* part = first; part != last; ++part) {
-        const int64_t i = plan.head_index(*part, h, group);
-        total += sums[i] * exact_pow2(maxima[i] - largest);
-      }
-      for (int64_t d = 0; d < D; d += 16) {
-        const __mmask16 mask = tail_mask(D - d);
-        __m512 merged = _mm512_setzero_ps();
-        for (const paged::TaskPart* part = first; part != last; ++part) {
-          const int64_t i = plan.head_index(*part, h, group);
-          const __m512 weight = _mm512_set1_ps(exact_pow2(maxima[i] - largest) / total);
-          merged = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, partial.data() + i * D + d), merged);
-        }
-        store_bf16x16(op + b * H * D + h * D + d, merged, mask);
       }
     }
   });
