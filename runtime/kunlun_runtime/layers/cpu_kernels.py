@@ -84,7 +84,8 @@ TIERS = {
         namespace="kunlun_avx2",
         activation_dtype=torch.float32,
         sources=(
-            CSRC / "avx2" / "linear.cpp",
+            CSRC / "avx2" / "linear_bf16.cpp",
+            CSRC / "avx2" / "linear_int8.cpp",
             CSRC / "avx2" / "decode_ops.cpp",
             CSRC / "avx2" / "decode_attention.cpp",
             CSRC / "avx2" / "argmax.cpp",
@@ -103,6 +104,7 @@ HEADERS = (
     CSRC / "avx512" / "rotary_cache.h",
     CSRC / "avx2" / "vec_avx2.h",
     CSRC / "avx2" / "rotary_cache.h",
+    CSRC / "avx2" / "linear_tiles.h",
 )
 PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
 # The largest decode steps our linears and the one-call layer stack take instead of oneDNN layer by

@@ -1,6 +1,7 @@
-"""The AVX2 tier's linear kernels (csrc/avx2/linear.cpp: FP32 activations, BF16 or INT8 weights)
-against float64 references: linear_bf16 is an FP32 matmul over the widened weight, linear_int8 the
-W8A8 scheme (activations quantized per block of 32 to INT8, integer dot products)."""
+"""The AVX2 tier's linear kernels (csrc/avx2/linear_bf16.cpp, linear_int8.cpp: FP32 activations,
+BF16 or INT8 weights) against float64 references: linear_bf16 is an FP32 matmul over the widened
+weight, linear_int8 the W8A8 scheme (activations quantized per block of 32 to INT8, integer dot
+products)."""
 
 import pytest
 import torch
