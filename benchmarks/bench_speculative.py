@@ -14,7 +14,10 @@ flight (continuous batching over more prompts), greedy; the engines take turns b
 flight, run by run, four runs each), the order reversed each time, and which goes first
 alternates in every repetition (only ratios from one run mean anything on a shared machine,
 whose speed changes within seconds). Reported: decode tok/s, the ratio speculative / plain per
-method, the mean accepted tokens per verification step and the acceptance rate. Targets (issue:
+method, and beside it the tokens per request step (one plus the drafts accepted per step, the
+steps that drafted nothing included: the ratio if verifying cost nothing) and the ratio over that
+(the speculative steps' rate against the plain ones': what verifying cost); per method the mean
+accepted tokens per verification step and the acceptance rate. Targets (issue:
 speculative decoding): copy ≥ 2.0× at batch 1 and ≥ 1.3× at batch 8; free ≥ 0.97× (no loss).
 
 Decode tok/s of a closed batch is measured two ways: the batch's (output tokens after the first
@@ -49,6 +52,7 @@ import json
 import random
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import engine_batches  # benchmarks/, beside this script
@@ -166,6 +170,17 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One side's decode over a cell's batches: the batch's tok/s, its requests' (closed batches;
+    None in flight), and the tokens and requests' steps behind them (see yield_per_step)."""
+
+    rate: float
+    requests_rate: float | None
+    tokens: int
+    request_steps: int
+
+
 def run_batch(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: int) -> dict:
     """One batch, greedy, as a tenant of its own: the same prompts come back in every repetition,
     and the suffix method's cache of a tenant's answers must not hand a prompt its own earlier
@@ -178,12 +193,13 @@ def run_batch(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: i
         "seconds": timing.decode_seconds,
         # Each request's own decode time, averaged: the batch's time as its requests see it.
         "request_seconds": sum(timing.request_decode_seconds) / len(timing.request_decode_seconds),
+        "request_steps": timing.request_decode_steps,
     }
 
 
 def measure(
     engines: dict[str, LLM], sides: list[str], tasks, batch: int | str, max_tokens: int
-) -> dict[str, tuple[float, float | None]]:
+) -> dict[str, Measured]:
     """Decode tok/s over ``tasks`` of each engine of ``sides`` (the batch's, and its requests'
     where the batch is closed): closed batches of ``batch`` (the first ``CLOSED_TASKS``), or
     ``IN_FLIGHT``: all of them, 8 in flight. Every side runs each closed batch in turn, the order
@@ -196,7 +212,7 @@ def measure(
     most of its time goes to its last few requests decoding alone: closed, a speculative engine's
     batch 8 is mostly batch 1-7, in flight it stays 8 (as a server's does while requests queue)."""
     if batch == IN_FLIGHT:
-        decoded = {side: [0, 0.0] for side in sides}  # tokens, seconds
+        decoded = {side: [0, 0.0, 0] for side in sides}  # tokens, seconds, requests' steps
         for turn in range(IN_FLIGHT_TURNS):
             for side in sides if turn % 2 == 0 else sides[::-1]:
                 timing = engine_batches.run_in_flight(
@@ -208,11 +224,13 @@ def measure(
                 )
                 decoded[side][0] += timing.decode_tokens
                 decoded[side][1] += timing.decode_seconds
+                decoded[side][2] += timing.decode_steps * IN_FLIGHT_REQUESTS  # all of them decode
         return {
-            side: (tokens / seconds if seconds else 0.0, None) for side, (tokens, seconds) in decoded.items()
+            side: Measured(tokens / seconds if seconds else 0.0, None, tokens, steps)
+            for side, (tokens, seconds, steps) in decoded.items()
         }
     assert isinstance(batch, int)
-    totals = {side: [0.0, 0.0, 0.0] for side in sides}  # tokens, seconds, requests' seconds
+    totals = {side: [0, 0.0, 0.0, 0] for side in sides}  # tokens, seconds, requests' seconds and steps
     closed = tasks[:CLOSED_TASKS]
     for index, start in enumerate(range(0, len(closed), batch)):
         for side in sides if index % 2 == 0 else sides[::-1]:
@@ -221,8 +239,12 @@ def measure(
             total[0] += result["tokens"]
             total[1] += result["seconds"]
             total[2] += result["request_seconds"]
-    # Where every request decodes for the whole batch time (no drafts) the two are equal.
-    return {side: (tokens / seconds, tokens / request) for side, (tokens, seconds, request) in totals.items()}
+            total[3] += result["request_steps"]
+    # Where every request decodes for the whole batch time (no drafts) the two rates are equal.
+    return {
+        side: Measured(tokens / seconds, tokens / request, int(tokens), int(steps))
+        for side, (tokens, seconds, request, steps) in totals.items()
+    }
 
 
 def measure_llama(
@@ -331,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for llm in engines.values():  # warm-up: kernels, allocator
         run_batch(llm, workloads["free"][:1], 4)
-    rates: dict[tuple[str, int | str, str], list[tuple[float, float | None]]] = {}
+    rates: dict[tuple[str, int | str, str], list[Measured]] = {}
     llama_runs: dict[str, dict[str, list[list[llama_lookup.LlamaRun]]]] = {name: {} for name in workloads}
     counters_before = {method: _counters(engines[method]) for method in engines if method != "plain"}
     for repeat in range(args.repeats):
@@ -375,10 +397,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok or args.quick else 1
 
 
-def _rate(rates: tuple[float, float | None], index: int) -> float:
-    rate = rates[index]
+def _rate(measured: Measured, requests: bool) -> float:
+    rate = measured.requests_rate if requests else measured.rate
     assert rate is not None, "in flight has no requests' rate"
     return rate
+
+
+def yield_per_step(measured: list[Measured]) -> float:
+    """Decode tokens per request step over a side's repetitions of a cell: 1 without drafts; with
+    them, one plus the accepted drafts per step, counting the steps that drafted nothing. It is
+    the speed-up speculation would give if a step that verifies drafts cost no more than a plain
+    one; the measured ratio over it is what verifying (and drafting) cost in step rate."""
+    steps = sum(m.request_steps for m in measured)
+    return sum(m.tokens for m in measured) / steps if steps else 0.0
 
 
 def _counters(llm: LLM) -> tuple[int, int, int, tuple[int, ...]]:
@@ -407,10 +438,11 @@ def ours_report(method: str, spec: LLM, counters_before, rates, workloads) -> tu
         for batch in BATCHES:
             plain, spec_side = rates[name, batch, "plain"], rates[name, batch, method]
             # The target's measure: the requests' rate of a closed batch of 8, else the batch's.
-            measure_index = 1 if batch != 1 and isinstance(batch, int) else 0
-            base = statistics.median(_rate(rate, measure_index) for rate in plain)
-            ours = statistics.median(_rate(rate, measure_index) for rate in spec_side)
+            requests = batch != 1 and isinstance(batch, int)
+            base = statistics.median(_rate(rate, requests) for rate in plain)
+            ours = statistics.median(_rate(rate, requests) for rate in spec_side)
             ratio = ours / base
+            per_step = yield_per_step(spec_side)
             target = TARGETS[name, batch]
             met = target is None or ratio >= target
             ok &= met
@@ -425,16 +457,20 @@ def ours_report(method: str, spec: LLM, counters_before, rates, workloads) -> tu
                 "ratio": round(ratio, 3),
                 "target": target,
                 "met": met,
+                "plain_tokens_per_step": round(yield_per_step(plain), 3),
+                "tokens_per_step": round(per_step, 3),
+                "step_rate_ratio": round(ratio / per_step, 3) if per_step else 0.0,
             }
             verdict = "no target" if target is None else f"target >= {target}: {'met' if met else 'MISSED'}"
-            what = "its requests' " if measure_index else ""
+            what = "its requests' " if requests else ""
             line = (
                 f"{method} {name} batch {batch}: plain {base:.1f} tok/s, speculative {ours:.1f} tok/s "
-                f"= {ratio:.3f}x {what}({verdict})"
+                f"= {ratio:.3f}x {what}({verdict}); {per_step:.2f} tokens per step, "
+                f"its steps at {report[key]['step_rate_ratio']:.3f}x the plain steps' rate"
             )
-            if measure_index:  # the closed batch's own rate (until its slowest request ends) beside it
-                batch_base = statistics.median(rate[0] for rate in plain)
-                batch_ours = statistics.median(rate[0] for rate in spec_side)
+            if requests:  # the closed batch's own rate (until its slowest request ends) beside it
+                batch_base = statistics.median(rate.rate for rate in plain)
+                batch_ours = statistics.median(rate.rate for rate in spec_side)
                 report[key]["batch_ratio"] = round(batch_ours / batch_base, 3)
                 line += f"; the batch's {batch_base:.1f} and {batch_ours:.1f} tok/s = {batch_ours / batch_base:.3f}x"
             print(line)

@@ -17,6 +17,9 @@ class BatchTiming:
     # each request's time from its first token to its last (its own decode, however long the
     # batch's slowest request decodes after it)
     request_decode_seconds: tuple[float, ...] = ()
+    # the requests' decode steps, summed: the steps in which a request emitted tokens after its
+    # first (one token each without speculation; with it, one plus the drafts it accepted)
+    request_decode_steps: int = 0
 
     @property
     def decode_tok_s(self) -> float:
@@ -52,19 +55,23 @@ def run_batch(
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     counts: dict[str, int] = {}
+    steps = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
+            count = len(out.outputs[0].token_ids)
+            steps += out.request_id in counts and count > counts[out.request_id]
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
-            counts[out.request_id] = len(out.outputs[0].token_ids)
+            counts[out.request_id] = count
     ended = time.perf_counter()
     return BatchTiming(
         decode_tokens=sum(count - 1 for count in counts.values()),
         decode_seconds=ended - max(first.values()),
         first_token_seconds=tuple(t - began for t in first.values()),
         request_decode_seconds=tuple(last[request_id] - first[request_id] for request_id in first),
+        request_decode_steps=steps,
     )
 
 

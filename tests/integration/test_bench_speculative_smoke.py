@@ -38,6 +38,12 @@ def test_quick_run_reports_every_ratio_and_the_acceptance(tmp_path):
                 side = report[method][f"{workload}_{key}"]
                 assert side["plain_tok_s"] > 0 and side["spec_tok_s"] > 0
                 assert side["ratio"] == pytest.approx(side["spec_tok_s"] / side["plain_tok_s"], rel=0.02)
+                # The plain engine decodes a token a step; drafts can only add to a step's tokens,
+                # and the ratio splits into what they added and what the steps cost.
+                assert side["plain_tokens_per_step"] == 1.0 and side["tokens_per_step"] >= 1.0
+                assert side["ratio"] == pytest.approx(
+                    side["tokens_per_step"] * side["step_rate_ratio"], rel=0.01
+                )
                 if key == "batch8" and workload == "copy":
                     assert side["target"] is None and side["met"]
                 else:

@@ -52,8 +52,12 @@ def test_closed_batches_alternate_between_the_sides_in_reversed_order(bench, eng
         for index in range(2)
     ]
     assert added == expected
-    for batch_rate, requests_rate in rates.values():
-        assert batch_rate > 0 and requests_rate is not None and requests_rate > 0
+    for measured in rates.values():
+        assert measured.rate > 0 and measured.requests_rate is not None and measured.requests_rate > 0
+    # Eight prompts, 3 tokens after each first: without drafts a token a step, with them at least.
+    assert rates["plain"].tokens == rates["plain"].request_steps == 8 * 3
+    assert rates["ngram"].tokens == 8 * 3 and 0 < rates["ngram"].request_steps <= 8 * 3
+    assert bench.yield_per_step([rates["plain"]]) == 1.0
 
 
 def test_in_flight_runs_alternate_between_the_sides(bench, engines):
@@ -65,5 +69,8 @@ def test_in_flight_runs_alternate_between_the_sides(bench, engines):
     assert bench.IN_FLIGHT_TURNS % 2 == 0
     runs = ["plain", "ngram", "ngram", "plain"] * (bench.IN_FLIGHT_TURNS // 2)
     assert added == [(side, length) for side in runs for length in lengths]
-    for rate, requests_rate in rates.values():
-        assert rate > 0 and requests_rate is None
+    for measured in rates.values():
+        assert measured.rate > 0 and measured.requests_rate is None
+        # Timed steps have all 8 requests decoding: a token each without drafts.
+        assert measured.tokens >= measured.request_steps > 0 and measured.request_steps % 8 == 0
+    assert rates["plain"].tokens == rates["plain"].request_steps

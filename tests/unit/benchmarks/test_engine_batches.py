@@ -84,6 +84,7 @@ def test_a_closed_batch_times_each_request_from_its_first_token_to_its_last(engi
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         timing = engine_batches.run_batch(engine, _prompts(3), params)
         assert timing.decode_tokens == 7 + 1 + 7
+        assert timing.request_decode_steps == 7 + 1 + 7  # no drafts: one token a step
         short, *full = sorted(timing.request_decode_seconds)
         # The short one decoded one step, the others seven; the batch lasted as long as they did.
         assert 0 < short < min(full) and max(full) <= timing.decode_seconds
