@@ -59,12 +59,15 @@ def run_batch(
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
+        decoded = set()  # a step's accepted drafts come as outputs of their own, a token each
         for out in outputs:
             count = len(out.outputs[0].token_ids)
-            steps += out.request_id in counts and count > counts[out.request_id]
+            if out.request_id in counts and count > counts[out.request_id]:
+                decoded.add(out.request_id)
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
             counts[out.request_id] = count
+        steps += len(decoded)
     ended = time.perf_counter()
     return BatchTiming(
         decode_tokens=sum(count - 1 for count in counts.values()),

@@ -92,3 +92,24 @@ def test_a_closed_batch_times_each_request_from_its_first_token_to_its_last(engi
         assert timing.request_decode_tok_s > timing.decode_tokens / (3 * timing.decode_seconds)
     finally:
         llm.close()
+
+
+def test_a_closed_batch_counts_each_request_step_once_however_many_drafts_it_accepted(
+    engine_batches, model_dir
+):
+    """With speculation a step's accepted drafts come back as outputs of their own; a request's
+    decode step is still one step: its decode tokens are its steps plus the drafts it accepted."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=16, speculative_config=spec)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        # Repeating prompts: the tiny model's greedy text repeats too, so drafts get accepted.
+        prompts = [[5, 6, 7, 8] * 20, [9, 10, 11] * 25]
+        accepted_before = llm.engine.spec.counters.totals()[2]
+        timing = engine_batches.run_batch(llm.engine, prompts, params)
+        accepted = llm.engine.spec.counters.totals()[2] - accepted_before
+        assert accepted > 0
+        assert timing.decode_tokens == 2 * 39
+        assert timing.request_decode_steps == timing.decode_tokens - accepted
+    finally:
+        llm.close()
