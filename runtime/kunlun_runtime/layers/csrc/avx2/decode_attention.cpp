@@ -12,8 +12,9 @@
 // norm weights in FP32, and the reference is plain FP32 math (there are no BF16 roundings to
 // reproduce). The KV cache is FP32 or BF16 (`--kv-cache-dtype`): a BF16 cache holds K and V rounded
 // to nearest even (as torch's .to(torch.bfloat16)) and is widened to FP32 in registers as attention
-// reads it, so attention computes in FP32 over the rounded keys and values. It differs from PyTorch's attention over the same
-// cache only by summation order and our exp (relative error ~2e-7), i.e. by a few FP32 ulps.
+// reads it, so attention computes in FP32 over the rounded keys and values. It differs from
+// PyTorch's attention over the same cache only by summation order and our exp (relative error
+// ~2e-7), i.e. by a few FP32 ulps.
 //
 // Only AVX2, FMA and F16C instructions are used (built with -mavx2 -mfma -mf16c): no AVX-512, even
 // on CPUs that have it. Masked loads and stores (VMASKMOVPS) are kept out of inner loops: they are

@@ -3,10 +3,9 @@
 //
 // On these CPUs BF16 arithmetic is emulated, so the AVX2 tier keeps activations, cos/sin and the
 // norm weights in FP32, and the reference is plain FP32 math (there are no BF16 roundings to
-// reproduce). The KV cache is FP32 or BF16 (`--kv-cache-dtype`): a BF16 cache holds K and V rounded
-// to nearest even (as torch's .to(torch.bfloat16)) and is widened to FP32 in registers as attention
-// reads it, so attention computes in FP32 over the rounded keys and values. As in the AVX-512 tier, each operator replaces a chain of ATen calls (RMSNorm is
-// about eight, rotary a dozen) with one pass:
+// reproduce). The KV cache is FP32 or BF16 (`--kv-cache-dtype`): rotary_kv_write stores K and V
+// rounded to it, to nearest even (as torch's .to(torch.bfloat16)). As in the AVX-512 tier, each
+// operator replaces a chain of ATen calls (RMSNorm is about eight, rotary a dozen) with one pass:
 //
 //   kunlun_cpu::rms_norm(x [T, H], w [H], eps)                  -> w * (x * 1/sqrt(mean(x²) + eps))
 //   kunlun_cpu::add_rms_norm(x [T, H], delta [T, H], w [H], eps) -> (s = x + delta, rms_norm(s))
@@ -227,7 +226,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write_into(const at::Tensor& q, con
         avx2::rotate(k.const_data_ptr<float>() + t * k.stride(0) + h * k.stride(1), cp + t * D, sp + t * D, D, rotated,
                scratch.data());
         avx2::store_row(rotated, keys.at(blocks[t], offsets[t], h), D);
-        avx2::store_row(v.const_data_ptr<float>() + t * v.stride(0) + h * v.stride(1), values.at(blocks[t], offsets[t], h), D);
+        avx2::store_row(v.const_data_ptr<float>() + t * v.stride(0) + h * v.stride(1),
+                        values.at(blocks[t], offsets[t], h), D);
       }
     }
   });
@@ -242,7 +242,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_kv_write(const at::Tensor& q, const at
                                                    const at::Tensor& slot_block_ids, const at::Tensor& slot_offsets) {
   avx2::check_rotary_inputs(q, k, v, cos, sin, k_blocks, v_blocks);
   paged::check_slots(slot_block_ids, slot_offsets, q.size(0), k_blocks);
-  const auto into = k_blocks.scalar_type() == at::kBFloat16 ? &rotary_kv_write_into<bf16> : &rotary_kv_write_into<float>;
+  const auto into =
+      k_blocks.scalar_type() == at::kBFloat16 ? &rotary_kv_write_into<bf16> : &rotary_kv_write_into<float>;
   return into(q, k, v, cos, sin, k_blocks, v_blocks, slot_block_ids, slot_offsets);
 }
 

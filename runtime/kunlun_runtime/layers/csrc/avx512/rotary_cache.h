@@ -29,7 +29,8 @@ inline void rotate(const bf16* x, const bf16* cos, const bf16* sin, int64_t D, f
     for (int64_t i = 0; i < D; i += 16) {
       const __m512 rotated = i < half ? vec::negate(vec::load_bf16x16(x + i + half, 0xFFFF))
                                       : vec::load_bf16x16(x + i - half, 0xFFFF);
-      const __m512 a = vec::round_bf16(_mm512_mul_ps(vec::load_bf16x16(x + i, 0xFFFF), vec::load_bf16x16(cos + i, 0xFFFF)));
+      const __m512 a =
+          vec::round_bf16(_mm512_mul_ps(vec::load_bf16x16(x + i, 0xFFFF), vec::load_bf16x16(cos + i, 0xFFFF)));
       const __m512 b = vec::round_bf16(_mm512_mul_ps(rotated, vec::load_bf16x16(sin + i, 0xFFFF)));
       _mm512_storeu_ps(out + i, vec::round_bf16(_mm512_add_ps(a, b)));
     }
