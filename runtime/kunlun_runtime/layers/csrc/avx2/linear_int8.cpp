@@ -37,7 +37,6 @@
 
 namespace {
 
-using kunlun_cpu::avx2::bf16;
 using kunlun_cpu::avx2::dispatch_channels;
 using kunlun_cpu::avx2::for_each_tile;
 using kunlun_cpu::avx2::Prefetch;
