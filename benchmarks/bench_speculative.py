@@ -242,7 +242,7 @@ def measure(
             total[3] += result["request_steps"]
     # Where every request decodes for the whole batch time (no drafts) the two rates are equal.
     return {
-        side: Measured(tokens / seconds, tokens / request, int(tokens), int(steps))
+        side: Measured(tokens / seconds, tokens / request, tokens, steps)
         for side, (tokens, seconds, request, steps) in totals.items()
     }
 
