@@ -63,6 +63,53 @@ def test_bf16_linear_reads_nothing_past_a_weight_row():
     assert others.isfinite().all()
 
 
+# Run in a child process, so that a stray read faults there and fails the test instead of pytest.
+# Each weight lies against an unreadable page: once starting right after one, once ending right
+# before one; every tile kind reads it (1-5 and 8 rows), and the outputs match torch's.
+_GUARDED_READS = """
+import ctypes, mmap, sys, torch
+from kunlun_runtime.layers import cpu_kernels
+assert cpu_kernels.load(torch.float32)
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+page = mmap.PAGESIZE
+def guarded(nbytes, at_end):
+    region = mmap.mmap(-1, 3 * page)  # anonymous: page-aligned
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    for guard in (base, base + 2 * page):
+        assert libc.mprotect(guard, page, 0) == 0  # PROT_NONE
+    offset = page + (page - nbytes if at_end else 0)
+    return region, offset
+torch.manual_seed(0)
+for n, k in [(13, 100), (5, 7), (17, 33), (6, 32), (4, 512), (3, 1)]:
+    for at_end in (False, True):
+        for dtype in (torch.bfloat16, torch.int8):
+            size = torch.tensor([], dtype=dtype).element_size()
+            region, offset = guarded(n * k * size, at_end)
+            w = torch.frombuffer(region, dtype=dtype, count=n * k, offset=offset).view(n, k)
+            source = torch.randn(n, k) if dtype == torch.bfloat16 else torch.randint(-127, 128, (n, k))
+            w.copy_(source.to(dtype))
+            for rows in (1, 2, 3, 4, 5, 8):
+                x = torch.randn(rows, k)
+                if dtype == torch.bfloat16:
+                    out = cpu_kernels.linear_bf16(x, w, None)
+                    assert torch.allclose(out, x @ w.float().T, rtol=1e-4, atol=1e-4), (n, k, rows)
+                else:
+                    scales = torch.full((n,), 0.01)
+                    out = cpu_kernels.linear_int8(x, w, scales, None)
+                    assert out.isfinite().all() and out.shape == (rows, n), (n, k, rows)
+            del w
+print("ok")
+"""
+
+
+def test_linear_kernels_read_nothing_before_or_after_a_weight():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GUARDED_READS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
 def test_bf16_linear_turns_only_non_finite_rows_non_finite_and_zero_rows_into_the_bias():
     torch.manual_seed(2)
     x = torch.randn(4, 100)

@@ -7,10 +7,11 @@
 // from an FP32 matmul over the widened weight only in the order of the additions (lane-wise FP32
 // accumulators, one horizontal sum per output). The widening takes two cheap ops per 16 weights:
 // a 32-bit lane of BF16 holds an even column in its low half and the odd one in its high half, so
-// a shift by 16 yields the even columns as FP32 and a mask the odd ones; x is rearranged once per
-// call to match (each group of 16 columns as its 8 even, then its 8 odd columns). Widening in
-// column order (vpmovzxwd + shift per 8 weights) takes twice the ops and was slower at every
-// batch size, most of all at one row on cache-resident weights.
+// a shift by 16 yields the even columns as FP32 and a mask the odd ones (small tiles mask a read
+// one column earlier instead of shifting: see Widen); x is rearranged once per call to match (each
+// group of 16 columns as its 8 even, then its 8 odd columns). Widening in column order (vpmovzxwd
+// + shift per 8 weights) takes twice the ops and was slower at every batch size, most of all at
+// one row on cache-resident weights.
 //
 // The rows, channel blocks, threads and prefetching are linear_tiles.h's (shared with INT8).
 
@@ -77,17 +78,42 @@ std::vector<float> split_even_odd(const float* x, int64_t M, int64_t K, int64_t 
   return out;
 }
 
+// Tiles of up to this many rows widen the even columns by a mask too (see Widen).
+constexpr int kMaskedEvenRows = 2;
+
+// How bf16_step widens the even columns: by a shift of the group's pairs, or by a mask of the
+// pairs read one column earlier (each 32-bit lane then holds an even column in its high half,
+// the odd column before it in the low half), where the read may start one column before `w`.
+// The mask runs on any of the FP pipes, the shift (on AMD Zen) only on pipes shared with the
+// FMAs: tiles of one or two rows, whose weight streams from memory with few FMAs per weight, keep
+// up with the stream better by masking (the same bits). Larger tiles keep the shift: their
+// weight comes from L1 once per tile, where the early read straddles a cache line every other
+// load, and masking made 4-row tiles markedly slower.
+enum class Widen { kShift, kMaskEarly };
+
+// The widening of a tile of MT rows: the first group of a block, whose early column would lie
+// before the weight (the first block's, before the allocation), always shifts.
+template <int MT>
+constexpr Widen widen_for(bool first_group) {
+  return MT <= kMaskedEvenRows && !first_group ? Widen::kMaskEarly : Widen::kShift;
+}
+
 // acc[m][r] += x[m] · w[r] over one group of 16 columns (x: the group's even/odd halves, row
-// stride `stride`; w: the group's 16 BF16 weights of channel 0, row stride K).
-template <int MT, int R>
+// stride `stride`; w: the group's 16 BF16 weights of channel 0, row stride K), the even columns
+// widened as E says.
+template <int MT, int R, Widen E>
 KUNLUN_INLINE void bf16_step(__m256 (&acc)[MT][R], const float* x, int64_t stride, const bf16* w, int64_t K) {
   const __m256 high_half = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
   // The even columns for every (row, channel), then the odd ones: R widened weights live at a
   // time, next to the MT·R accumulators, within the 16 registers.
   __m256 wv[R];
   for (int r = 0; r < R; ++r) {
-    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K));
-    wv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    if constexpr (E == Widen::kMaskEarly) {
+      wv[r] = _mm256_and_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(w + r * K - 1)), high_half);
+    } else {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K));
+      wv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    }
   }
   for (int m = 0; m < MT; ++m) {
     const __m256 xv = _mm256_loadu_ps(x + m * stride);
@@ -113,22 +139,30 @@ KUNLUN_NOINLINE void bf16_tile(const float* xs, int64_t stride, const bf16* w, c
   // its weight is one stream: each 32 columns consume R lines of it, and (on the tile's turn)
   // prefetch the R lines kPrefetchBytes further on.
   StreamPrefetch<P> prefetch(w, turn);
+  constexpr Widen kFirst = widen_for<MT>(true), kRest = widen_for<MT>(false);
   int64_t k = 0;
+  if (2 * kGroup <= K) {  // the first step, its first group shifted (see widen_for)
+    prefetch.template step<R>();
+    bf16_step<MT, R, kFirst>(acc, xs, stride, w, K);
+    bf16_step<MT, R, kRest>(acc, xs + kGroup, stride, w + kGroup, K);
+    k = 2 * kGroup;
+  }
   for (; k + 2 * kGroup <= K; k += 2 * kGroup) {
     prefetch.template step<R>();
-    bf16_step(acc, xs + k, stride, w + k, K);
-    bf16_step(acc, xs + k + kGroup, stride, w + k + kGroup, K);
+    bf16_step<MT, R, kRest>(acc, xs + k, stride, w + k, K);
+    bf16_step<MT, R, kRest>(acc, xs + k + kGroup, stride, w + k + kGroup, K);
   }
   prefetch.rest(w + R * K);
   if (k + kGroup <= K) {
-    bf16_step(acc, xs + k, stride, w + k, K);
+    if (k == 0) bf16_step<MT, R, kFirst>(acc, xs, stride, w, K);
+    else bf16_step<MT, R, kRest>(acc, xs + k, stride, w + k, K);
     k += kGroup;
   }
   if (k < K) {  // the last K % 16 columns: the weight copied, zero-padded (never read past its end)
     alignas(32) bf16 tail[R][kGroup];
     std::memset(tail, 0, sizeof(tail));
     for (int r = 0; r < R; ++r) std::memcpy(tail[r], w + r * K + k, (K - k) * sizeof(bf16));
-    bf16_step(acc, xs + k, stride, &tail[0][0], kGroup);
+    bf16_step<MT, R, kFirst>(acc, xs + k, stride, &tail[0][0], kGroup);
   }
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r)
