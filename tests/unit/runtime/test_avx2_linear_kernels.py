@@ -110,6 +110,7 @@ def test_linear_kernels_read_nothing_before_or_after_a_weight():
     done = subprocess.run([sys.executable, "-c", _GUARDED_READS], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
+
 def test_bf16_linear_turns_only_non_finite_rows_non_finite_and_zero_rows_into_the_bias():
     torch.manual_seed(2)
     x = torch.randn(4, 100)
