@@ -5,7 +5,10 @@ turn, an ablation), ~12 minutes on 2 cores; this runs only them, in ~3 minutes, 
 single-stream decode path: ours with ``--dtype auto`` against ``llama-bench`` on a BF16 GGUF, and
 ours with ``--quantization int8`` against a Q8_0 GGUF of the same weights, the same shape (128 new
 tokens after a 256-token context, 2 threads), one repetition of each side in turn, ``--reps``
-times. Reports medians and their ratios, the ISA tier in force and the DRAM read bandwidth.
+times; a repetition of each side is the better of two runs (llama-bench's with flash attention
+off and on, the faster counting; where both decode alike, as on a Zen 3 at this context, that is
+the better of two samples, so ours runs twice), so busy neighbours favour neither side.
+Reports medians and their ratios, the ISA tier in force and the DRAM read bandwidth.
 Nothing here downloads or builds llama.cpp: ``benchmarks/build_llama_cpp.sh DIR`` does, and
 writes both GGUFs into DIR.
 
@@ -25,7 +28,7 @@ from pathlib import Path
 import torch
 from bench_engine import (  # benchmarks/, beside this script
     Ours,
-    decode_rate,
+    best_decode_rate,
     llama_bench_decode_rate,
     measure_bandwidth_gbs,
     prompts_of,
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
     for rep in range(args.reps):
         for name, engine in engines.items():
             engine.reset_prefix_cache()
-            ours = decode_rate(engine.run, prompt, args.new)[1]
+            ours = best_decode_rate(engine.run, prompt, args.new)  # as many runs as llama-bench's sample
             gguf = str(args.llama_dir / FORMATS[name][1])
             theirs = llama_bench_decode_rate(args.llama_bench, gguf, args.threads, args.prompt, args.new)
             samples[name]["ours"].append(ours)

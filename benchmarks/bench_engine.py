@@ -223,6 +223,17 @@ def decode_rate(run: Callable, prompts, new_tokens: int) -> tuple[float, float]:
     return ttft, len(prompts) * (new_tokens - 1) / max(total - ttft, 1e-9)
 
 
+# llama_bench_decode_rate counts the better of two runs (flash attention off and on, which on the
+# CPUs measured decode equally fast at these contexts): two samples of the same rate, of which the
+# noise of a shared machine favours the larger. Ours beside it gets as many.
+RUNS_PER_LLAMA_SAMPLE = 2
+
+
+def best_decode_rate(run: Callable, prompts, new_tokens: int, runs: int = RUNS_PER_LLAMA_SAMPLE) -> float:
+    """The best decode tok/s of ``runs`` runs: as many samples per repetition as llama.cpp's."""
+    return max(decode_rate(run, prompts, new_tokens)[1] for _ in range(runs))
+
+
 def run_scenarios(args: argparse.Namespace) -> dict:
     from kunlun_runtime.models.model_dir import resolve_model_dir
 
@@ -291,7 +302,7 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     if llama_bf16 is not None:  # BF16 weights on both sides, interleaved
         ours_rates, llama_rates = [], []
         for _ in range(args.reps):
-            ours_rates.append(decode_rate(ours.run, single, sizes["new"])[1])
+            ours_rates.append(best_decode_rate(ours.run, single, sizes["new"]))
             llama_rates.append(
                 llama_bench_decode_rate(llama[0], llama_bf16, args.threads, sizes["prompt"], sizes["new"])
             )
@@ -304,10 +315,15 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     side_by_side("long_2048_ttft", long_prompt, 2)
 
     int8 = Ours(model_dir, kv_cache_memory="1GiB", quantization="int8", **common)
-    int8_rates, llama_rates = [], []
+    int8_rates, int8_best, llama_rates = [], [], []
     for _ in range(args.reps):  # interleaved with llama.cpp when it is given
         int8_rates.append(decode_rate(int8.run, single, sizes["new"])[1])
-        if llama is not None:
+        if llama is not None:  # the best of as many runs as llama.cpp's sample takes
+            runs = [
+                int8_rates[-1],
+                *(decode_rate(int8.run, single, sizes["new"])[1] for _ in range(RUNS_PER_LLAMA_SAMPLE - 1)),
+            ]
+            int8_best.append(max(runs))
             llama_rates.append(llama_bench_decode_rate(*llama, args.threads, sizes["prompt"], sizes["new"]))
     table["int8_single"] = {
         "int8_decode_tok_s": statistics.median(int8_rates),
@@ -315,7 +331,7 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     }
     if llama_rates:
         table["int8_single"]["llama_cpp_q8_0_tok_s"] = statistics.median(llama_rates)
-        table["int8_single"]["vs_llama_cpp_q8_0"] = statistics.median(int8_rates) / statistics.median(
+        table["int8_single"]["vs_llama_cpp_q8_0"] = statistics.median(int8_best) / statistics.median(
             llama_rates
         )
     int8_weight_bytes = int8.weight_bytes

@@ -59,6 +59,21 @@ def test_each_format_runs_beside_llama_bench_on_its_own_gguf(bench, tmp_path):
         assert call[call.index("-t") + 1] == "2" and call[call.index("-fa") + 1] == "0,1"
 
 
+def test_ours_counts_the_best_of_as_many_runs_as_llama_benchs_sample(bench):
+    # llama-bench's sample is the better of its two runs (flash attention off and on): ours is the
+    # best of as many, each run's rate its decode tokens over the time after the first token.
+    timings = iter([(0.5, 1.5), (0.5, 1.0), (0.5, 2.5)])  # (TTFT, total) seconds per run
+    calls = []
+
+    def run(prompts, new_tokens):
+        calls.append((len(prompts), new_tokens))
+        return next(timings)
+
+    assert bench.best_decode_rate(run, [[1, 2]], 11) == pytest.approx(10 / 0.5)
+    assert calls == [(1, 11), (1, 11)]  # two runs, the third timing never taken
+    assert bench.best_decode_rate(run, [[1], [2]], 11, runs=1) == pytest.approx(2 * 10 / 2.0)
+
+
 def test_a_missing_build_is_named(bench, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--llama-dir", str(tmp_path / "nowhere")])
