@@ -223,9 +223,9 @@ def decode_rate(run: Callable, prompts, new_tokens: int) -> tuple[float, float]:
     return ttft, len(prompts) * (new_tokens - 1) / max(total - ttft, 1e-9)
 
 
-# llama_bench_decode_rate counts the better of two runs (flash attention off and on, which on the
-# CPUs measured decode equally fast at these contexts): two samples of the same rate, of which the
-# noise of a shared machine favours the larger. Ours beside it gets as many.
+# llama_bench_decode_rate counts the better of two runs (flash attention off and on). Where the
+# two decode alike (a Zen 3 at these contexts), that is the better of two samples of one rate,
+# which a shared machine's noise lifts; ours beside it gets as many.
 RUNS_PER_LLAMA_SAMPLE = 2
 
 
