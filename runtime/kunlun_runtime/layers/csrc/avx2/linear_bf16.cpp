@@ -84,11 +84,11 @@ constexpr int kMaskedEvenRows = 2;
 // How bf16_step widens the even columns: by a shift of the group's pairs, or by a mask of the
 // pairs read one column earlier (each 32-bit lane then holds an even column in its high half,
 // the odd column before it in the low half), where the read may start one column before `w`.
-// The mask runs on any of the FP pipes, the shift (on AMD Zen) only on pipes shared with the
-// FMAs: tiles of one or two rows, whose weight streams from memory with few FMAs per weight, keep
-// up with the stream better by masking (the same bits). Larger tiles keep the shift: their
-// weight comes from L1 once per tile, where the early read straddles a cache line every other
-// load, and masking made 4-row tiles markedly slower.
+// On an AMD Zen core the mask runs on any of the four FP pipes, the shift on two (one of them an
+// FMA pipe): tiles of one or two rows, whose weight streams from memory with few FMAs per weight,
+// streamed it faster by masking on a Zen 3 (docs/performance.md), with the same bits. Larger
+// tiles keep the shift: their weight comes from L1 once per tile, where the early read straddles
+// a cache line every other load, and masking made 4-row tiles markedly slower.
 enum class Widen { kShift, kMaskEarly };
 
 // The widening of a tile of MT rows: the first group of a block, whose early column would lie
