@@ -1,7 +1,7 @@
 """Decode of one request against llama.cpp, BF16 and INT8 weights, interleaved: the quick check.
 
 ``bench_engine.py`` makes the same two comparisons among many others (HF, batches, TTFT, a second
-turn, an ablation), ~12 minutes on 2 cores; this runs only them, in ~3 minutes, for work on the
+turn, an ablation), ~12 minutes on 2 cores; this runs only them, in ~5 minutes, for work on the
 single-stream decode path: ours with ``--dtype auto`` against ``llama-bench`` on a BF16 GGUF, and
 ours with ``--quantization int8`` against a Q8_0 GGUF of the same weights, the same shape (128 new
 tokens after a 256-token context, 2 threads), one repetition of each side in turn, ``--reps``
