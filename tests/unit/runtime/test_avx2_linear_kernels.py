@@ -67,7 +67,7 @@ def test_bf16_linear_reads_nothing_past_a_weight_row():
 # Each weight lies against an unreadable page: once starting right after one, once ending right
 # before one; every tile kind reads it (1-5 and 8 rows), and the outputs match torch's.
 _GUARDED_READS = """
-import ctypes, mmap, sys, torch
+import ctypes, mmap, torch
 from kunlun_runtime.layers import cpu_kernels
 assert cpu_kernels.load(torch.float32)
 libc = ctypes.CDLL(None)
