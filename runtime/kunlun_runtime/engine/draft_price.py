@@ -24,6 +24,13 @@ that the rows count as unpriced (they run, and are measured). With requests comi
 (every few steps at batch 8 under continuous batching) a batch's own pairs are few, and one
 noisy pair priced rows at 5.7 ms (where ~2 ms was measured over many), refused every draft after
 it, and so was never outvoted.
+A price also expires: pairs older than ``PRICE_STEPS`` pure decode steps beside as many requests
+no longer count. While drafts run, new pairs replace old ones long before that; but a price set
+high by a busy spell (another tenant, a page-fault storm) refuses every draft and so never sees
+another pair (the likeliest reading of a benchmark run whose copy cells stopped drafting after a
+noisy spell while a fresh process drafted them as usual).
+Once its pairs expire the drafts run unpriced for a step or two and are priced afresh, a cost of
+about one step in ``PRICE_STEPS`` where drafts do not pay.
 Pairs are kept per number of decoding requests (a draft row beside one decode row rides on a
 read of the weights that is memory-bound; beside eight, the linears are compute-bound and it
 costs several times more). A step's rows stay within one pass of the kernels over the weights
@@ -40,6 +47,7 @@ SAMPLES = 8
 MIN_ROWS = 8  # draft rows the pairs must have measured before their price holds
 PLAIN_MEMORY = 0.5  # per step without drafts: the weight of the past in the plain step's mean
 STEADY_STEPS = 3  # steps of one unpriced batch with the same draft rows before a probe
+PRICE_STEPS = 256  # pure decode steps beside as many requests a pair counts for
 
 
 class DraftRowPrice:
@@ -49,8 +57,9 @@ class DraftRowPrice:
     def __init__(self) -> None:
         self._batch: frozenset[str] | None = None
         self._plain: float | None = None  # mean seconds of this batch's steps without drafts
-        # (price of a row, draft rows) of recent pairs, by the number of decoding requests
-        self._samples: dict[int, deque[tuple[float, int]]] = {}
+        # (price of a row, draft rows, step) of recent pairs, by the number of decoding requests
+        self._samples: dict[int, deque[tuple[float, int, int]]] = {}
+        self._steps: dict[int, int] = {}  # pure decode steps seen, by the number of decoding requests
         self._last: tuple[int, float] | None = None  # this batch's latest step: (draft rows, seconds)
         self._steady = 0  # this batch's steps just before its latest that ran as many draft rows
 
@@ -60,6 +69,7 @@ class DraftRowPrice:
             return
         if batch != self._batch:
             self._batch, self._plain, self._last, self._steady = batch, None, None, 0
+        self._steps[len(batch)] = self._steps.get(len(batch), 0) + 1
         last = self._last
         if draft_rows == 0:
             self._plain = (
@@ -75,13 +85,17 @@ class DraftRowPrice:
     def _sample(self, requests: int, seconds: float, rows: int) -> None:
         """``rows`` more drafts took ``seconds`` more (fewer: both negative)."""
         self._samples.setdefault(requests, deque(maxlen=SAMPLES)).append(
-            (max(0.0, seconds / rows), abs(rows))
+            (max(0.0, seconds / rows), abs(rows), self._steps[requests])
         )
 
     def _price(self, requests: int) -> float | None:
         """A draft row's seconds beside ``requests`` decoding ones: the median of the recent
-        pairs' prices, each counted as many times as it has rows; None before ``MIN_ROWS``."""
-        samples = sorted(self._samples.get(requests, ()))
+        pairs' prices, each counted as many times as it has rows; None before ``MIN_ROWS`` rows
+        of pairs younger than ``PRICE_STEPS`` steps."""
+        oldest = self._steps.get(requests, 0) - PRICE_STEPS
+        samples = sorted(
+            (price, rows) for price, rows, step in self._samples.get(requests, ()) if step > oldest
+        )
         total = sum(rows for _, rows in samples)
         if total < MIN_ROWS:
             return None

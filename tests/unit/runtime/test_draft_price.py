@@ -2,7 +2,7 @@
 
 import pytest
 
-from kunlun_runtime.engine.draft_price import MIN_ROWS, SAMPLES, DraftRowPrice
+from kunlun_runtime.engine.draft_price import MIN_ROWS, PRICE_STEPS, SAMPLES, DraftRowPrice
 
 BATCH = frozenset(f"r{i}" for i in range(8))
 OTHER = frozenset(f"s{i}" for i in range(8))
@@ -116,3 +116,28 @@ def test_a_batch_with_a_plain_step_is_never_probed():
     for _ in range(4):
         price.observe(BATCH, 3, 0.026)
     assert not price.wants_probe(BATCH, 3)
+
+
+def test_a_price_expires_after_price_steps_without_pairs():
+    price = DraftRowPrice()
+    price.observe(BATCH, 0, 0.020)
+    price.observe(BATCH, 8, 0.060)  # a busy spell: 5 ms a row
+    assert _ms(price.series(BATCH, 1)) == [20.0, 25.0]
+    for _ in range(PRICE_STEPS - 1):  # refused: plain steps only, nothing pairs
+        price.observe(BATCH, 0, 0.020)
+    assert _ms(price.series(BATCH, 1)) == [20.0, 25.0]  # the pair is PRICE_STEPS - 1 steps old
+    price.observe(OTHER, 0, 0.020)  # as many requests: their steps age the pair too
+    assert _ms(price.series(OTHER, 1)) == [20.0, 20.0]  # expired: drafts run unpriced
+    price.observe(OTHER, 8, 0.036)  # and are priced afresh
+    assert _ms(price.series(OTHER, 1)) == [20.0, 22.0]
+
+
+def test_pairs_beside_other_numbers_of_requests_do_not_age_a_price():
+    price = DraftRowPrice()
+    price.observe(BATCH, 0, 0.020)
+    price.observe(BATCH, 8, 0.036)
+    one = frozenset({"r0"})
+    for _ in range(PRICE_STEPS):
+        price.observe(one, 0, 0.010)
+    price.observe(BATCH, 0, 0.020)
+    assert _ms(price.series(BATCH, 1)) == [20.0, 22.0]

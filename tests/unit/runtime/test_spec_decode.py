@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kunlun_runtime.config import SpeculativeConfig, parse_speculative_config
-from kunlun_runtime.engine.draft_price import MIN_ROWS, STEADY_STEPS
+from kunlun_runtime.engine.draft_price import MIN_ROWS, PRICE_STEPS, STEADY_STEPS
 from kunlun_runtime.engine.request import Request
 from kunlun_runtime.engine.sampling_params import SamplingParams
 from kunlun_runtime.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -344,6 +344,32 @@ def test_a_batch_drafting_as_many_rows_each_step_unpriced_runs_one_fewer_once():
 
     assert MIN_ROWS <= 8
     assert [drafted() for _ in range(STEADY_STEPS + 3)] == [8] * STEADY_STEPS + [4, 8, 8]
+    assert [round(t * 1e3, 6) for t in decoder.price.series(batch, 1)] == [30.0, 31.0]
+
+
+def test_drafting_resumes_after_a_busy_spell_priced_its_rows_too_high():
+    # Eight requests copying a repeated pattern, their steps timed at 30 ms plus 1 ms a draft row,
+    # until a busy spell makes two steps with drafts 60 ms slower: those pairs price a row so high
+    # that the drafts are refused, and no step drafts to outvote them. Once the pairs expire the
+    # drafts run again and are priced at what they cost.
+    decoder = SpeculativeDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), [0])
+    requests = _copying(8)
+    batch = frozenset(request.request_id for request in requests)
+    cost = _cpu_like_cost()
+    decoder.price.observe(batch, 0, 0.030)
+
+    def drafted(busy=0.0):
+        decoder.propose(requests, 16, cost, lambda _: None)
+        rows = sum(len(request.spec_token_ids) for request in requests)
+        decoder.price.observe(batch, rows, 0.030 + 0.001 * rows + (busy if rows else 0.0))
+        return rows
+
+    assert drafted() == 8
+    assert [drafted(busy=0.060) for _ in range(2)] == [8, 8]
+    assert decoder.price.series(batch, 1)[1] > 0.030 + 0.005  # a row priced above 5 ms
+    refused = [drafted() for _ in range(PRICE_STEPS - 3)]
+    assert refused == [0] * len(refused)
+    assert [drafted() for _ in range(REFUSAL_STEPS)][-1] == 8  # the refusal's last stand, then drafts
     assert [round(t * 1e3, 6) for t in decoder.price.series(batch, 1)] == [30.0, 31.0]
 
 
