@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -206,6 +207,135 @@ AccumulateFn<T> pick_accumulate(int tile, int width, bool tail) {
   }
 }
 
+// The paired layout of a BF16 cache (D a multiple of 16): one 32-byte load holds 16 values, whose
+// even ones widen by a shift (each 32-bit lane's low half moved up) and odd ones by a mask (the
+// high half kept), two operations where two 8-value widenings took four. So q and the
+// accumulators hold each 16 values of D as its 8 even ones, then its 8 odd ones (pair_lanes);
+// the merge puts them back in order (unpair_lanes).
+#ifndef KUNLUN_PAIRED_SCORE_TILE
+#define KUNLUN_PAIRED_SCORE_TILE 3
+#endif
+#ifndef KUNLUN_PAIRED_VALUE_TILE
+#define KUNLUN_PAIRED_VALUE_TILE 6
+#endif
+constexpr int kPairedScoreTile = KUNLUN_PAIRED_SCORE_TILE;
+constexpr int kPairedValueTile = KUNLUN_PAIRED_VALUE_TILE;
+
+inline void widen_pair(const bf16* p, __m256& even, __m256& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_and_ps(_mm256_castsi256_ps(raw), _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Each 16 values of row (D of them) as the 8 at even places, then the 8 at odd places.
+inline void pair_lanes(float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256 low = _mm256_loadu_ps(row + d), high = _mm256_loadu_ps(row + d + 8);
+    // Within each 128-bit half the shuffle takes lanes 0, 2 (then 1, 3) of low and of high; the
+    // 64-bit permute then orders the halves' quadwords as low's, high's.
+    const __m256 even = _mm256_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m256 odd = _mm256_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1));
+    _mm256_storeu_ps(row + d, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+    _mm256_storeu_ps(row + d + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+  }
+}
+
+// The 16 values of D that pair_lanes put as (even, odd), in order: out[0..7], out[8..15].
+inline void unpair_lanes(__m256 even, __m256 odd, float* out) {
+  const __m256 low = _mm256_unpacklo_ps(even, odd), high = _mm256_unpackhi_ps(even, odd);
+  _mm256_storeu_ps(out, _mm256_permute2f128_ps(low, high, 0x20));
+  _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// dot4_heads over the paired layout: q's even and odd vectors of TILE heads stay in registers
+// while four keys are widened against them, so each FMA reads no memory of its own.
+template <int TILE>
+inline void dot4_heads_paired(const float* q, int64_t padded_dim, const bf16* const rows[4], int64_t pairs,
+                              __m128 (&scores)[TILE]) {
+  __m256 dots[TILE][4];
+  _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) dots[g][i] = _mm256_setzero_ps();
+  }
+  for (int64_t c = 0; c < pairs; ++c) {
+    __m256 even_q[TILE], odd_q[TILE];
+    _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
+      even_q[g] = _mm256_loadu_ps(q + g * padded_dim + 16 * c);
+      odd_q[g] = _mm256_loadu_ps(q + g * padded_dim + 16 * c + 8);
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
+      __m256 even, odd;
+      widen_pair(rows[i] + 16 * c, even, odd);
+      _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
+        dots[g][i] = _mm256_fmadd_ps(even_q[g], even, dots[g][i]);
+        dots[g][i] = _mm256_fmadd_ps(odd_q[g], odd, dots[g][i]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) scores[g] = transpose_sum4(dots[g]);
+}
+
+template <int TILE>
+void score8_heads_paired(const float* q, int64_t padded_dim, const bf16* const rows[8], int64_t count,
+                         int64_t pairs, __m256i, float scale, float* probs) {
+  __m128 low[TILE], high[TILE];
+  dot4_heads_paired<TILE>(q, padded_dim, rows, pairs, low);
+  dot4_heads_paired<TILE>(q, padded_dim, rows + 4, pairs, high);
+  for (int g = 0; g < TILE; ++g) {
+    __m256 scores = _mm256_mul_ps(_mm256_set_m128(high[g], low[g]), _mm256_set1_ps(scale));
+    if (count < 8) scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
+    _mm256_storeu_ps(probs + g * kKeyChunk, scores);
+  }
+}
+
+template <int TILE>
+ScoreFn<bf16> pick_score_paired_tile(int tile) {
+  if constexpr (TILE == 1) {
+    return &score8_heads_paired<1>;
+  } else {
+    return tile == TILE ? &score8_heads_paired<TILE> : pick_score_paired_tile<TILE - 1>(tile);
+  }
+}
+
+// accumulate_values over the paired layout, one 16-value pair of D (`pair`) for TILE heads: one
+// load and two widening operations per value, shared by 2 × TILE FMAs.
+template <int TILE>
+void accumulate_values_paired(const bf16* const* value_slots, int64_t head_offset, int64_t n, const float* probs,
+                              const float* corrections, float* acc, int64_t padded_dim, int64_t pair) {
+  __m256 sum[TILE][2];
+  _Pragma("GCC unroll 8") for (int g = 0; g < TILE; ++g) {
+    const __m256 correction = _mm256_set1_ps(corrections[g]);
+    _Pragma("GCC unroll 2") for (int c = 0; c < 2; ++c) {
+      sum[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * padded_dim + 16 * pair + 8 * c), correction);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 even, odd;
+    widen_pair(value_slots[j] + head_offset + 16 * pair, even, odd);
+    _Pragma("GCC unroll 8") for (int g = 0; g < TILE; ++g) {
+      const __m256 weight = _mm256_broadcast_ss(probs + g * kKeyChunk + j);
+      sum[g][0] = _mm256_fmadd_ps(weight, even, sum[g][0]);
+      sum[g][1] = _mm256_fmadd_ps(weight, odd, sum[g][1]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int g = 0; g < TILE; ++g) {
+    _Pragma("GCC unroll 2") for (int c = 0; c < 2; ++c) {
+      _mm256_storeu_ps(acc + g * padded_dim + 16 * pair + 8 * c, sum[g][c]);
+    }
+  }
+}
+
+using PairedAccumulateFn = void (*)(const bf16* const*, int64_t, int64_t, const float*, const float*, float*,
+                                    int64_t, int64_t);
+
+template <int TILE>
+PairedAccumulateFn pick_accumulate_paired(int tile) {
+  if constexpr (TILE == 1) {
+    return &accumulate_values_paired<1>;
+  } else {
+    return tile == TILE ? &accumulate_values_paired<TILE> : pick_accumulate_paired<TILE - 1>(tile);
+  }
+}
+
 template <typename T>
 struct AttentionShape {
   int64_t H, KVH, D, padded_dim;  // padded_dim: D rounded up to whole vectors (q and acc rows)
@@ -226,9 +356,10 @@ struct AttentionShape {
 // follow), a row per key as its KV head's keys are scored, spread out rather than all at once
 // (issued all at once they stall on the line fill buffers, as the AVX-512 kernel found).
 // Prefetching helps long contexts a little; prefetching two chunks ahead helps no more.
-template <bool TAIL, typename T>
+template <bool TAIL, bool PAIRED, typename T>
 void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* table, int64_t start, int64_t end,
                   float* maxima, float* sums, float* acc) {
+  static_assert(!PAIRED || (!TAIL && std::is_same_v<T, bf16>), "the paired layout is a BF16 cache's, D % 16 == 0");
   const int64_t H = s.H, KVH = s.KVH, D = s.D, padded_dim = s.padded_dim, group = H / KVH;
   const PagedCache<T>& keys = *s.keys;
   const PagedCache<T>& values = *s.values;
@@ -272,10 +403,18 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
             _mm_prefetch(value + offset, _MM_HINT_T1);
           }
         }
-        for (int64_t g0 = 0; g0 < group; g0 += kScoreTile) {
-          const int tile = static_cast<int>(std::min<int64_t>(kScoreTile, group - g0));
-          pick_score<TAIL, T>(tile)(q + (kv * group + g0) * padded_dim, padded_dim, rows, count, full, tail, s.scale,
-                                    probs + g0 * kKeyChunk + j);
+        if constexpr (PAIRED) {
+          for (int64_t g0 = 0; g0 < group; g0 += kPairedScoreTile) {
+            const int tile = static_cast<int>(std::min<int64_t>(kPairedScoreTile, group - g0));
+            pick_score_paired_tile<kPairedScoreTile>(tile)(q + (kv * group + g0) * padded_dim, padded_dim, rows, count,
+                                                           D / 16, tail, s.scale, probs + g0 * kKeyChunk + j);
+          }
+        } else {
+          for (int64_t g0 = 0; g0 < group; g0 += kScoreTile) {
+            const int tile = static_cast<int>(std::min<int64_t>(kScoreTile, group - g0));
+            pick_score<TAIL, T>(tile)(q + (kv * group + g0) * padded_dim, padded_dim, rows, count, full, tail, s.scale,
+                                      probs + g0 * kKeyChunk + j);
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -296,6 +435,17 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
       }
       // P · V for this KV head's query heads, in stripes of D and tiles of heads so the
       // accumulators stay in registers; the earlier chunks' sums are rescaled on the way.
+      if constexpr (PAIRED) {
+        for (int64_t g0 = 0; g0 < group; g0 += kPairedValueTile) {
+          const int tile = static_cast<int>(std::min<int64_t>(kPairedValueTile, group - g0));
+          for (int64_t pair = 0; pair < D / 16; ++pair) {
+            pick_accumulate_paired<kPairedValueTile>(tile)(value_slots, kv * values.head_stride, n,
+                                                           probs + g0 * kKeyChunk, corrections.data() + g0,
+                                                           acc + (kv * group + g0) * padded_dim, padded_dim, pair);
+          }
+        }
+        continue;
+      }
       for (int64_t g0 = 0; g0 < group; g0 += kHeadTile) {
         const int tile = static_cast<int>(std::min<int64_t>(kHeadTile, group - g0));
         for (int64_t first = 0; first < vectors; first += kStripe) {
@@ -355,6 +505,12 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
   const paged::AttentionPlan plan = paged::plan_attention(tables, lengths, B, max_blocks, block_size, window, H,
                                                           at::get_num_threads(), kMinSplitKeys);
   std::vector<float> maxima(plan.heads), sums(plan.heads), partial(plan.heads * padded_dim);
+  constexpr bool kBF16 = std::is_same_v<T, bf16>;
+  const bool paired = kBF16 && D % 16 == 0;
+  auto attend = D % 8 != 0 ? &attend_split<true, false, T> : &attend_split<false, false, T>;
+  if constexpr (kBF16) {
+    if (paired) attend = &attend_split<false, true, T>;
+  }
   paged::run_tasks(plan, [&](auto take) {
     std::vector<float> queries, rotate_scratch(D);
     for (int64_t t = take(); t >= 0; t = take()) {
@@ -368,9 +524,12 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
                  rotate_scratch.data());
         }
       }
+      if (paired) {
+        for (int64_t row = 0; row < task.rows * H; ++row) pair_lanes(queries.data() + row * padded_dim, D);
+      }
       AttentionShape<T> task_shape = shape;
       task_shape.H = task.rows * H;
-      (D % 8 == 0 ? attend_split<false, T> : attend_split<true, T>)(
+      attend(
           queries.data(), task_shape, tables + task.first_row * max_blocks, task.key_begin, task.key_end,
           maxima.data() + task.head_offset, sums.data() + task.head_offset,
           partial.data() + task.head_offset * padded_dim);
@@ -389,6 +548,19 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
       for (const paged::TaskPart* part = first; part != last; ++part) {
         const int64_t i = plan.head_index(*part, h, group);
         total += sums[i] * std::exp(maxima[i] - largest);
+      }
+      if (paired) {
+        for (int64_t d = 0; d < D; d += 16) {
+          __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+          for (const paged::TaskPart* part = first; part != last; ++part) {
+            const int64_t i = plan.head_index(*part, h, group);
+            const __m256 weight = _mm256_set1_ps(std::exp(maxima[i] - largest) / total);
+            even = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d), even);
+            odd = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d + 8), odd);
+          }
+          unpair_lanes(even, odd, op + b * H * D + h * D + d);
+        }
+        continue;
       }
       for (int64_t d = 0; d < D; d += 8) {
         __m256 merged = _mm256_setzero_ps();
