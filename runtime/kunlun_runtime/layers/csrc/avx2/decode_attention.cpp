@@ -211,15 +211,14 @@ AccumulateFn<T> pick_accumulate(int tile, int width, bool tail) {
 // even ones widen by a shift (each 32-bit lane's low half moved up) and odd ones by a mask (the
 // high half kept), two operations where two 8-value widenings took four. So q and the
 // accumulators hold each 16 values of D as its 8 even ones, then its 8 odd ones (pair_lanes);
-// the merge puts them back in order (unpair_lanes).
-#ifndef KUNLUN_PAIRED_SCORE_TILE
-#define KUNLUN_PAIRED_SCORE_TILE 3
-#endif
-#ifndef KUNLUN_PAIRED_VALUE_TILE
-#define KUNLUN_PAIRED_VALUE_TILE 6
-#endif
-constexpr int kPairedScoreTile = KUNLUN_PAIRED_SCORE_TILE;
-constexpr int kPairedValueTile = KUNLUN_PAIRED_VALUE_TILE;
+// the merge puts them back in order (unpair_lanes). It pays where a sequence has rows with drafts
+// (each key serves more query heads, so widening is more of the work); one row runs the same.
+// Query heads scored at once: 3, with q read from memory (4 keys × 3 heads of sums and a key's two
+// halves leave no registers for q), because a tile of 2 splits a row's 3 heads of a KV head and
+// widens each key twice. Heads accumulated at once over values: 6 (12 sums, a value's two halves
+// and a weight: 15 registers); fewer widen each value more often (docs/performance.md).
+constexpr int kPairedScoreTile = 3;
+constexpr int kPairedValueTile = 6;
 
 inline void widen_pair(const bf16* p, __m256& even, __m256& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
