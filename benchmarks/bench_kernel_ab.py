@@ -11,7 +11,10 @@ the outputs that differ, for a change that is meant to alter them):
    still streams from memory): the kernels' arithmetic, at each of ``--rows``;
 2. ``step``: a decode step's linears, every layer its own weights and the LM head (as in a model,
    they stream from memory), at each of ``--rows``;
-3. ``engine`` (with ``--engine CONTEXTxBATCH ...``): the whole engine decoding, the two libraries
+3. ``attention`` (with ``--attention CONTEXTxROWS[xSEQUENCES] ...``): decode attention of
+   SEQUENCES sequences (default 1) of ROWS rows each (a decode row and its drafts, sharing their
+   keys) over CONTEXT keys of a BF16 cache, every layer its own cache, the model's heads;
+4. ``engine`` (with ``--engine CONTEXTxBATCH ...``): the whole engine decoding, the two libraries
    swapped every step, so each base step sits between two tree steps and the machine's drift
    (busy neighbours move a 2-core VM's speed by 10-20 % within a minute) falls on both alike;
    mean milliseconds per decode step (every request past its prefill). Whole runs in separate
@@ -21,6 +24,7 @@ the outputs that differ, for a change that is meant to alter them):
     .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1       # ~2 minutes on 2 cores
     .venv/bin/python benchmarks/bench_kernel_ab.py --base 23558ac --rows 1 8 16
     .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --rows 1 --engine 256x1 1024x1 256x8
+    .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --rows 1 --attention 1500x1 1500x6 1500x2x8
     KUNLUN_CPU_ISA=avx2 .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --engine 256x1
 
 Exits with status 2 where the tier's kernels do not build or ``--base`` is not a commit.
@@ -67,6 +71,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="CONTEXTxBATCH",
         help="engine decode cases, e.g. 256x1 1024x8 (none: skip the engine)",
     )
+    parser.add_argument(
+        "--attention",
+        type=_attention_case,
+        nargs="*",
+        default=[],
+        metavar="CONTEXTxROWS[xSEQUENCES]",
+        help="decode attention cases, e.g. 1500x1 1500x6 1500x2x8 (none: skip attention)",
+    )
     parser.add_argument("--engine-tokens", type=int, default=256, help="tokens each request decodes")
     parser.add_argument("--engine-reps", type=int, default=3, help="batches per engine case")
     parser.add_argument("--json", type=Path, default=None)
@@ -78,6 +90,14 @@ def _engine_case(text: str) -> tuple[int, int]:
     if not (context.isdigit() and batch.isdigit() and int(context) > 0 and int(batch) > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not CONTEXTxBATCH (e.g. 256x1)")
     return int(context), int(batch)
+
+
+def _attention_case(text: str) -> tuple[int, int, int]:
+    parts = text.split("x")
+    if not (len(parts) in (2, 3) and all(part.isdigit() and int(part) > 0 for part in parts)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not CONTEXTxROWS[xSEQUENCES] (e.g. 1500x6, 1500x2x8)")
+    context, rows, sequences = (*map(int, parts), 1)[:3]
+    return context, rows, sequences
 
 
 def _sources_at(csrc: Path, tier: cpu_kernels.KernelTier) -> list[Path]:
@@ -183,6 +203,56 @@ def measure(args: argparse.Namespace, ops: dict, config, activations: torch.dtyp
     return results
 
 
+ATTENTION_BLOCK = 16  # tokens per KV block (the engine's default)
+
+
+def measure_attention(args: argparse.Namespace, ops: dict, config, activations: torch.dtype) -> dict:
+    """Median ms of a decode step's attention, every layer over its own cache, per --attention case:
+    each sequence's rows are its decode row (the last position) and the drafts before it, their
+    blocks in random order in a pool with as many blocks again free (as a busy cache has them)."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    results = {}
+    for context, rows, sequences in args.attention:
+        blocks = -(-(context + rows) // ATTENTION_BLOCK)
+        pool = 2 * blocks * sequences
+        caches = [
+            tuple(
+                torch.randn(pool, ATTENTION_BLOCK, kv_heads, dim, generator=generator).bfloat16()
+                for _ in range(2)
+            )
+            for _ in range(config.num_layers)
+        ]
+        order = torch.randperm(pool, generator=generator)
+        tables = torch.cat(
+            [order[s * blocks : (s + 1) * blocks].expand(rows, blocks) for s in range(sequences)]
+        ).contiguous()
+        lengths = torch.arange(context + 1, context + rows + 1, dtype=torch.long).repeat(sequences)
+        total = rows * sequences
+        q = torch.randn(total, heads, dim, generator=generator).to(activations)
+        k, v = (torch.randn(total, kv_heads, dim, generator=generator).to(activations) for _ in range(2))
+        cos, sin = (torch.randn(total, dim, generator=generator).to(activations) for _ in range(2))
+        rotary = (q, k, v, cos, sin)
+
+        def attend(side: str, layer: int, caches=caches, rotary=rotary, tables=tables, lengths=lengths):
+            return ops[side].decode_attention(*rotary, *caches[layer], tables, lengths, dim**-0.5, 0)
+
+        def step(side: str, attend=attend) -> float:
+            start = time.perf_counter()
+            for layer in range(config.num_layers):
+                attend(side, layer)
+            return time.perf_counter() - start
+
+        medians = _alternate(args.reps, step)
+        # Both write the new rows' K and V into the cache the same way: the second call rewrites
+        # what the first wrote, so each reads the same keys.
+        differing = _differing(attend("base", 0), attend("tree", 0))
+        # Scores and P·V: 2 × 2 × D flops per query head and key.
+        flops = 4 * dim * heads * config.num_layers * sequences * sum(range(context + 1, context + rows + 1))
+        results[f"{context}x{rows}x{sequences}"] = _row(medians, flops, differing)
+    return results
+
+
 def measure_engine(args: argparse.Namespace, base_ops, activations: torch.dtype) -> dict:
     """Mean ms per decode step of each --engine case, the base library in every other step."""
     llm = LLM(
@@ -261,13 +331,16 @@ def main(argv: list[str] | None = None) -> int:
         "tier": tier.tier.value,
         "base": commit,
         **measure(args, {"base": base_ops, "tree": tree_ops}, config, tier.activation_dtype),
+        "attention": measure_attention(
+            args, {"base": base_ops, "tree": tree_ops}, config, tier.activation_dtype
+        ),
         "engine": measure_engine(args, base_ops, tier.activation_dtype) if args.engine else {},
     }
     print(
         f"{results['cpu']}; {tier.tier.value} kernels of base {commit[:12]} against this tree's; "
         f"medians of {args.reps}, ratio base / tree"
     )
-    for kind in ("cached", "step"):
+    for kind in ("cached", "step", "attention"):
         for case, row in results[kind].items():
             ms, gf = row["ms"], row["gflops"]
             print(

@@ -7,12 +7,16 @@ import json
 import pytest
 import torch
 
+from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
 from tests.support.kernel_marks import needs_kernels
 from tests.support.tiny_models import make_tiny_model
 
+# The benchmark compares the kernels of the tier in force here: the AVX2 tier's compute in FP32.
+IN_FORCE = torch.float32 if cpu_capabilities().tier is IsaTier.AVX2 else torch.bfloat16
 
-@needs_kernels(torch.bfloat16)
+
+@needs_kernels(IN_FORCE)
 def test_the_base_commit_is_built_and_both_sides_are_timed_in_every_case(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports bench_engine, beside it
     bench = load_benchmark("bench_kernel_ab")
@@ -33,7 +37,7 @@ def test_the_base_commit_is_built_and_both_sides_are_timed_in_every_case(tmp_pat
         assert row["differing_outputs"] == 0
 
 
-@needs_kernels(torch.bfloat16)
+@needs_kernels(IN_FORCE)
 def test_an_unknown_base_is_an_error_not_a_silent_comparison(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load_benchmark("bench_kernel_ab")
@@ -43,7 +47,7 @@ def test_an_unknown_base_is_an_error_not_a_silent_comparison(monkeypatch, capsys
     assert "'no-such-revision' is not a commit" in capsys.readouterr().err
 
 
-@needs_kernels(torch.bfloat16)
+@needs_kernels(IN_FORCE)
 def test_the_engine_cases_swap_the_libraries_every_decode_step(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load_benchmark("bench_kernel_ab")
@@ -60,6 +64,31 @@ def test_the_engine_cases_swap_the_libraries_every_decode_step(tmp_path, monkeyp
         assert row["steps"] == {"base": 5, "tree": 5}
         assert row["ratio"] == pytest.approx(row["ms_per_step"]["base"] / row["ms_per_step"]["tree"])
     assert bench.cpu_kernels._ops.__name__ == "_ops"  # the engine's dispatch is restored
+
+
+@needs_kernels(IN_FORCE)
+def test_the_attention_cases_time_both_sides_over_every_layers_cache(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = load_benchmark("bench_kernel_ab")
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "ab.json"
+    argv = ["--base", "HEAD", "--model", str(model), "--rows", "1", "--reps", "2", "--calls", "1"]
+    assert bench.main([*argv, "--attention", "40x1", "24x3x2", "--json", str(out)]) == 0
+    attention = json.loads(out.read_text())["attention"]
+    assert set(attention) == {"40x1x1", "24x3x2"}
+    for row in attention.values():
+        assert row["ratio"] == pytest.approx(row["ms"]["base"] / row["ms"]["tree"])
+        assert min(row["gflops"].values()) > 0
+        assert row["differing_outputs"] == 0  # the same sources: the same bits
+
+
+def test_an_attention_case_is_context_x_rows_and_sequences(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = load_benchmark("bench_kernel_ab")
+    assert bench.parse_args(["--attention", "1500x6", "1500x2x8"]).attention == [(1500, 6, 1), (1500, 2, 8)]
+    for bad in ("1500", "0x1", "1500x", "1500x2x0", "1x2x3x4", "ax1"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--attention", bad])
 
 
 def test_an_engine_case_is_context_x_batch(monkeypatch):
