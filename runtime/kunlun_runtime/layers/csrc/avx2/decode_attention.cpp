@@ -216,7 +216,8 @@ AccumulateFn<T> pick_accumulate(int tile, int width, bool tail) {
 // Query heads scored at once: 3, with q read from memory (4 keys × 3 heads of sums and a key's two
 // halves leave no registers for q), because a tile of 2 splits a row's 3 heads of a KV head and
 // widens each key twice. Heads accumulated at once over values: 6 (12 sums, a value's two halves
-// and a weight: 15 registers); fewer widen each value more often (docs/performance.md).
+// and a weight: 15 registers), so each value is widened once for 6 heads; 3 or 4 ran within the
+// noise of it (docs/performance.md).
 constexpr int kPairedScoreTile = 3;
 constexpr int kPairedValueTile = 6;
 
