@@ -47,34 +47,33 @@ def test_an_unknown_base_is_an_error_not_a_silent_comparison(monkeypatch, capsys
     assert "'no-such-revision' is not a commit" in capsys.readouterr().err
 
 
-@needs_kernels(IN_FORCE)
-def test_the_engine_cases_swap_the_libraries_every_decode_step(tmp_path, monkeypatch):
+def _report(tmp_path, monkeypatch, *cases: str) -> dict:
+    """The JSON report of HEAD's kernels against this tree's on a tiny model, one row, with ``cases``."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = load_benchmark("bench_kernel_ab")
     model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "ab.json"
-    argv = ["--base", "HEAD", "--model", str(model), "--rows", "1", "--reps", "1", "--calls", "1"]
-    argv += ["--engine", "24x1", "16x3", "--engine-tokens", "6", "--engine-reps", "2"]
-    assert bench.main([*argv, "--json", str(out)]) == 0
-    engine = json.loads(out.read_text())["engine"]
+    argv = ["--base", "HEAD", "--model", str(model), "--rows", "1", "--reps", "2", "--calls", "1"]
+    assert bench.main([*argv, *cases, "--json", str(out)]) == 0
+    assert bench.cpu_kernels._ops.__name__ == "_ops"  # the engine's dispatch is restored
+    return json.loads(out.read_text())
+
+
+@needs_kernels(IN_FORCE)
+def test_the_engine_cases_swap_the_libraries_every_decode_step(tmp_path, monkeypatch):
+    cases = ["--engine", "24x1", "16x3", "--engine-tokens", "6", "--engine-reps", "2"]
+    engine = _report(tmp_path, monkeypatch, *cases)["engine"]
     assert set(engine) == {"24x1", "16x3"}
     for row in engine.values():
         # Each batch decodes 5 steps after its prefill (6 tokens, the first from the prefill),
         # split between the libraries in turn: 2 batches, 10 decode steps, 5 each.
         assert row["steps"] == {"base": 5, "tree": 5}
         assert row["ratio"] == pytest.approx(row["ms_per_step"]["base"] / row["ms_per_step"]["tree"])
-    assert bench.cpu_kernels._ops.__name__ == "_ops"  # the engine's dispatch is restored
 
 
 @needs_kernels(IN_FORCE)
 def test_the_attention_cases_time_both_sides_over_every_layers_cache(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    bench = load_benchmark("bench_kernel_ab")
-    model = make_tiny_model(tmp_path / "tiny")
-    out = tmp_path / "ab.json"
-    argv = ["--base", "HEAD", "--model", str(model), "--rows", "1", "--reps", "2", "--calls", "1"]
-    assert bench.main([*argv, "--attention", "40x1", "24x3x2", "--json", str(out)]) == 0
-    attention = json.loads(out.read_text())["attention"]
+    attention = _report(tmp_path, monkeypatch, "--attention", "40x1", "24x3x2")["attention"]
     assert set(attention) == {"40x1x1", "24x3x2"}
     for row in attention.values():
         assert row["ratio"] == pytest.approx(row["ms"]["base"] / row["ms"]["tree"])
