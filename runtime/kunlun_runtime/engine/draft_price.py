@@ -29,8 +29,8 @@ no longer count. While drafts run, new pairs replace old ones long before that; 
 high by a busy spell (another tenant, a page-fault storm) refuses every draft and so never sees
 another pair (the likeliest reading of a benchmark run whose copy cells stopped drafting after a
 noisy spell while a fresh process drafted them as usual).
-Once its pairs expire the drafts run unpriced for a step or two and are priced afresh, a cost of
-about one step in ``PRICE_STEPS`` where drafts do not pay.
+Once its pairs expire the drafts run unpriced for a step or two and are priced afresh: where
+drafts do not pay, one or two steps with drafts in every ``PRICE_STEPS``.
 Pairs are kept per number of decoding requests (a draft row beside one decode row rides on a
 read of the weights that is memory-bound; beside eight, the linears are compute-bound and it
 costs several times more). A step's rows stay within one pass of the kernels over the weights

@@ -211,8 +211,9 @@ AccumulateFn<T> pick_accumulate(int tile, int width, bool tail) {
 // even ones widen by a shift (each 32-bit lane's low half moved up) and odd ones by a mask (the
 // high half kept), two operations where two 8-value widenings took four. So q and the
 // accumulators hold each 16 values of D as its 8 even ones, then its 8 odd ones (pair_lanes);
-// the merge puts them back in order (unpair_lanes). It pays where a sequence has rows with drafts
-// (each key serves more query heads, so widening is more of the work); one row runs the same.
+// the merge puts them back in order (unpair_lanes). It pays where a sequence has rows with drafts:
+// one row's attention waits on its keys from memory, while more rows compute over the same keys,
+// and widening is part of that compute; one row runs the same.
 // Query heads scored at once: 3, with q read from memory (4 keys × 3 heads of sums and a key's two
 // halves leave no registers for q), because a tile of 2 splits a row's 3 heads of a KV head and
 // widens each key twice. Heads accumulated at once over values: 6 (12 sums, a value's two halves
@@ -247,8 +248,9 @@ inline void unpair_lanes(__m256 even, __m256 odd, float* out) {
   _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(low, high, 0x31));
 }
 
-// dot4_heads over the paired layout: q's even and odd vectors of TILE heads stay in registers
-// while four keys are widened against them, so each FMA reads no memory of its own.
+// dot4_heads over the paired layout: per 16 values of D, four keys widened by a load, a shift and
+// a mask each, against q's even and odd vectors of TILE heads (with 3 heads the compiler reads
+// those as FMA operands from L1: the sums and the key's halves fill the registers).
 template <int TILE>
 inline void dot4_heads_paired(const float* q, int64_t padded_dim, const bf16* const rows[4], int64_t pairs,
                               __m128 (&scores)[TILE]) {
