@@ -114,17 +114,25 @@ inline void dot4_heads(const float* q, int64_t padded_dim, const T* const rows[4
 
 // The scaled scores of eight key rows (lanes past `count` -inf) for TILE query heads, into
 // probs[g * kKeyChunk + j ..] (see attend_split).
+// Eight keys' dot products (low: keys 0-3, high: 4-7) of TILE heads, scaled, lanes past `count`
+// -inf, into probs[g * kKeyChunk ..].
+template <int TILE>
+inline void store_scores(const __m128 (&low)[TILE], const __m128 (&high)[TILE], int64_t count, float scale,
+                         float* probs) {
+  for (int g = 0; g < TILE; ++g) {
+    __m256 scores = _mm256_mul_ps(_mm256_set_m128(high[g], low[g]), _mm256_set1_ps(scale));
+    if (count < 8) scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
+    _mm256_storeu_ps(probs + g * kKeyChunk, scores);  // kKeyChunk is a multiple of 8: whole vectors fit
+  }
+}
+
 template <int TILE, bool TAIL, typename T>
 void score8_heads(const float* q, int64_t padded_dim, const T* const rows[8], int64_t count, int64_t full,
                   __m256i tail, float scale, float* probs) {
   __m128 low[TILE], high[TILE];
   dot4_heads<TILE, TAIL, T>(q, padded_dim, rows, full, tail, low);
   dot4_heads<TILE, TAIL, T>(q, padded_dim, rows + 4, full, tail, high);
-  for (int g = 0; g < TILE; ++g) {
-    __m256 scores = _mm256_mul_ps(_mm256_set_m128(high[g], low[g]), _mm256_set1_ps(scale));
-    if (count < 8) scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
-    _mm256_storeu_ps(probs + g * kKeyChunk, scores);  // kKeyChunk is a multiple of 8: whole vectors fit
-  }
+  store_scores<TILE>(low, high, count, scale, probs);
 }
 
 template <typename T>
@@ -282,11 +290,7 @@ void score8_heads_paired(const float* q, int64_t padded_dim, const bf16* const r
   __m128 low[TILE], high[TILE];
   dot4_heads_paired<TILE>(q, padded_dim, rows, pairs, low);
   dot4_heads_paired<TILE>(q, padded_dim, rows + 4, pairs, high);
-  for (int g = 0; g < TILE; ++g) {
-    __m256 scores = _mm256_mul_ps(_mm256_set_m128(high[g], low[g]), _mm256_set1_ps(scale));
-    if (count < 8) scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
-    _mm256_storeu_ps(probs + g * kKeyChunk, scores);
-  }
+  store_scores<TILE>(low, high, count, scale, probs);
 }
 
 template <int TILE>
@@ -551,27 +555,20 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
         const int64_t i = plan.head_index(*part, h, group);
         total += sums[i] * std::exp(maxima[i] - largest);
       }
-      if (paired) {
-        for (int64_t d = 0; d < D; d += 16) {
-          __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-          for (const paged::TaskPart* part = first; part != last; ++part) {
-            const int64_t i = plan.head_index(*part, h, group);
-            const __m256 weight = _mm256_set1_ps(std::exp(maxima[i] - largest) / total);
-            even = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d), even);
-            odd = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d + 8), odd);
-          }
-          unpair_lanes(even, odd, op + b * H * D + h * D + d);
-        }
-        continue;
-      }
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 merged = _mm256_setzero_ps();
+      const auto merged = [&](int64_t d) {  // lanes d .. d + 7 of the splits' outputs, weighted
+        __m256 sum = _mm256_setzero_ps();
         for (const paged::TaskPart* part = first; part != last; ++part) {
           const int64_t i = plan.head_index(*part, h, group);
           const __m256 weight = _mm256_set1_ps(std::exp(maxima[i] - largest) / total);
-          merged = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d), merged);
+          sum = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d), sum);
         }
-        store_ps(op + b * H * D + h * D + d, merged, D - d);  // masked only for a row tail
+        return sum;
+      };
+      float* out = op + b * H * D + h * D;
+      if (paired) {
+        for (int64_t d = 0; d < D; d += 16) unpair_lanes(merged(d), merged(d + 8), out + d);
+      } else {
+        for (int64_t d = 0; d < D; d += 8) store_ps(out + d, merged(d), D - d);  // masked only for a row tail
       }
     }
   });
