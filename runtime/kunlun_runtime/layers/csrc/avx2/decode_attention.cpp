@@ -58,17 +58,21 @@ inline __m256 load_row8(const bf16* p) { return kunlun_cpu::avx2::widen_bf16x8(p
 inline __m256 load_row8_tail(const float* p, __m256i tail) { return _mm256_maskload_ps(p, tail); }
 inline __m256 load_row8_tail(const bf16* p, __m256i tail) { return kunlun_cpu::avx2::widen_bf16x8_masked(p, tail); }
 
-// Keys scored per pass: a chunk's K and V rows stay in L1 while every query head reads them, beside
-// the next chunk's rows as they are prefetched. 16 keys of SmolLM2's 3 KV heads × 64 BF16 are
-// 12 KiB of K and V, twice that with the next chunk; chunks of 32 overflowed a 32 KiB L1 (a Zen 3's
-// attention 1.2-1.3x slower over 2,048 keys), chunks of 8 spent more on each chunk's bookkeeping.
-constexpr int64_t kKeyChunk = 16;
+// Keys whose scores a split holds at once, per KV head: their scores are computed, then softmaxed
+// together and multiplied into the values, so each query head's running maximum, its correction
+// and the rescaling of its accumulators are paid once per segment rather than once per chunk of
+// 16 keys, as they were (a third of a one-row attention's time under perf). 128 keys of a KV head
+// are 16 KiB of BF16 K, then as much V, and 18 query heads' scores (a row with 5 drafts) 9 KiB;
+// segments of 32 and 64 keys ran up to 7 % slower at 6 rows (docs/performance.md).
+constexpr int64_t kSegmentKeys = 128;
 constexpr int64_t kMinSplitKeys = 64;  // a sequence's keys are split across threads down to this
+// How far ahead of the key rows being scored the next ones are prefetched (in reading order); 32
+// ran no faster.
+constexpr int64_t kPrefetchKeys = 16;
 // A P·V pass keeps kHeadTile × kStripe accumulators, kStripe value vectors and a weight in
 // registers: 13 of AVX2's 16 (4 × 3 spills; 3 × 3, 4 × 2 and 2 × 3 run about the same).
 constexpr int kStripe = 3;             // 8-lane vectors of D a P·V pass keeps per query head
 constexpr int kHeadTile = 3;           // query heads a P·V pass accumulates at once
-constexpr int64_t kPrefetchChunks = 1;  // how far ahead K and V rows are prefetched
 
 // Four FP32 vectors in, one 4-lane vector out: lane j holds the sum of the lanes of v[j], added
 // within each 128-bit half as (l0 + l2) + (l1 + l3), then the two halves.
@@ -112,17 +116,15 @@ inline void dot4_heads(const float* q, int64_t padded_dim, const T* const rows[4
   _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) scores[g] = transpose_sum4(dots[g]);
 }
 
-// The scaled scores of eight key rows (lanes past `count` -inf) for TILE query heads, into
-// probs[g * kKeyChunk + j ..] (see attend_split).
 // Eight keys' dot products (low: keys 0-3, high: 4-7) of TILE heads, scaled, lanes past `count`
-// -inf, into probs[g * kKeyChunk ..].
+// -inf, into probs[g * kSegmentKeys ..] (see attend_split).
 template <int TILE>
 inline void store_scores(const __m128 (&low)[TILE], const __m128 (&high)[TILE], int64_t count, float scale,
                          float* probs) {
   for (int g = 0; g < TILE; ++g) {
     __m256 scores = _mm256_mul_ps(_mm256_set_m128(high[g], low[g]), _mm256_set1_ps(scale));
     if (count < 8) scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, _mm256_castsi256_ps(tail_mask(count)));
-    _mm256_storeu_ps(probs + g * kKeyChunk, scores);  // kKeyChunk is a multiple of 8: whole vectors fit
+    _mm256_storeu_ps(probs + g * kSegmentKeys, scores);  // a multiple of 8: whole vectors fit
   }
 }
 
@@ -174,7 +176,7 @@ void accumulate_values(const T* const* value_slots, int64_t head_offset, int64_t
       value[c] = TAIL && c == W - 1 ? load_row8_tail(row + 8 * c, tail) : load_row8(row + 8 * c);
     }
     _Pragma("GCC unroll 4") for (int g = 0; g < TILE; ++g) {
-      const __m256 weight = _mm256_broadcast_ss(probs + g * kKeyChunk + j);
+      const __m256 weight = _mm256_broadcast_ss(probs + g * kSegmentKeys + j);
       _Pragma("GCC unroll 4") for (int c = 0; c < W; ++c) sum[g][c] = _mm256_fmadd_ps(weight, value[c], sum[g][c]);
     }
   }
@@ -318,7 +320,7 @@ void accumulate_values_paired(const bf16* const* value_slots, int64_t head_offse
     __m256 even, odd;
     widen_pair(value_slots[j] + head_offset + 16 * pair, even, odd);
     _Pragma("GCC unroll 8") for (int g = 0; g < TILE; ++g) {
-      const __m256 weight = _mm256_broadcast_ss(probs + g * kKeyChunk + j);
+      const __m256 weight = _mm256_broadcast_ss(probs + g * kSegmentKeys + j);
       sum[g][0] = _mm256_fmadd_ps(weight, even, sum[g][0]);
       sum[g][1] = _mm256_fmadd_ps(weight, odd, sum[g][1]);
     }
@@ -354,78 +356,80 @@ struct AttentionShape {
 // One split of one sequence: every query head (q: H rows of padded_dim FP32, rotated, zero padded)
 // over keys [start, end), as flash-decoding does it: per head the running maximum score, the sum
 // of exponentials relative to it, and the unnormalised output (acc, H × padded_dim), merged across
-// splits by the caller. Each chunk of kKeyChunk slots is read from memory once for all heads:
-// each key vector is loaded and widened once for up to kScoreTile query heads that share its KV
-// head (one FMA chain per key and head, one transpose-reduce per 4 keys and head), each value
-// vector likewise for up to kHeadTile heads, and the next chunk's K and V rows are prefetched into
-// L2 while this one computes (blocks sit in random order, which the hardware prefetcher cannot
-// follow), a row per key as its KV head's keys are scored, spread out rather than all at once
-// (issued all at once they stall on the line fill buffers, as the AVX-512 kernel found).
-// Prefetching helps long contexts a little; prefetching two chunks ahead helps no more.
+// splits by the caller. The keys go in segments of kSegmentKeys, and within a segment KV head by
+// KV head: first every query head's scores (each key vector loaded and widened once for up to
+// kScoreTile query heads that share its KV head: one FMA chain per key and head, one
+// transpose-reduce per 4 keys and head), then one softmax step per query head over the whole
+// segment, then P·V (each value vector widened once for up to kHeadTile heads). Reading order
+// is K rows of a KV head's segment, then its V rows: as K rows are scored, the K rows
+// kPrefetchKeys ahead in that order and the V rows of the same keys are prefetched into L2
+// (blocks sit in random order, which the hardware prefetcher cannot follow), a row per key,
+// spread out rather than all at once (issued all at once they stall on the line fill buffers, as
+// the AVX-512 kernel found).
 template <bool TAIL, bool PAIRED, typename T>
 void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* table, int64_t start, int64_t end,
                   float* maxima, float* sums, float* acc) {
   static_assert(!PAIRED || (!TAIL && std::is_same_v<T, bf16>), "the paired layout is a BF16 cache's, D % 16 == 0");
+  static_assert(kSegmentKeys % 8 == 0, "scores are stored as whole vectors of 8 keys");
   const int64_t H = s.H, KVH = s.KVH, D = s.D, padded_dim = s.padded_dim, group = H / KVH;
   const PagedCache<T>& keys = *s.keys;
   const PagedCache<T>& values = *s.values;
-  const int64_t full = D / 8, vectors = padded_dim / 8;
+  const int64_t full = D / 8, vectors = padded_dim / 8, length = end - start;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const __m256i tail = tail_mask(D % 8);
-  std::vector<float> probs_storage(kKeyChunk * group), corrections(group);  // probs: [head in group][key]
+  std::vector<float> probs_storage(kSegmentKeys * group), corrections(group);  // probs: [head in group][key]
   float* probs = probs_storage.data();
-  // Slots (KV head 0) of this chunk, and of the chunk kPrefetchChunks ahead, whose rows are prefetched.
-  const T* key_slots[kKeyChunk];
-  const T* value_slots[kKeyChunk];
-  const T* ahead_key_slots[kKeyChunk];
-  const T* ahead_value_slots[kKeyChunk];
+  std::vector<const T*> key_slots(length), value_slots(length);  // KV head 0's rows of each key
+  gather_slots(keys, table, s.block_size, start, end, key_slots.data());
+  gather_slots(values, table, s.block_size, start, end, value_slots.data());
   for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
   std::fill(acc, acc + H * padded_dim, 0.0f);
-  // The first kPrefetchChunks + 1 chunks' rows up front: a decode step's keys are cold (the weights
-  // streamed through the caches since this layer last ran), and nothing prefetched them; from
-  // then on each chunk prefetches the one kPrefetchChunks ahead while it computes.
-  kunlun_cpu::paged::prefetch_slots(keys, values, table, s.block_size, start,
-                                    std::min(end, start + (kPrefetchChunks + 1) * kKeyChunk));
-  for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
-    const int64_t n = std::min(kKeyChunk, end - c0);
-    gather_slots(keys, table, s.block_size, c0, c0 + n, key_slots);
-    gather_slots(values, table, s.block_size, c0, c0 + n, value_slots);
-    const int64_t ahead_start = c0 + kPrefetchChunks * kKeyChunk;
-    const int64_t ahead = std::clamp<int64_t>(end - ahead_start, 0, kKeyChunk);  // <= n
-    gather_slots(keys, table, s.block_size, ahead_start, ahead_start + ahead, ahead_key_slots);
-    gather_slots(values, table, s.block_size, ahead_start, ahead_start + ahead, ahead_value_slots);
+  // The first kPrefetchKeys keys' rows up front: a decode step's keys are cold (the weights
+  // streamed through the caches since this layer last ran), and nothing prefetched them.
+  kunlun_cpu::paged::prefetch_slots(keys, values, table, s.block_size, start, std::min(end, start + kPrefetchKeys));
+  const auto prefetch_row = [row_bytes](const T* row) {
+    const char* bytes = reinterpret_cast<const char*>(row);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T1);
+  };
+  for (int64_t s0 = 0; s0 < length; s0 += kSegmentKeys) {
+    const int64_t n = std::min(kSegmentKeys, length - s0);
+    const T* const* segment_keys = key_slots.data() + s0;
+    const T* const* segment_values = value_slots.data() + s0;
     for (int64_t kv = 0; kv < KVH; ++kv) {
       for (int64_t j = 0; j < n; j += 8) {
         const int64_t count = std::min<int64_t>(8, n - j);
         const T* rows[8];
-        for (int64_t i = 0; i < 8; ++i) {  // lanes past the chunk re-read its first key, masked off
-          rows[i] = key_slots[j + (i < count ? i : 0)] + kv * keys.head_stride;
+        for (int64_t i = 0; i < 8; ++i) {  // lanes past the segment re-read its first key, masked off
+          rows[i] = segment_keys[j + (i < count ? i : 0)] + kv * keys.head_stride;
         }
-        for (int64_t i = j; i < std::min(j + 8, ahead); ++i) {  // a later chunk's rows of this KV head, into L2
-          const char* key = reinterpret_cast<const char*>(ahead_key_slots[i] + kv * keys.head_stride);
-          const char* value = reinterpret_cast<const char*>(ahead_value_slots[i] + kv * values.head_stride);
-          for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-            _mm_prefetch(key + offset, _MM_HINT_T1);
-            _mm_prefetch(value + offset, _MM_HINT_T1);
+        for (int64_t i = j; i < j + count; ++i) {
+          // The K row kPrefetchKeys ahead: in this KV head's segment, the next KV head's, or the
+          // next segment's first KV head; and this key's V row, read once the segment is scored.
+          int64_t ahead = i + kPrefetchKeys, ahead_kv = kv, ahead_s0 = s0;
+          if (ahead >= n) {
+            ahead -= n;
+            if (++ahead_kv == KVH) ahead_kv = 0, ahead_s0 += n;
           }
+          if (ahead_s0 + ahead < length) prefetch_row(key_slots[ahead_s0 + ahead] + ahead_kv * keys.head_stride);
+          prefetch_row(segment_values[i] + kv * values.head_stride);
         }
         if constexpr (PAIRED) {
           for (int64_t g0 = 0; g0 < group; g0 += kPairedScoreTile) {
             const int tile = static_cast<int>(std::min<int64_t>(kPairedScoreTile, group - g0));
             pick_score_paired_tile<kPairedScoreTile>(tile)(q + (kv * group + g0) * padded_dim, padded_dim, rows, count,
-                                                           D / 16, tail, s.scale, probs + g0 * kKeyChunk + j);
+                                                           D / 16, tail, s.scale, probs + g0 * kSegmentKeys + j);
           }
         } else {
           for (int64_t g0 = 0; g0 < group; g0 += kScoreTile) {
             const int tile = static_cast<int>(std::min<int64_t>(kScoreTile, group - g0));
             pick_score<TAIL, T>(tile)(q + (kv * group + g0) * padded_dim, padded_dim, rows, count, full, tail, s.scale,
-                                      probs + g0 * kKeyChunk + j);
+                                      probs + g0 * kSegmentKeys + j);
           }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
-        float* p = probs + g * kKeyChunk;
+        float* p = probs + g * kSegmentKeys;
         __m256 max_lanes = _mm256_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 8) max_lanes = _mm256_max_ps(max_lanes, _mm256_loadu_ps(p + j));
         const float new_max = std::max(maxima[h], hmax(max_lanes));
@@ -440,13 +444,13 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
         maxima[h] = new_max;
       }
       // P · V for this KV head's query heads, in stripes of D and tiles of heads so the
-      // accumulators stay in registers; the earlier chunks' sums are rescaled on the way.
+      // accumulators stay in registers; the earlier segments' sums are rescaled on the way.
       if constexpr (PAIRED) {
         for (int64_t g0 = 0; g0 < group; g0 += kPairedValueTile) {
           const int tile = static_cast<int>(std::min<int64_t>(kPairedValueTile, group - g0));
           for (int64_t pair = 0; pair < D / 16; ++pair) {
-            pick_accumulate_paired<kPairedValueTile>(tile)(value_slots, kv * values.head_stride, n,
-                                                           probs + g0 * kKeyChunk, corrections.data() + g0,
+            pick_accumulate_paired<kPairedValueTile>(tile)(segment_values, kv * values.head_stride, n,
+                                                           probs + g0 * kSegmentKeys, corrections.data() + g0,
                                                            acc + (kv * group + g0) * padded_dim, padded_dim, pair);
           }
         }
@@ -457,7 +461,7 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
         for (int64_t first = 0; first < vectors; first += kStripe) {
           const int width = static_cast<int>(std::min<int64_t>(kStripe, vectors - first));
           pick_accumulate<T>(tile, width, TAIL && first + width == vectors)(
-              value_slots, kv * values.head_stride, n, probs + g0 * kKeyChunk, corrections.data() + g0,
+              segment_values, kv * values.head_stride, n, probs + g0 * kSegmentKeys, corrections.data() + g0,
               acc + (kv * group + g0) * padded_dim, padded_dim, first, tail);
         }
       }
