@@ -105,6 +105,7 @@ HEADERS = (
     CSRC / "avx2" / "vec_avx2.h",
     CSRC / "avx2" / "rotary_cache.h",
     CSRC / "avx2" / "linear_tiles.h",
+    CSRC / "avx2" / "attention_tiles.h",
 )
 PREBUILT_ENV = "KUNLUN_CPU_KERNELS_DIR"
 # The largest decode steps our linears and the one-call layer stack take instead of oneDNN layer by
