@@ -40,17 +40,10 @@
 
 namespace {
 
+using kunlun_cpu::avx2::bf16;
 using kunlun_cpu::avx2::check_rotary_inputs;
 using kunlun_cpu::avx2::hmax;
 using kunlun_cpu::avx2::hsum;
-using kunlun_cpu::avx2::rotate;
-using kunlun_cpu::avx2::store_ps;
-using kunlun_cpu::avx2::store_row;
-using kunlun_cpu::avx2::tail_mask;
-using kunlun_cpu::avx2::bf16;
-template <typename T>
-using PagedCache = kunlun_cpu::paged::PagedCache<T>;
-using kunlun_cpu::paged::gather_slots;
 using kunlun_cpu::avx2::kHeadTile;
 using kunlun_cpu::avx2::kPairedScoreTile;
 using kunlun_cpu::avx2::kPairedValueTile;
@@ -62,11 +55,18 @@ using kunlun_cpu::avx2::pick_accumulate;
 using kunlun_cpu::avx2::pick_accumulate_paired;
 using kunlun_cpu::avx2::pick_score;
 using kunlun_cpu::avx2::pick_score_paired_tile;
+using kunlun_cpu::avx2::rotate;
+using kunlun_cpu::avx2::store_ps;
+using kunlun_cpu::avx2::store_row;
+using kunlun_cpu::avx2::tail_mask;
 using kunlun_cpu::avx2::unpair_lanes;
+using kunlun_cpu::paged::gather_slots;
+template <typename T>
+using PagedCache = kunlun_cpu::paged::PagedCache<T>;
 
 constexpr int64_t kMinSplitKeys = 64;  // a sequence's keys are split across threads down to this
-// How far ahead of the key rows being scored the next ones are prefetched (in reading order); 32
-// ran no faster.
+// How far ahead of the key rows being scored the next ones are prefetched (in reading order); 32,
+// 64 or 128 keys ahead, or into L1, ran no faster.
 constexpr int64_t kPrefetchKeys = 16;
 
 template <typename T>
@@ -193,7 +193,6 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
     }
   }
 }
-
 
 }  // namespace
 
