@@ -90,7 +90,10 @@ struct AttentionShape {
 // kPrefetchKeys ahead in that order and the V rows of the same keys are prefetched into L2
 // (blocks sit in random order, which the hardware prefetcher cannot follow), a row per key,
 // spread out rather than all at once (issued all at once they stall on the line fill buffers, as
-// the AVX-512 kernel found).
+// the AVX-512 kernel found). Those rows are one KV head's of each slot, a third of it strided
+// through the block, and left cold keys arriving at ~9 GB/s where the weights stream at 20-25:
+// the next segment's slots are prefetched too, whole (every KV head's K and V rows of a key are
+// contiguous), a share at each score step.
 template <bool TAIL, bool PAIRED, typename T>
 void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* table, int64_t start, int64_t end,
                   float* maxima, float* sums, float* acc) {
@@ -116,8 +119,15 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
     const char* bytes = reinterpret_cast<const char*>(row);
     for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T1);
   };
+  // A slot's rows of every KV head, contiguous: from its KV head 0 row on, a slot stride's bytes.
+  const int64_t key_slot_bytes = keys.slot_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t value_slot_bytes = values.slot_stride * static_cast<int64_t>(sizeof(T));
+  const auto prefetch_slot = [](const T* slot, int64_t bytes) {
+    const char* first = reinterpret_cast<const char*>(slot);
+    for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T1);
+  };
   for (int64_t s0 = 0; s0 < length; s0 += kSegmentKeys) {
-    const int64_t n = std::min(kSegmentKeys, length - s0);
+    const int64_t n = std::min(kSegmentKeys, length - s0), score_steps = (n + 7) / 8;
     const T* const* segment_keys = key_slots.data() + s0;
     const T* const* segment_values = value_slots.data() + s0;
     for (int64_t kv = 0; kv < KVH; ++kv) {
@@ -137,6 +147,13 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
           }
           if (ahead_s0 + ahead < length) prefetch_row(key_slots[ahead_s0 + ahead] + ahead_kv * keys.head_stride);
           prefetch_row(segment_values[i] + kv * values.head_stride);
+        }
+        // A share of the next segment's slots, whole, at each of this segment's score steps.
+        const int64_t steps = KVH * score_steps, step = kv * score_steps + j / 8;
+        const int64_t next = s0 + n, next_n = std::min(kSegmentKeys, length - next);
+        for (int64_t i = next + step * next_n / steps; i < next + (step + 1) * next_n / steps; ++i) {
+          prefetch_slot(key_slots[i], key_slot_bytes);
+          prefetch_slot(value_slots[i], value_slot_bytes);
         }
         if constexpr (PAIRED) {
           for (int64_t g0 = 0; g0 < group; g0 += kPairedScoreTile) {
