@@ -25,6 +25,7 @@ the outputs that differ, for a change that is meant to alter them):
     .venv/bin/python benchmarks/bench_kernel_ab.py --base 23558ac --rows 1 8 16
     .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --rows 1 --engine 256x1 1024x1 256x8
     .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --rows 1 --attention 1500x1 1500x6 1500x2x8
+    .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --weights int8 --rows 1 6   # linear_int8
     KUNLUN_CPU_ISA=avx2 .venv/bin/python benchmarks/bench_kernel_ab.py --base HEAD~1 --engine 256x1
 
 Exits with status 2 where the tier's kernels do not build or ``--base`` is not a commit.
@@ -48,6 +49,7 @@ from bench_engine import linear_shapes  # benchmarks/, beside this
 
 from kunlun_runtime import LLM, SamplingParams
 from kunlun_runtime.layers import cpu_kernels, kernel_build
+from kunlun_runtime.layers.linear import quantize_per_channel_int8
 from kunlun_runtime.models.model_config import load_model_config
 from kunlun_runtime.models.model_dir import resolve_model_dir
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
@@ -63,6 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24])
     parser.add_argument("--reps", type=int, default=9, help="repetitions of each case, alternating")
     parser.add_argument("--calls", type=int, default=20, help="calls per repetition of a cached case")
+    parser.add_argument(
+        "--weights",
+        choices=("bf16", "int8"),
+        default="bf16",
+        help="the linears' weights: BF16, or INT8 with a scale per output channel (W8A16, linear_int8)",
+    )
     parser.add_argument(
         "--engine",
         type=_engine_case,
@@ -161,8 +169,14 @@ def measure(args: argparse.Namespace, ops: dict, config, activations: torch.dtyp
     names = ["qkv", "o", "gate_up", "down", "lm_head"]  # linear_shapes' order
     generator = torch.Generator().manual_seed(0)
 
-    def weight(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    def weight(n: int, k: int) -> tuple[torch.Tensor, ...]:
+        w = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+        return (w,) if args.weights == "bf16" else quantize_per_channel_int8(w)
+
+    def linear(side: str, x: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if len(w) == 1:
+            return ops[side].linear_bf16(x, w[0], None)
+        return ops[side].linear_int8(x, *w, None)
 
     results: dict = {"cached": {}, "step": {}}
     for name, (n, k) in zip(names, shapes, strict=True):
@@ -170,14 +184,14 @@ def measure(args: argparse.Namespace, ops: dict, config, activations: torch.dtyp
         for rows in args.rows:
             x = torch.randn(rows, k, generator=generator).to(activations)
 
-            def cached(side: str, x: torch.Tensor = x, w: torch.Tensor = w) -> float:
+            def cached(side: str, x: torch.Tensor = x, w: tuple[torch.Tensor, ...] = w) -> float:
                 start = time.perf_counter()
                 for _ in range(args.calls):
-                    ops[side].linear_bf16(x, w, None)
+                    linear(side, x, w)
                 return (time.perf_counter() - start) / args.calls
 
             medians = _alternate(args.reps, cached)
-            differing = _differing(ops["base"].linear_bf16(x, w, None), ops["tree"].linear_bf16(x, w, None))
+            differing = _differing(linear("base", x, w), linear("tree", x, w))
             results["cached"][f"{name} {n}x{k} x{rows}"] = _row(medians, 2 * rows * n * k, differing)
     layers = [weight(n, k) for _ in range(config.num_layers) for n, k in shapes[:-1]]
     step = [*layers, weight(*shapes[-1])]
@@ -187,18 +201,15 @@ def measure(args: argparse.Namespace, ops: dict, config, activations: torch.dtyp
         def whole_step(side: str, inputs: dict[int, torch.Tensor] = inputs) -> float:
             start = time.perf_counter()
             for w in step:
-                ops[side].linear_bf16(inputs[w.shape[1]], w, None)
+                linear(side, inputs[w[0].shape[1]], w)
             return time.perf_counter() - start
 
         medians = _alternate(args.reps, whole_step)
         differing = sum(
-            _differing(
-                ops["base"].linear_bf16(inputs[w.shape[1]], w, None),
-                ops["tree"].linear_bf16(inputs[w.shape[1]], w, None),
-            )
+            _differing(linear("base", inputs[w[0].shape[1]], w), linear("tree", inputs[w[0].shape[1]], w))
             for w in step
         )
-        flops = 2 * rows * sum(w.numel() for w in step)
+        flops = 2 * rows * sum(w[0].numel() for w in step)
         results["step"][f"x{rows}"] = _row(medians, flops, differing)
     return results
 
@@ -330,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu.describe(),
         "tier": tier.tier.value,
         "base": commit,
+        "weights": args.weights,
         **measure(args, {"base": base_ops, "tree": tree_ops}, config, tier.activation_dtype),
         "attention": measure_attention(
             args, {"base": base_ops, "tree": tree_ops}, config, tier.activation_dtype

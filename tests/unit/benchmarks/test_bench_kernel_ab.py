@@ -122,3 +122,19 @@ def test_a_base_builds_from_the_sources_its_commit_has(tmp_path, monkeypatch):
     # This tree's own csrc gives exactly the tier's sources.
     here = bench._sources_at(bench.cpu_kernels.CSRC, tier)
     assert sorted(here) == sorted(tier.sources)
+
+
+@needs_kernels(IN_FORCE)
+def test_int8_weights_time_linear_int8_on_both_sides(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = load_benchmark("bench_kernel_ab")
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "ab.json"
+    argv = ["--base", "HEAD", "--model", str(model), "--rows", "1", "6", "--reps", "2", "--calls", "2"]
+    assert bench.main([*argv, "--weights", "int8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["cached"]) == 5 * 2 and set(report["step"]) == {"x1", "x6"}
+    for row in [*report["cached"].values(), *report["step"].values()]:
+        assert min(row["gflops"].values()) > 0
+        assert row["differing_outputs"] == 0
+    assert report["weights"] == "int8"  # recorded beside the numbers

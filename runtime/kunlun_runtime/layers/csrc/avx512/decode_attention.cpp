@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -66,13 +67,21 @@ inline __m512 probabilities(__m512 t, float m, __mmask16 mask) {
   return _mm512_maskz_scalef_ps(mask, unit, _mm512_sub_ps(n, _mm512_set1_ps(m)));
 }
 
+// 32 BF16 of a row; FULL (D a multiple of 32): every mask is whole, and the load is a plain one
+// (a masked 16-bit load takes a shuffle-port µop on Intel cores, as many as the dot products).
+template <bool FULL>
+inline __m512i load_pair(__mmask32 mask, const bf16* p) {
+  if constexpr (FULL) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi16(mask, p);
+}
+
 // Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
 // scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
 // keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
 // 16 dot products stay in registers. Meanwhile the rows of the first `ahead` of ahead_keys /
 // ahead_values (+ the offsets) go into L2, one key's between two dot products (issued together
 // they stall on the line fill buffers).
-template <int PAIRS, bool WHOLE>
+template <int PAIRS, bool WHOLE, bool FULL>
 inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16* const* slots, int64_t offset,
                       int64_t count, __m512 scale, const bf16* const* ahead_keys, const bf16* const* ahead_values,
                       int64_t value_offset, int64_t ahead, int64_t row_bytes) {
@@ -92,7 +101,7 @@ inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16
     const bf16* key = slots[i] + offset;
 #pragma GCC unroll 8
     for (int c = 0; c < PAIRS; ++c) {
-      dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], key + 32 * c));
+      dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)load_pair<FULL>(pair_mask[c], key + 32 * c));
     }
   }
   return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
@@ -104,7 +113,7 @@ inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16
 // all TILE heads; accumulators at base + g * D, multiplied by corrections[g] (the previous chunks'
 // rescaling to the new maximum) as they are loaded. An odd last key pairs with a probability of 0
 // (and its own row again).
-template <int TILE, int CHUNKS>
+template <int TILE, int CHUNKS, bool FULL>
 inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_t offset, int64_t n,
                          const __mmask32* pair_mask, const __mmask16* lane_mask, const float* corrections,
                          float* base, int64_t D) {
@@ -125,8 +134,8 @@ inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_
     const bf16* second = j + 1 < n ? slots[j + 1] + offset : first;
     __m512i value[CHUNKS];
     for (int c = 0; c < PAIRS; ++c) {
-      const __m512i a = _mm512_maskz_loadu_epi16(pair_mask[c], first + 32 * c);
-      const __m512i b = _mm512_maskz_loadu_epi16(pair_mask[c], second + 32 * c);
+      const __m512i a = load_pair<FULL>(pair_mask[c], first + 32 * c);
+      const __m512i b = load_pair<FULL>(pair_mask[c], second + 32 * c);
       value[2 * c] = _mm512_permutex2var_epi16(a, low, b);
       if (2 * c + 1 < CHUNKS) value[2 * c + 1] = _mm512_permutex2var_epi16(a, high, b);
     }
@@ -140,16 +149,16 @@ inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_
 }
 
 // weigh_values for the last `tile` (< head_tile) heads of a group.
-template <int CHUNKS, int TILE = 1>
+template <int CHUNKS, bool FULL, int TILE = 1>
 inline void weigh_values_tail(int64_t tile, const uint32_t* pairs, const bf16* const* slots, int64_t offset,
                               int64_t n, const __mmask32* pair_mask, const __mmask16* lane_mask,
                               const float* corrections, float* base, int64_t D) {
   if constexpr (TILE < head_tile<CHUNKS>()) {
     if (tile == TILE) {
-      return weigh_values<TILE, CHUNKS>(pairs, slots, offset, n, pair_mask, lane_mask, corrections, base, D);
+      return weigh_values<TILE, CHUNKS, FULL>(pairs, slots, offset, n, pair_mask, lane_mask, corrections, base, D);
     }
-    return weigh_values_tail<CHUNKS, TILE + 1>(tile, pairs, slots, offset, n, pair_mask, lane_mask, corrections,
-                                               base, D);
+    return weigh_values_tail<CHUNKS, FULL, TILE + 1>(tile, pairs, slots, offset, n, pair_mask, lane_mask,
+                                                     corrections, base, D);
   }
 }
 
@@ -216,8 +225,9 @@ inline void update_sums(const __m512* lanes, int64_t count, const float* correct
 // this kernel's samples on those instructions); spread out, into L2, they were a small gain at
 // every batch and context size tried. Per chunk and KV head, all its query heads are scored before
 // their maxima are updated together, and all their probabilities summed before their sums are
-// (update_maxima, update_sums). CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D).
-template <int CHUNKS>
+// (update_maxima, update_sums). CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D);
+// FULL where D = 16 · CHUNKS, whose K and V rows load unmasked (load_pair).
+template <int CHUNKS, bool FULL>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
                   float* sums, float* acc) {
@@ -282,17 +292,17 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
         // The first query head of each KV head prefetches the next chunk's rows of that KV head.
         auto ahead = [&](int64_t first) { return g == 0 ? std::clamp<int64_t>(next - first, 0, 16) : 0; };
         for (; j + 16 <= n; j += 16) {
-          const __m512 scores = score16<PAIRS, true>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
-                                                     next_key_slots + j, next_value_slots + j, value_offset,
-                                                     ahead(j), row_bytes);
+          const __m512 scores = score16<PAIRS, true, FULL>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
+                                                           next_key_slots + j, next_value_slots + j, value_offset,
+                                                           ahead(j), row_bytes);
           _mm512_storeu_ps(p + j, scores);
           max_lanes = _mm512_max_ps(max_lanes, scores);
         }
         if (j < n) {
           const __mmask16 mask = tail_mask(n - j);
-          const __m512 scores = score16<PAIRS, false>(qv, pair_mask, key_slots + j, key_offset, n - j, scale_v,
-                                                      next_key_slots + j, next_value_slots + j, value_offset,
-                                                      ahead(j), row_bytes);
+          const __m512 scores = score16<PAIRS, false, FULL>(qv, pair_mask, key_slots + j, key_offset, n - j,
+                                                            scale_v, next_key_slots + j, next_value_slots + j,
+                                                            value_offset, ahead(j), row_bytes);
           _mm512_mask_storeu_ps(p + j, mask, scores);
           max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
         }
@@ -319,12 +329,12 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       float* base = acc + kv * group * D;
       int64_t g0 = 0;
       for (; g0 + kTile <= group; g0 += kTile) {
-        weigh_values<kTile, CHUNKS>(pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask, lane_mask,
-                                    corrections.data() + g0, base + g0 * D, D);
+        weigh_values<kTile, CHUNKS, FULL>(pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask,
+                                          lane_mask, corrections.data() + g0, base + g0 * D, D);
       }
       if (g0 < group) {
-        weigh_values_tail<CHUNKS>(group - g0, pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask,
-                                  lane_mask, corrections.data() + g0, base + g0 * D, D);
+        weigh_values_tail<CHUNKS, FULL>(group - g0, pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n,
+                                        pair_mask, lane_mask, corrections.data() + g0, base + g0 * D, D);
       }
     }
     std::swap(key_slots, next_key_slots);
@@ -335,12 +345,19 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
 void attend(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
             const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
             float* sums, float* acc) {
+  auto run = [&](auto chunks) {  // FULL where D fills its CHUNKS exactly (no lane masked off)
+    constexpr int CHUNKS = decltype(chunks)::value;
+    if (D == 16 * CHUNKS) {
+      return attend_split<CHUNKS, true>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima,
+                                        sums, acc);
+    }
+    attend_split<CHUNKS, false>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
+  };
   switch ((D + 15) / 16) {
-    case 2: return attend_split<2>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
-    case 4: return attend_split<4>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
-    case 8: return attend_split<8>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
-    default:
-      return attend_split<16>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    default: return run(std::integral_constant<int, 16>{});
   }
 }
 
