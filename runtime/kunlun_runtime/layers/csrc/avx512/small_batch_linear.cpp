@@ -185,9 +185,8 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
 // products of |x| <= 32767 and |w| <= 128 per block, far below 2^31.
 constexpr int64_t kInt8Block = 256;
 
-// FULL: all 32 (a plain load: a masked byte or word load takes an extra µop on the ports of the
-// dot products on Intel cores; a loop of VDPBF16PS with operands loaded masked ran at 0.7x the
-// rate of the same loop with plain loads on a Xeon).
+// FULL: all 32, loaded plainly (a masked byte or word load costs more on Intel cores: a loop of
+// VDPBF16PS with its operands loaded masked ran at 0.7x the rate of plain loads on a Xeon).
 template <bool FULL>
 inline __m512i load_int8x32_as_int16(const int8_t* p, __mmask32 mask) {
   if constexpr (FULL) return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -210,8 +209,8 @@ inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks,
     __m512i acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
-    // 32 columns of the block; all of them inside it (FULL) load unmasked, as a masked load costs
-    // the dot products' ports a µop on Intel cores (see load_int8x32_as_int16).
+    // 32 columns of the block; where all of them lie inside it (FULL) they load unmasked (see
+    // load_int8x32_as_int16).
     auto columns = [&](int64_t k, auto full) {
       constexpr bool FULL = decltype(full)::value;
       const __mmask32 mask = FULL ? ~__mmask32(0) : (__mmask32(1) << (k1 - k)) - 1;
