@@ -19,6 +19,15 @@ inline __mmask16 tail_mask(int64_t count) {  // the first min(max(count, 0), 16)
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
 }
 
+// 32 16-bit elements (BF16 or INT16) from p: all of them with a plain load (FULL) or the lanes of
+// `mask`. A masked load costs more on Intel cores: a loop of VDPBF16PS with its operands loaded
+// masked ran at 0.7x the rate of plain loads on a Xeon, so whole vectors take the plain one.
+template <bool FULL>
+inline __m512i load_words32(const void* p, __mmask32 mask) {
+  if constexpr (FULL) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi16(mask, p);
+}
+
 inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const void*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));

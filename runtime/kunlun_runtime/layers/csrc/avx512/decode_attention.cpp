@@ -35,6 +35,7 @@ using bf16 = c10::BFloat16;
 using kunlun_cpu::avx512::check_bf16;
 using kunlun_cpu::avx512::rotate;
 using kunlun_cpu::vec::load_bf16x16;
+using kunlun_cpu::vec::load_words32;
 using kunlun_cpu::vec::store_bf16x16;
 using kunlun_cpu::vec::tail_mask;
 using PagedCache = kunlun_cpu::paged::PagedCache<bf16>;
@@ -67,15 +68,6 @@ inline __m512 probabilities(__m512 t, float m, __mmask16 mask) {
   return _mm512_maskz_scalef_ps(mask, unit, _mm512_sub_ps(n, _mm512_set1_ps(m)));
 }
 
-// 32 BF16 of a row. FULL (the row fills its vectors, D = 32 · PAIRS): every mask is whole, and the
-// load is a plain one, as a masked 16-bit load costs more on Intel cores (a loop of VDPBF16PS with
-// its operands loaded masked ran at 0.7x the rate of plain loads on a Xeon).
-template <bool FULL>
-inline __m512i load_pair(__mmask32 mask, const bf16* p) {
-  if constexpr (FULL) return _mm512_loadu_si512(p);
-  return _mm512_maskz_loadu_epi16(mask, p);
-}
-
 // Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
 // scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
 // keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
@@ -102,7 +94,7 @@ inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16
     const bf16* key = slots[i] + offset;
 #pragma GCC unroll 8
     for (int c = 0; c < PAIRS; ++c) {
-      dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)load_pair<FULL>(pair_mask[c], key + 32 * c));
+      dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)load_words32<FULL>(key + 32 * c, pair_mask[c]));
     }
   }
   return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
@@ -135,8 +127,8 @@ inline void weigh_values(const uint32_t* pairs, const bf16* const* slots, int64_
     const bf16* second = j + 1 < n ? slots[j + 1] + offset : first;
     __m512i value[CHUNKS];
     for (int c = 0; c < PAIRS; ++c) {
-      const __m512i a = load_pair<FULL>(pair_mask[c], first + 32 * c);
-      const __m512i b = load_pair<FULL>(pair_mask[c], second + 32 * c);
+      const __m512i a = load_words32<FULL>(first + 32 * c, pair_mask[c]);
+      const __m512i b = load_words32<FULL>(second + 32 * c, pair_mask[c]);
       value[2 * c] = _mm512_permutex2var_epi16(a, low, b);
       if (2 * c + 1 < CHUNKS) value[2 * c + 1] = _mm512_permutex2var_epi16(a, high, b);
     }
@@ -227,7 +219,7 @@ inline void update_sums(const __m512* lanes, int64_t count, const float* correct
 // every batch and context size tried. Per chunk and KV head, all its query heads are scored before
 // their maxima are updated together, and all their probabilities summed before their sums are
 // (update_maxima, update_sums). CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D);
-// FULL where D = 16 · CHUNKS, whose K and V rows load unmasked (load_pair).
+// FULL where D = 16 · CHUNKS, whose K and V rows load unmasked (load_words32).
 template <int CHUNKS, bool FULL>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,

@@ -185,8 +185,8 @@ inline void bf16_block(const c10::BFloat16* x, const c10::BFloat16* w, const flo
 // products of |x| <= 32767 and |w| <= 128 per block, far below 2^31.
 constexpr int64_t kInt8Block = 256;
 
-// FULL: all 32, loaded plainly (a masked byte or word load costs more on Intel cores: a loop of
-// VDPBF16PS with its operands loaded masked ran at 0.7x the rate of plain loads on a Xeon).
+// FULL: all 32, loaded plainly (a masked byte load costs more on Intel cores, as the masked word
+// loads of kunlun_cpu::vec::load_words32 do).
 template <bool FULL>
 inline __m512i load_int8x32_as_int16(const int8_t* p, __mmask32 mask) {
   if constexpr (FULL) return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -210,7 +210,7 @@ inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks,
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
     // 32 columns of the block; where all of them lie inside it (FULL) they load unmasked (see
-    // load_int8x32_as_int16).
+    // load_int8x32_as_int16, load_words32).
     auto columns = [&](int64_t k, auto full) {
       constexpr bool FULL = decltype(full)::value;
       const __mmask32 mask = FULL ? ~__mmask32(0) : (__mmask32(1) << (k1 - k)) - 1;
@@ -223,7 +223,7 @@ inline void int8_block(const int16_t* xq, const float* x_scales, int64_t blocks,
         wv[r] = load_int8x32_as_int16<FULL>(w + (n0 + r) * K + k, mask);
       }
       for (int m = 0; m < M; ++m) {
-        const __m512i xv = FULL ? _mm512_loadu_si512(xq + m * K + k) : _mm512_maskz_loadu_epi16(mask, xq + m * K + k);
+        const __m512i xv = kunlun_cpu::vec::load_words32<FULL>(xq + m * K + k, mask);
         for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], xv, wv[r]);
       }
     };
