@@ -132,28 +132,26 @@ def _cpu_vendor() -> str:
 
 
 @pytest.fixture
-def avx512_ops():
-    """The AVX-512 tier's ops, its switches (weight prefetch order, BF16 dot products) put back as
-    they were after the test."""
+def weight_prefetch():
+    """The AVX-512 tier's weight-prefetch switch, put back as it was after the test."""
     ops = torch.ops.kunlun_avx512
-    prefetch, dot = ops.weight_prefetch(), ops.bf16_dot()
+    default = ops.weight_prefetch()
     yield ops
-    ops.set_weight_prefetch(prefetch)
-    ops.set_bf16_dot(dot)
+    ops.set_weight_prefetch(default)
 
 
 @needs_kernels(torch.bfloat16)
-def test_weight_prefetch_order_follows_the_cpu_vendor(avx512_ops):
+def test_weight_prefetch_order_follows_the_cpu_vendor(weight_prefetch):
     # AMD cores (and Hygon's, derived from them) read the weight faster prefetched in address
     # order into L1; Intel keeps the per-row order into L2 it was tuned with
     # (benchmarks/bench_weight_prefetch.py).
     expected = "stream-l1" if _cpu_vendor() in ("AuthenticAMD", "HygonGenuine") else "rows-l2"
-    assert avx512_ops.weight_prefetch() == expected
+    assert weight_prefetch.weight_prefetch() == expected
 
 
 @needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 32])
-def test_both_weight_prefetch_orders_give_the_same_bits(avx512_ops, rows):
+def test_both_weight_prefetch_orders_give_the_same_bits(weight_prefetch, rows):
     # The order of prefetches must not change a result: both orders run the same arithmetic over
     # every row and column tail (on AMX CPUs 3-16 BF16 rows take the AMX kernel in both).
     generator = torch.Generator().manual_seed(700 + rows)
@@ -164,8 +162,8 @@ def test_both_weight_prefetch_orders_give_the_same_bits(avx512_ops, rows):
         q, scales = quantize_per_channel_int8(w.float())
         results = {}
         for policy in ("rows-l2", "stream-l1"):
-            avx512_ops.set_weight_prefetch(policy)
-            assert avx512_ops.weight_prefetch() == policy
+            weight_prefetch.set_weight_prefetch(policy)
+            assert weight_prefetch.weight_prefetch() == policy
             results[policy] = (
                 cpu_kernels.linear_bf16(x, w, bias),
                 cpu_kernels.linear_int8(x[: min(rows, 8)].contiguous(), q, scales, bias),
@@ -175,11 +173,11 @@ def test_both_weight_prefetch_orders_give_the_same_bits(avx512_ops, rows):
 
 
 @needs_kernels(torch.bfloat16)
-def test_an_unknown_weight_prefetch_order_is_rejected_and_changes_nothing(avx512_ops):
-    before = avx512_ops.weight_prefetch()
+def test_an_unknown_weight_prefetch_order_is_rejected_and_changes_nothing(weight_prefetch):
+    before = weight_prefetch.weight_prefetch()
     with pytest.raises(RuntimeError, match="must be 'stream-l1' or 'rows-l2', not 'l3'"):
-        avx512_ops.set_weight_prefetch("l3")
-    assert avx512_ops.weight_prefetch() == before
+        weight_prefetch.set_weight_prefetch("l3")
+    assert weight_prefetch.weight_prefetch() == before
 
 
 @needs_kernels(torch.bfloat16)
@@ -388,53 +386,6 @@ def test_decode_attention_scores_a_row_with_drafts_as_it_scores_it_alone(heads, 
             torch.set_num_threads(threads_before)
         outputs.append(out[0])
     assert torch.equal(outputs[0], outputs[1])
-
-
-@needs_kernels(torch.bfloat16)
-@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 1), 128), ((6, 3), 48), ((4, 2), 32)])
-@pytest.mark.parametrize("rows", [1, 2, 6])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_both_bf16_dot_products_give_decode_attention_the_same_bits(
-    avx512_ops, heads, head_dim, rows, threads
-):
-    # With "fma", a task of 6 or more query heads per KV head (a row with drafts; GQA groups of 3
-    # from 2 rows on, of 8 alone) scores a chunk's keys widened to FP32 in FMAs, the odd pair of
-    # dimensions first as VDPBF16PS adds them: the scores, and so everything after them, must be
-    # VDPBF16PS's bits, over whole chunks and tails of keys, masked head sizes (48) and full ones.
-    from kunlun_runtime.layers.attention import build_attention_metadata
-
-    order = torch.randperm(48, generator=torch.Generator().manual_seed(rows)).tolist()
-    for length in (7, 70, 300):
-        lengths = tuple(length + r for r in range(rows))
-        case = {"lengths": lengths, "tables": [order[:20]] * rows, "num_blocks": 48}
-        outputs = {}
-        for method in ("fma", "dpbf16"):
-            avx512_ops.set_bf16_dot(method)
-            assert avx512_ops.bf16_dot() == method
-            cache, tables, q, k, v, (cos, sin), _ = _decode_case(0, heads, head_dim, **case)
-            meta = build_attention_metadata([1] * rows, list(lengths), tables, 16, torch.device("cpu"))
-            threads_before = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
-                outputs[method] = cpu_kernels.decode_attention(
-                    q, k, v, cos.view(-1, head_dim), sin.view(-1, head_dim), cache.k_blocks[0],
-                    cache.v_blocks[0], meta.block_tables, meta.context_lens, 0.125, 0,
-                )  # fmt: skip
-            finally:
-                torch.set_num_threads(threads_before)
-        assert torch.equal(outputs["fma"], outputs["dpbf16"]), (length, rows)
-
-
-@needs_kernels(torch.bfloat16)
-def test_bf16_dot_products_are_chosen_once_and_an_unknown_choice_is_rejected(avx512_ops):
-    # Probed at first use (both instructions' rates, and that the FMAs give VDPBF16PS's bits):
-    # the same answer on every call after it, and a bad name changes nothing.
-    default = avx512_ops.bf16_dot()
-    assert default in ("fma", "dpbf16")
-    assert avx512_ops.bf16_dot() == default
-    with pytest.raises(RuntimeError, match="must be 'fma' or 'dpbf16', not 'amx'"):
-        avx512_ops.set_bf16_dot("amx")
-    assert avx512_ops.bf16_dot() == default
 
 
 def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:

@@ -16,7 +16,6 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
-#include "bf16_dot.h"
 #include "bf16_vec.h"
 #include "rotary_cache.h"
 #include "../kernels.h"
@@ -26,7 +25,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -35,8 +33,6 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using kunlun_cpu::avx512::check_bf16;
-using kunlun_cpu::avx512::even_words;
-using kunlun_cpu::avx512::odd_words;
 using kunlun_cpu::avx512::rotate;
 using kunlun_cpu::vec::load_bf16x16;
 using kunlun_cpu::vec::load_words32;
@@ -47,10 +43,6 @@ using kunlun_cpu::paged::gather_slots;
 
 constexpr int64_t kKeyChunk = 64;       // keys scored per pass (their K and V rows stay in L1)
 constexpr int64_t kMinSplitKeys = 64;   // a sequence's keys are split across threads down to this
-// Query heads per KV head from which a chunk's keys are widened to FP32 once for all of them and
-// scored in FMAs (where the CPU's FMAs outpace VDPBF16PS, bf16_dot.h): a row with drafts. With a
-// decode row's 3 heads of SmolLM2 the widening did not pay (0.94-0.98x at 300-1,500 keys).
-constexpr int64_t kMinWideHeads = 6;
 
 // Query heads whose P · V accumulators (CHUNKS vectors each) stay in registers together with one
 // pair of value rows, interleaved once for all of them.
@@ -76,16 +68,6 @@ inline __m512 probabilities(__m512 t, float m, __mmask16 mask) {
   return _mm512_maskz_scalef_ps(mask, unit, _mm512_sub_ps(n, _mm512_set1_ps(m)));
 }
 
-// A key's K and V rows (row_bytes each) into L2.
-inline void prefetch_rows(const bf16* key, const bf16* value, int64_t row_bytes) {
-  const char* k = reinterpret_cast<const char*>(key);
-  const char* v = reinterpret_cast<const char*>(value);
-  for (int64_t line = 0; line < row_bytes; line += 64) {
-    _mm_prefetch(k + line, _MM_HINT_T1);
-    _mm_prefetch(v + line, _MM_HINT_T1);
-  }
-}
-
 // Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
 // scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
 // keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
@@ -100,32 +82,19 @@ inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     dots[i] = _mm512_setzero_ps();
-    if (i < ahead) prefetch_rows(ahead_keys[i] + offset, ahead_values[i] + value_offset, row_bytes);
+    if (i < ahead) {
+      const char* next_key = reinterpret_cast<const char*>(ahead_keys[i] + offset);
+      const char* next_value = reinterpret_cast<const char*>(ahead_values[i] + value_offset);
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        _mm_prefetch(next_key + line, _MM_HINT_T1);
+        _mm_prefetch(next_value + line, _MM_HINT_T1);
+      }
+    }
     if (!WHOLE && i >= count) continue;
     const bf16* key = slots[i] + offset;
 #pragma GCC unroll 8
     for (int c = 0; c < PAIRS; ++c) {
       dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)load_words32<FULL>(key + 32 * c, pair_mask[c]));
-    }
-  }
-  return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
-}
-
-// score16 over keys widened to FP32 (by attend_split, once per chunk and KV head): each key's PAIRS pairs of 16 even and 16 odd
-// dimensions; q_even / q_odd the query's, widened alike. fma(even, fma(odd, dot)) per pair of
-// dimensions is VDPBF16PS's arithmetic in its order (the products of BF16 values are exact in
-// FP32), so the scores have score16's bits.
-template <int PAIRS, bool WHOLE>
-inline __m512 score16_wide(const __m512* q_even, const __m512* q_odd, const float* keys, int64_t count, __m512 scale) {
-  __m512 dots[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    dots[i] = _mm512_setzero_ps();
-    if (!WHOLE && i >= count) continue;
-#pragma GCC unroll 8
-    for (int c = 0; c < PAIRS; ++c) {
-      const float* key = keys + (i * PAIRS + c) * 32;
-      dots[i] = _mm512_fmadd_ps(q_even[c], _mm512_load_ps(key), _mm512_fmadd_ps(q_odd[c], _mm512_load_ps(key + 16), dots[i]));
     }
   }
   return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
@@ -271,12 +240,6 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   std::vector<float> probs_storage(kKeyChunk * group);  // [head in group][key]
   float* probs = probs_storage.data();
   std::vector<uint32_t> pair_storage(kKeyChunk / 2 * group);  // [head in group][pair of keys], BF16 pairs
-  // A chunk's K rows of one KV head widened to FP32 (score16_wide), 64-byte aligned.
-  const bool wide = group >= kMinWideHeads && kunlun_cpu::avx512::bf16_dot_policy().load(std::memory_order_relaxed) ==
-                                                   kunlun_cpu::avx512::Bf16Dot::kFma;
-  std::vector<float> wide_storage(wide ? kKeyChunk * PAIRS * 32 + 16 : 16);
-  float* wide_keys =
-      reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide_storage.data()) + 63) & ~uintptr_t(63));
   uint32_t* pairs = pair_storage.data();
   // Per query head of a KV head: its lanes' largest score, then its probabilities' lane sums
   // (rounded up to 16 heads, the tail's lanes unused); and its correction for the chunk.
@@ -311,25 +274,10 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       // Every query head's scores first, then all their maxima; their probabilities, then all
       // their sums: reduced 16 heads at a time where a row has drafts (one head at a time, with a
       // scalar update and a libm exp2f each, they were a quarter of this kernel's time there).
-      if (wide) {
-        // The chunk's K rows widened once for all the KV head's query heads, the next chunk's
-        // rows of this KV head prefetched between them (as score16 does from the first head).
-        for (int64_t i = 0; i < n; ++i) {
-          if (i < next) prefetch_rows(next_key_slots[i] + key_offset, next_value_slots[i] + value_offset, row_bytes);
-          const bf16* key = key_slots[i] + key_offset;
-          for (int c = 0; c < PAIRS; ++c) {
-            const __m512i v = load_words32<FULL>(key + 32 * c, pair_mask[c]);
-            _mm512_store_ps(wide_keys + (i * PAIRS + c) * 32, even_words(v));
-            _mm512_store_ps(wide_keys + (i * PAIRS + c) * 32 + 16, odd_words(v));
-          }
-        }
-      }
       for (int64_t g = 0; g < group; ++g) {
         __m512bh qv[PAIRS];
-        __m512 q_even[PAIRS], q_odd[PAIRS];
         for (int c = 0; c < PAIRS; ++c) {
           qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + (kv * group + g) * D + 32 * c);
-          q_even[c] = even_words((__m512i)qv[c]), q_odd[c] = odd_words((__m512i)qv[c]);
         }
         float* p = probs + g * kKeyChunk;
         __m512 max_lanes = _mm512_set1_ps(-INFINITY);
@@ -337,21 +285,17 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
         // The first query head of each KV head prefetches the next chunk's rows of that KV head.
         auto ahead = [&](int64_t first) { return g == 0 ? std::clamp<int64_t>(next - first, 0, 16) : 0; };
         for (; j + 16 <= n; j += 16) {
-          const __m512 scores =
-              wide ? score16_wide<PAIRS, true>(q_even, q_odd, wide_keys + j * PAIRS * 32, 16, scale_v)
-                          : score16<PAIRS, true, FULL>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
-                                                       next_key_slots + j, next_value_slots + j, value_offset,
-                                                       ahead(j), row_bytes);
+          const __m512 scores = score16<PAIRS, true, FULL>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
+                                                           next_key_slots + j, next_value_slots + j, value_offset,
+                                                           ahead(j), row_bytes);
           _mm512_storeu_ps(p + j, scores);
           max_lanes = _mm512_max_ps(max_lanes, scores);
         }
         if (j < n) {
           const __mmask16 mask = tail_mask(n - j);
-          const __m512 scores =
-              wide ? score16_wide<PAIRS, false>(q_even, q_odd, wide_keys + j * PAIRS * 32, n - j, scale_v)
-                          : score16<PAIRS, false, FULL>(qv, pair_mask, key_slots + j, key_offset, n - j, scale_v,
-                                                        next_key_slots + j, next_value_slots + j, value_offset,
-                                                        ahead(j), row_bytes);
+          const __m512 scores = score16<PAIRS, false, FULL>(qv, pair_mask, key_slots + j, key_offset, n - j,
+                                                            scale_v, next_key_slots + j, next_value_slots + j,
+                                                            value_offset, ahead(j), row_bytes);
           _mm512_mask_storeu_ps(p + j, mask, scores);
           max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
         }
@@ -413,16 +357,6 @@ void attend(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& 
 }  // namespace
 
 namespace kunlun_cpu {
-
-std::string bf16_dot() {
-  return avx512::bf16_dot_policy().load() == avx512::Bf16Dot::kFma ? "fma" : "dpbf16";
-}
-
-void set_bf16_dot(const std::string& method) {
-  TORCH_CHECK(method == "fma" || method == "dpbf16", "BF16 dot products must be 'fma' or 'dpbf16', not '", method,
-              "'");
-  avx512::bf16_dot_policy().store(method == "fma" ? avx512::Bf16Dot::kFma : avx512::Bf16Dot::kDpbf16);
-}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
