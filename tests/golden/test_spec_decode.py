@@ -113,6 +113,50 @@ def test_the_embedded_model_copies_a_quoted_text_token_for_token(smollm2_dir):
     assert llm.engine.spec.counters.num_accepted_tokens >= 10  # it really copied
 
 
+def _invoices(count: int) -> str:
+    """A document of `count` invoice lines, every field varied, for the model to quote."""
+    names = ["Zhang Wei", "Li Na", "Wang Fang", "Liu Yang", "Chen Jing", "Zhao Lei", "Sun Mei", "Zhou Tao"]
+    cities = ["Harbin", "Wuhan", "Xi'an", "Shenzhen", "Chengdu", "Dalian", "Nanjing"]
+    goods = ["steel coil", "copper wire", "cement", "glass panels", "diesel", "timber", "fertiliser"]
+    return "\n".join(
+        f"Invoice {4400 + 37 * i}-{'ABCDEFG'[i % 7]}: {3 + i * 5 % 17} tonnes of {goods[i * 3 % 7]} for "
+        f"{names[i % 8]} of {cities[i * 5 % 7]}, {1 + i % 28} {['March', 'April', 'May'][i % 3]}, "
+        f"{(i * 7919) % 90000 + 1000} yuan."
+        for i in range(count)
+    )
+
+
+def test_the_embedded_model_quotes_long_contexts_token_for_token_on_two_threads(smollm2_dir):
+    # Decode attention over ~1,500 keys is split across two threads, and a row verified with drafts
+    # shares its keys' reading with them: each row's attention must still be the bits it has
+    # decoded alone, or near-ties in the embedded model's logits let the outputs part (they did,
+    # when a split fell where the step's rows put it). Each prompt alone, as one stream.
+    document = _invoices(48)
+    asks = [
+        "Copy every invoice for a customer in Harbin, exactly as written.",
+        "Rewrite each invoice as a JSON object with the fields number, customer, city and yuan.",
+    ]
+    conversations = [[{"role": "user", "content": f"{document}\n\n{ask}"}] for ask in asks]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plain_llm = LLM(str(smollm2_dir), max_model_len=2048, enable_prefix_caching=False)
+        plain = [plain_llm.chat(c, params)[0].outputs[0] for c in conversations]
+        llm = LLM(str(smollm2_dir), max_model_len=2048, enable_prefix_caching=False, speculative_config=SPEC)
+        spec = [llm.chat(c, params)[0].outputs[0] for c in conversations]
+        prompt_tokens = len(llm.engine.tokenizer.encode(document))
+    finally:
+        torch.set_num_threads(threads_before)
+    assert prompt_tokens > 1200  # long enough that two threads split each row's keys
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    # The logprobs show a difference in any layer's attention before it flips a token.
+    for ours, theirs in zip(spec, plain, strict=True):
+        for token, mine, reference in zip(ours.token_ids, ours.logprobs, theirs.logprobs, strict=True):
+            assert mine[token].logprob == reference[token].logprob
+    assert llm.engine.spec.counters.num_accepted_tokens >= 24  # it really copied
+
+
 @pytest.mark.parametrize("method", sorted(SPECS))
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 def test_parallel_ranks_verify_drafts_as_one_rank(tiny_model_dirs, layout, method):

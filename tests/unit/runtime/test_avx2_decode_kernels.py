@@ -221,53 +221,70 @@ def test_decode_attention_matches_rotary_and_the_fp32_paged_sdpa_path(
 @pytest.mark.parametrize("window", [0, 130])
 @pytest.mark.parametrize("lengths", [(300,), (300, 70), (257, 33, 129, 2, 64, 65, 200, 16)])
 def test_decode_attention_merges_long_contexts_split_across_threads(window, lengths, cache_dtype):
-    # With 2 threads one 300-token sequence is split in 4 (2 inside the window), two in 2 and 1,
-    # eight sequences not at all: the partial softmaxes must merge into the unsplit attention.
+    # With 2 threads one 300-key sequence is split in two at a part boundary (keys 0-127 and
+    # 128-299; in the window, 170-255 and 256-299), two or eight sequences not at all: the partial
+    # softmaxes must merge into the unsplit attention.
     _check_decode_attention((9, 3), 64, lengths, window, 2, len(lengths), cache_dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("window", [0, 130, 400])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threads, cache_dtype):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("length", [254, 300])
+def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threads, length, cache_dtype):
     # A decode row and its drafts run as one-token sequences at consecutive positions over one
     # block table (rows 0-3 and 5-6); the kernel reads their common keys once for all of them
     # (where no window cuts into them). Row 4 has the next length but another table: it must not
-    # join row 3's group. Each row's attention must still be its own.
-    lengths = (300, 301, 302, 303, 304, 70, 71)
-    own = _random_tables((304, 304, 71), sum(-(-n // BLOCK) for n in lengths) + 3, 5)
+    # join row 3's group. Each row's attention must still be its own (the torch path), and the
+    # same bits as the kernel gives it alone on one thread: 254-258 keys cross a part boundary
+    # (256), a window of 130 starts a row's keys between chunk boundaries.
+    lengths = (length, length + 1, length + 2, length + 3, length + 4, 70, 71)
+    own = _random_tables((length + 4, length + 4, 71), sum(-(-n // BLOCK) for n in lengths) + 3, 5)
     tables = [own[0]] * 4 + [own[1]] + [own[2]] * 2
     _check_decode_attention((9, 3), 64, lengths, window, threads, 7, cache_dtype, tables=tables)
+    _check_rows_alone((9, 3), 64, lengths, tables, window, threads, cache_dtype)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads,head_dim,rows", [((9, 3), 64, 4), ((10, 2), 64, 2), ((8, 2), 36, 3)])
-@pytest.mark.parametrize("length", [7, 300])
+@pytest.mark.parametrize("length", [7, 254, 300])
+@pytest.mark.parametrize("threads", [1, 3])
 def test_decode_attention_gives_a_row_with_drafts_the_bits_it_has_alone(
-    heads, head_dim, rows, length, cache_dtype
+    heads, head_dim, rows, length, threads, cache_dtype
 ):
     # A decode row and its drafts share a task, whose query heads of a KV head are scored and
     # weighed in tiles that mix the rows' heads (12 heads per KV head in 4 tiles, 10 in 3 + 3 + 3
-    # + 1, 12 with a row tail); a row alone is a task of its own. On one thread the first row's
-    # keys are one task either way, so its attention must be the same bits: a draft's
-    # verification then sees what decoding without drafts would.
+    # + 1, 12 with a row tail), each row masking the drafts' keys after its own; a row alone is a
+    # task of its own, split across threads differently (or not at all). Every row's attention must
+    # be the same bits either way, or a draft's verification would not see what decoding without
+    # drafts sees, and greedy outputs with speculation would drift from those without. Three
+    # threads split the drafts' sequence (a second sequence of 90 keys takes one task).
+    lengths = [length + r for r in range(rows)] + [90]
+    own = _random_tables((lengths[rows - 1], 90), -(-lengths[rows - 1] // BLOCK) + 9, 3)
+    _check_rows_alone(heads, head_dim, lengths, [own[0]] * rows + [own[1]], 0, threads, cache_dtype)
+
+
+def _check_rows_alone(heads, head_dim, lengths, tables, window, threads, cache_dtype) -> None:
+    """Every row's attention in one call on `threads` threads is the same bits as in a call of its
+    own on one thread (made after the first wrote every row's key and value, as a row's own call
+    writes its own again)."""
     num_heads, kv_heads = heads
-    lengths = [length + r for r in range(rows)]
-    num_blocks = -(-lengths[-1] // BLOCK) + 3
-    table = _random_tables([lengths[-1]], num_blocks, 3)[0]
-    q, k, v = _qkv_views(rows, num_heads, kv_heads, head_dim, 1)
-    cos, sin = (t.view(-1, head_dim) for t in _cos_sin(head_dim, lengths))
-    outputs = []
-    for batch in (slice(0, rows), slice(0, 1)):
-        cache = _pool(kv_heads, head_dim, num_blocks, 0, cache_dtype)
-        meta = build_attention_metadata([1] * rows, lengths, [table] * rows, BLOCK, torch.device("cpu"))
-        with _threads(1):
-            out = cpu_kernels.decode_attention(
-                q[batch], k[batch], v[batch], cos[batch], sin[batch], cache.k_blocks[0], cache.v_blocks[0],
-                meta.block_tables[batch], meta.context_lens[batch], head_dim**-0.5, 0,
+    batch = len(lengths)
+    cache = _pool(kv_heads, head_dim, max(max(t) for t in tables) + 1, 11, cache_dtype)
+    q, k, v = _qkv_views(batch, num_heads, kv_heads, head_dim, 12)
+    cos, sin = (t.view(-1, head_dim) for t in _cos_sin(head_dim, [n - 1 for n in lengths]))
+    meta = build_attention_metadata([1] * batch, list(lengths), tables, BLOCK, torch.device("cpu"))
+
+    def attend(rows: slice, count: int) -> torch.Tensor:
+        with _threads(count):
+            return cpu_kernels.decode_attention(
+                q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
+                meta.block_tables[rows], meta.context_lens[rows], head_dim**-0.5, window,
             )  # fmt: skip
-        outputs.append(out[0])
-    assert torch.equal(outputs[0], outputs[1])
+
+    together = attend(slice(0, batch), threads)
+    for b in range(batch):
+        assert torch.equal(together[b], attend(slice(b, b + 1), 1)[0]), f"row {b} of {list(lengths)}"
 
 
 def test_decode_attention_spreads_a_nan_only_to_the_heads_that_read_it():

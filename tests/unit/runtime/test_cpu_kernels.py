@@ -303,8 +303,9 @@ def test_decode_attention_matches_the_torch_paged_path(window, heads, head_dim, 
 @pytest.mark.parametrize("window", [0, 130])
 @pytest.mark.parametrize("lengths", [(300,), (300, 70)])
 def test_decode_attention_merges_long_contexts_split_across_threads(window, lengths):
-    # With 2 threads, one 300-token sequence is split into 4 (2 with the window), two into 2 and 1:
-    # the partial softmaxes must merge into the same attention as the unsplit torch path.
+    # With 2 threads one 300-key sequence is split in two at a part boundary (keys 0-127 and
+    # 128-299; in the window, 170-255 and 256-299), two sequences not at all: the partial softmaxes
+    # must merge into the same attention as the unsplit torch path.
     order = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()
     tables = [order[:19], order[19:24]][: len(lengths)]
     _check_decode_attention(window, (9, 3), 64, 2, lengths=lengths, tables=tables, num_blocks=40)
@@ -312,80 +313,71 @@ def test_decode_attention_merges_long_contexts_split_across_threads(window, leng
 
 @needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("window", [0, 130, 400])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threads):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("length", [254, 300])
+def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threads, length):
     # A decode row and its drafts run as one-token sequences at consecutive positions over one
     # block table (rows 0-3 and 5-6); the kernel reads their common keys once for all of them
     # (where no window cuts into them). Row 4 has the next length but another table: its keys are
-    # other blocks, so it must not join row 3's group. Each row's attention must be what the
-    # kernel computes for that row alone (which the tests above hold to the torch path), up to the
-    # order of summation: a row alone is split differently across threads.
+    # other blocks, so it must not join row 3's group. Each row's attention must be the same bits
+    # as the kernel gives that row alone on one thread (which the tests above hold to the torch
+    # path): 254-258 keys cross a part boundary (256), a window of 130 starts a row's keys between
+    # chunk boundaries, and two or three threads split the rows' keys where one does not.
     order = torch.randperm(48, generator=torch.Generator().manual_seed(2)).tolist()
     long, other, short = order[:19], order[19:38], order[38:43]
-    lengths = (300, 301, 302, 303, 304, 70, 71)
-    case = {"lengths": lengths, "tables": [long, long, long, long, other, short, short], "num_blocks": 48}
-    from kunlun_runtime.layers.attention import build_attention_metadata
-
-    outputs = []
-    for together in (True, False):
-        cache, tables, q, k, v, (cos, sin), _ = _decode_case(window, (9, 3), 64, **case)
-        meta = build_attention_metadata([1] * 7, list(lengths), tables, 16, torch.device("cpu"))
-        cos, sin = cos.view(-1, 64), sin.view(-1, 64)
-        calls = [slice(0, 7)] if together else [slice(b, b + 1) for b in range(7)]
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            outputs.append(
-                torch.cat([
-                    cpu_kernels.decode_attention(
-                        q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
-                        meta.block_tables[rows], meta.context_lens[rows], 0.125, window,
-                    )
-                    for rows in calls
-                ])
-            )  # fmt: skip
-        finally:
-            torch.set_num_threads(threads_before)
-    together, alone = outputs
-    _close(together, alone.float())
-    assert (together == alone).float().mean() > 0.99
+    lengths = (length, length + 1, length + 2, length + 3, length + 4, 70, 71)
+    _check_rows_alone(window, (9, 3), 64, threads, lengths, [long, long, long, long, other, short, short])
 
 
 @needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("heads,head_dim", [((6, 2), 32), ((9, 3), 64), ((4, 4), 128), ((6, 3), 48)])
-@pytest.mark.parametrize("length", [7, 40, 300])
+@pytest.mark.parametrize("length", [7, 254, 300])
 @pytest.mark.parametrize("rows", [4, 7])
-def test_decode_attention_scores_a_row_with_drafts_as_it_scores_it_alone(heads, head_dim, length, rows):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_attention_scores_a_row_with_drafts_as_it_scores_it_alone(
+    heads, head_dim, length, rows, threads
+):
     # A decode row and its drafts (rows at consecutive positions over one table) share a task, all
-    # their query heads over each chunk of keys at once; a row alone is a task of its own. On one
-    # thread the first row's keys are one task either way, so its attention must be the same bits:
-    # a draft's verification then sees what decoding without drafts would. (An ulp's change in a
-    # score, as another order of additions makes, rarely shows through the BF16 probabilities and
-    # output: this catches larger differences.) The AVX-512 kernel reduces the maxima and sums of
-    # 8 or more query heads per KV head 16 at a time and of fewer one at a time: 4 and 7 rows of
-    # GQA groups of 3 give 12 and 21 heads (a second, partial 16), a row alone 3.
+    # their query heads over each chunk of keys at once, each row masking the drafts' keys after
+    # its own; a row alone is a task of its own, split across threads differently (or not at all).
+    # Every row's attention must be the same bits either way: a draft's verification then sees what
+    # decoding without drafts would, and greedy outputs with speculation equal those without. The
+    # AVX-512 kernel reduces the maxima and sums of 8 or more query heads per KV head 16 at a time
+    # and of fewer one at a time: 4 and 7 rows of GQA groups of 3 give 12 and 21 heads (a second,
+    # partial 16), a row alone 3. Three threads split the drafts' sequence (a second sequence of 40
+    # keys takes one task).
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(3)).tolist()
+    lengths = (*(length + r for r in range(rows)), 40)
+    _check_rows_alone(0, heads, head_dim, threads, lengths, [order[:20]] * rows + [order[20:23]])
+
+
+def _check_rows_alone(window, heads, head_dim, threads, lengths, tables) -> None:
+    """Every row's attention in one call on `threads` threads is the same bits as in a call of its
+    own on one thread (made after the first wrote every row's key and value, as a row's own call
+    writes its own again). Bits, not closeness: an ulp's change in a score rarely shows through
+    the BF16 probabilities and output, and a near-tie in the logits then picks another token."""
     from kunlun_runtime.layers.attention import build_attention_metadata
 
-    order = torch.randperm(48, generator=torch.Generator().manual_seed(3)).tolist()
-    lengths = tuple(length + r for r in range(rows))
-    case = {"lengths": lengths, "tables": [order[:20]] * rows, "num_blocks": 48}
-    outputs = []
-    for together in (True, False):
-        cache, tables, q, k, v, (cos, sin), _ = _decode_case(0, heads, head_dim, **case)
-        meta = build_attention_metadata([1] * rows, list(lengths), tables, 16, torch.device("cpu"))
-        cos, sin = cos.view(-1, head_dim), sin.view(-1, head_dim)
-        batch = slice(0, rows) if together else slice(0, 1)
+    cache, tables, q, k, v, (cos, sin), _ = _decode_case(
+        window, heads, head_dim, lengths=lengths, tables=tables, num_blocks=48
+    )
+    meta = build_attention_metadata([1] * len(lengths), list(lengths), tables, 16, torch.device("cpu"))
+    cos, sin = cos.view(-1, head_dim), sin.view(-1, head_dim)
+
+    def attend(rows: slice, count: int) -> torch.Tensor:
         threads_before = torch.get_num_threads()
-        torch.set_num_threads(1)
+        torch.set_num_threads(count)
         try:
-            out = cpu_kernels.decode_attention(
-                q[batch], k[batch], v[batch], cos[batch], sin[batch], cache.k_blocks[0], cache.v_blocks[0],
-                meta.block_tables[batch], meta.context_lens[batch], 0.125, 0,
+            return cpu_kernels.decode_attention(
+                q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
+                meta.block_tables[rows], meta.context_lens[rows], 0.125, window,
             )  # fmt: skip
         finally:
             torch.set_num_threads(threads_before)
-        outputs.append(out[0])
-    assert torch.equal(outputs[0], outputs[1])
+
+    together = attend(slice(0, len(lengths)), threads)
+    for b in range(len(lengths)):
+        assert torch.equal(together[b], attend(slice(b, b + 1), 1)[0]), f"row {b} of {list(lengths)}"
 
 
 def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:

@@ -2,22 +2,32 @@
 // tier's decode_attention.cpp includes it and compiles it with its own flags, so it holds no
 // intrinsics).
 //
+// A row's attention must be the same bits whatever else the step holds and however many threads
+// run it: a draft verified in a step of five rows must see what decoding it alone would, or greedy
+// outputs with speculation drift from those without wherever two logits nearly tie. So a row's
+// keys are cut into parts at fixed multiples of kPartKeys (plus the window's start), each part is
+// folded on its own in the same order of additions (chunks aligned to key positions, not to where
+// a task starts), and the parts are merged in key order: a plan decides only which thread folds
+// which parts, never how a row's sums are grouped. Splitting a row's keys where the threads
+// happened to divide them (as this plan once did) merged another grouping of FP32 partial sums for
+// the same row in every step whose rows or threads differed.
+//
 // A task is a range of keys over one block table, for the query heads of one or more of the
 // step's sequences ("rows"). Rows that are consecutive positions over the same blocks, as a decode
-// row and its speculative drafts are (each runs as a one-token sequence), share one task for the
-// keys before the first row's position, so each of those keys is read from memory once for all of
-// them rather than once per row: at long contexts a decode row's attention is bound by reading its
-// keys and values, and drafts would otherwise multiply that traffic. Each later row adds a small
-// task for the keys between (the drafts before it). A task's heads are KV-head major,
-// [KVH][rows][H / KVH], so a kernel that serves "H query heads over KVH KV heads" serves a task of
-// several rows as H · rows heads, unchanged.
+// row and its speculative drafts are (each runs as a one-token sequence), share one task, so each
+// key is read from memory once for all of them rather than once per row: at long contexts a decode
+// row's attention is bound by reading its keys and values, and drafts would otherwise multiply
+// that traffic. Such a task runs to its last row's end; each row masks the keys past its own
+// (probability 0, which adds nothing), so its parts hold exactly the sums it has alone. A task's
+// heads are KV-head major, [KVH][rows][H / KVH], so a kernel that serves "H query heads over KVH
+// KV heads" serves a task of several rows as H · rows heads, unchanged; its parts' results follow
+// one another.
 //
-// Long ranges are split across threads, as flash-decoding does; each (row, head)'s partial results
-// (maximum, sum of exponentials, unnormalised output) are merged by their maxima. Tasks differ
-// widely in size (a split of a long range for many rows, a draft's tail of a few keys), so threads
-// take them heaviest first, each the next one left when it finishes (run_tasks): a static split of
-// the task list gave one thread every long split and the other the tails, and a decode row with
-// drafts ran at half speed.
+// Long ranges are split across threads at part boundaries, as flash-decoding does; each (row,
+// head)'s partial results (maximum, sum of exponentials, unnormalised output) are merged by their
+// maxima. Tasks differ widely in size, so threads take them heaviest first, each the next one left
+// when it finishes (run_tasks): a static split of the task list gave one thread every long range
+// and the other the short ones.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -30,29 +40,41 @@
 
 namespace kunlun_cpu::paged {
 
+// Where a row's keys are cut into separately folded parts: small enough that two threads share a
+// few hundred keys evenly, large enough that the parts' results (H · (D + 2) floats each) stay a
+// few percent of the keys and values read. Both tiers' chunks of keys divide it.
+constexpr int64_t kPartKeys = 128;
+
 struct AttentionTask {
   int64_t first_row, rows;      // the rows whose queries it holds: first_row .. first_row + rows - 1
-  int64_t key_begin, key_end;   // the keys it attends to, in first_row's block table
-  int64_t head_offset;          // its rows × H heads' results start here (maxima, sums; × D for outputs)
+  int64_t key_begin, key_end;   // the keys it attends to, in first_row's block table; row r's end at
+                                // most (its context length)
+  int64_t head_offset;          // its parts' results start here, rows × H heads a part (maxima, sums;
+                                // × D for outputs)
 };
 
-struct TaskPart {  // one task's share of a row's attention
-  int64_t task, row_in_task;
+struct TaskPart {  // one part of a row's keys, folded by a task
+  int64_t task, row_in_task, part_in_task;
 };
 
 struct AttentionPlan {
   std::vector<AttentionTask> tasks;
-  std::vector<int64_t> first_part;  // [B + 1]: row b's parts are parts[first_part[b], first_part[b + 1])
+  std::vector<int64_t> first_part;  // [B + 1]: row b's parts, in key order, are parts[first_part[b], first_part[b + 1])
   std::vector<TaskPart> parts;
   std::vector<int64_t> order;       // task indices, heaviest (rows × keys) first
   int64_t heads = 0;                // results held by all tasks together
 
   // Where head h (of H, in KV-head groups of `group`) of `part`'s row sits among the results.
-  int64_t head_index(const TaskPart& part, int64_t h, int64_t group) const {
+  int64_t head_index(const TaskPart& part, int64_t h, int64_t H, int64_t group) const {
     const AttentionTask& task = tasks[part.task];
-    return task.head_offset + ((h / group) * task.rows + part.row_in_task) * group + h % group;
+    return task.head_offset + part.part_in_task * task.rows * H +
+           ((h / group) * task.rows + part.row_in_task) * group + h % group;
   }
 };
+
+// The first key of the part after the one holding `key`: where a task's results move to the next
+// part's.
+inline int64_t next_part_start(int64_t key) { return (key / kPartKeys + 1) * kPartKeys; }
 
 // Whether rows a and b (a < b) read the same blocks for b's `length` keys.
 inline bool same_blocks(const int64_t* tables, int64_t max_blocks, int64_t a, int64_t b, int64_t length,
@@ -62,16 +84,15 @@ inline bool same_blocks(const int64_t* tables, int64_t max_blocks, int64_t a, in
 }
 
 // The tasks of B rows (block tables [B, max_blocks], context lengths [B]; window > 0 keeps each
-// row's last `window` keys) for H query heads, split until there are about as many tasks as
-// threads, down to `min_split_keys` keys a split. Rows are grouped only where every row of the
-// group sees its keys from the first one (no window cuts into them), so a group's rows differ only
-// in their last few keys. No finer: a decode step's keys are cold (the weights streamed through the
-// caches since the layer last ran), and each split starts its own stream of them, whose first
-// chunks wait on memory before any prefetch runs ahead (twice as many splits as threads made a
-// one-row decode step measurably slower).
+// row's last `window` keys) for H query heads, split at part boundaries until there are about as
+// many tasks as threads. Rows are grouped only where every row of the group sees its keys from the
+// first one (no window cuts into them), so a group's rows differ only in their last few keys. No
+// finer: a decode step's keys are cold (the weights streamed through the caches since the layer
+// last ran), and each task starts its own stream of them, whose first chunks wait on memory before
+// any prefetch runs ahead (twice as many splits as threads made a one-row decode step measurably
+// slower); a task folds its parts one after another in one stream.
 inline AttentionPlan plan_attention(const int64_t* tables, const int64_t* lengths, int64_t B, int64_t max_blocks,
-                                    int64_t block_size, int64_t window, int64_t H, int64_t threads,
-                                    int64_t min_split_keys) {
+                                    int64_t block_size, int64_t window, int64_t H, int64_t threads) {
   std::vector<std::pair<int64_t, int64_t>> groups;  // (first row, rows)
   for (int64_t b = 0; b < B;) {
     int64_t rows = 1;
@@ -86,21 +107,22 @@ inline AttentionPlan plan_attention(const int64_t* tables, const int64_t* length
   std::vector<std::vector<TaskPart>> row_parts(B);
   const int64_t count = static_cast<int64_t>(groups.size());
   const int64_t wanted = (threads + count - 1) / count;
-  auto add = [&](int64_t first_row, int64_t rows, int64_t k0, int64_t k1) {
-    const int64_t task = static_cast<int64_t>(plan.tasks.size());
-    plan.tasks.push_back({first_row, rows, k0, k1, plan.heads});
-    plan.heads += rows * H;
-    for (int64_t r = 0; r < rows; ++r) row_parts[first_row + r].push_back({task, r});
-  };
   for (const auto& [first, rows] : groups) {
-    const int64_t shared_end = lengths[first];
-    const int64_t start = window > 0 ? std::max<int64_t>(0, shared_end - window) : 0;
-    const int64_t length = shared_end - start;
-    const int64_t splits = std::max<int64_t>(1, std::min(wanted, length / min_split_keys));
+    const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[first] - window) : 0;
+    const int64_t end = lengths[first + rows - 1];
+    const int64_t first_part = start / kPartKeys, part_count = (end - 1) / kPartKeys - first_part + 1;
+    const int64_t splits = std::max<int64_t>(1, std::min(wanted, part_count));
     for (int64_t split = 0; split < splits; ++split) {
-      add(first, rows, start + length * split / splits, start + length * (split + 1) / splits);
+      const int64_t p0 = first_part + part_count * split / splits, p1 = first_part + part_count * (split + 1) / splits;
+      const int64_t task = static_cast<int64_t>(plan.tasks.size());
+      plan.tasks.push_back({first, rows, std::max(start, p0 * kPartKeys), std::min(end, p1 * kPartKeys), plan.heads});
+      plan.heads += (p1 - p0) * rows * H;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t p = p0; p < p1 && p * kPartKeys < lengths[first + r]; ++p) {
+          row_parts[first + r].push_back({task, r, p - p0});
+        }
+      }
     }
-    for (int64_t r = 1; r < rows; ++r) add(first + r, 1, shared_end, shared_end + r);  // the keys after row 0's
   }
   plan.first_part.assign(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {

@@ -64,7 +64,7 @@ using kunlun_cpu::paged::gather_slots;
 template <typename T>
 using PagedCache = kunlun_cpu::paged::PagedCache<T>;
 
-constexpr int64_t kMinSplitKeys = 64;  // a sequence's keys are split across threads down to this
+static_assert(kunlun_cpu::paged::kPartKeys % kSegmentKeys == 0, "a part is whole segments");
 // How far ahead of the key rows being scored the next ones are prefetched (in reading order); 32,
 // 64 or 128 keys ahead, or into L1, ran no faster.
 constexpr int64_t kPrefetchKeys = 16;
@@ -78,10 +78,14 @@ struct AttentionShape {
   float scale;
 };
 
-// One split of one sequence: every query head (q: H rows of padded_dim FP32, rotated, zero padded)
-// over keys [start, end), as flash-decoding does it: per head the running maximum score, the sum
-// of exponentials relative to it, and the unnormalised output (acc, H × padded_dim), merged across
-// splits by the caller. The keys go in segments of kSegmentKeys, and within a segment KV head by
+// One task (attention_plan.h): every query head (q: H rows of padded_dim FP32, rotated, zero
+// padded) of `rows` rows over keys [start, end), row r's only up to row_ends[r], as flash-decoding
+// does it: per head and part of the keys the running maximum score, the sum of exponentials
+// relative to it, and the unnormalised output (acc, H × padded_dim), the parts' results one after
+// another, merged by the caller. The keys go in segments aligned to key positions (multiples of
+// kSegmentKeys, which divides a part), and a row's keys past its end score -inf and add exact
+// zeros: each part of a row is folded in the same order of additions, and under the same maxima,
+// whichever task folds it, with whichever other rows. Within a segment, KV head by
 // KV head: first every query head's scores (each key vector loaded and widened once for up to
 // kScoreTile query heads that share its KV head: one FMA chain per key and head, one
 // transpose-reduce per 4 keys and head), then one softmax step per query head over the whole
@@ -96,10 +100,11 @@ struct AttentionShape {
 // contiguous), a share at each score step.
 template <bool TAIL, bool PAIRED, typename T>
 void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* table, int64_t start, int64_t end,
-                  float* maxima, float* sums, float* acc) {
+                  const int64_t* row_ends, int64_t rows, float* maxima, float* sums, float* acc) {
   static_assert(!PAIRED || (!TAIL && std::is_same_v<T, bf16>), "the paired layout is a BF16 cache's, D % 16 == 0");
   static_assert(kSegmentKeys % 8 == 0, "scores are stored as whole vectors of 8 keys");
   const int64_t H = s.H, KVH = s.KVH, D = s.D, padded_dim = s.padded_dim, group = H / KVH;
+  const int64_t row_heads = group / rows;  // a KV head's query heads: [rows][row_heads]
   const PagedCache<T>& keys = *s.keys;
   const PagedCache<T>& values = *s.values;
   const int64_t full = D / 8, vectors = padded_dim / 8, length = end - start;
@@ -110,8 +115,15 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
   std::vector<const T*> key_slots(length), value_slots(length);  // KV head 0's rows of each key
   gather_slots(keys, table, s.block_size, start, end, key_slots.data());
   gather_slots(values, table, s.block_size, start, end, value_slots.data());
-  for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
-  std::fill(acc, acc + H * padded_dim, 0.0f);
+  auto begin_part = [&] {
+    for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
+    std::fill(acc, acc + H * padded_dim, 0.0f);
+  };
+  begin_part();
+  // Where the segment holding key start + offset ends, as an offset.
+  const auto segment_end = [start, length](int64_t offset) {
+    return std::min(length, ((start + offset) / kSegmentKeys + 1) * kSegmentKeys - start);
+  };
   // The first kPrefetchKeys keys' rows up front: a decode step's keys are cold (the weights
   // streamed through the caches since this layer last ran), and nothing prefetched them.
   kunlun_cpu::paged::prefetch_slots(keys, values, table, s.block_size, start, std::min(end, start + kPrefetchKeys));
@@ -126,8 +138,13 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
     const char* first = reinterpret_cast<const char*>(slot);
     for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T1);
   };
-  for (int64_t s0 = 0; s0 < length; s0 += kSegmentKeys) {
-    const int64_t n = std::min(kSegmentKeys, length - s0), score_steps = (n + 7) / 8;
+  for (int64_t s0 = 0, n = 0; s0 < length; s0 += n) {
+    n = segment_end(s0) - s0;
+    const int64_t score_steps = (n + 7) / 8;
+    if (s0 > 0 && (start + s0) % kunlun_cpu::paged::kPartKeys == 0) {  // the next part's results
+      maxima += H, sums += H, acc += H * padded_dim;
+      begin_part();
+    }
     const T* const* segment_keys = key_slots.data() + s0;
     const T* const* segment_values = value_slots.data() + s0;
     for (int64_t kv = 0; kv < KVH; ++kv) {
@@ -150,7 +167,7 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
         }
         // A share of the next segment's slots, whole, at each of this segment's score steps.
         const int64_t steps = KVH * score_steps, step = kv * score_steps + j / 8;
-        const int64_t next = s0 + n, next_n = std::min(kSegmentKeys, length - next);
+        const int64_t next = s0 + n, next_n = segment_end(next) - next;
         for (int64_t i = next + step * next_n / steps; i < next + (step + 1) * next_n / steps; ++i) {
           prefetch_slot(key_slots[i], key_slot_bytes);
           prefetch_slot(value_slots[i], value_slot_bytes);
@@ -172,6 +189,13 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
         float* p = probs + g * kSegmentKeys;
+        const int64_t valid = std::clamp<int64_t>(row_ends[g / row_heads] - start - s0, 0, n);  // this row's keys
+        if (valid == 0) {  // none here (a later row's draft keys): its sums and outputs stay as they are
+          std::fill(p, p + n, 0.0f);
+          corrections[g] = maxima[h] == -INFINITY ? 0.0f : 1.0f;
+          continue;
+        }
+        std::fill(p + valid, p + n, -INFINITY);
         __m256 max_lanes = _mm256_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 8) max_lanes = _mm256_max_ps(max_lanes, _mm256_loadu_ps(p + j));
         const float new_max = std::max(maxima[h], hmax(max_lanes));
@@ -254,7 +278,7 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
   // each slot it covers is read once for all of them.
   const int64_t group = H / KVH;
   const paged::AttentionPlan plan = paged::plan_attention(tables, lengths, B, max_blocks, block_size, window, H,
-                                                          at::get_num_threads(), kMinSplitKeys);
+                                                          at::get_num_threads());
   std::vector<float> maxima(plan.heads), sums(plan.heads), partial(plan.heads * padded_dim);
   constexpr bool kBF16 = std::is_same_v<T, bf16>;
   const bool paired = kBF16 && D % 16 == 0;
@@ -282,7 +306,7 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
       task_shape.H = task.rows * H;
       attend(
           queries.data(), task_shape, tables + task.first_row * max_blocks, task.key_begin, task.key_end,
-          maxima.data() + task.head_offset, sums.data() + task.head_offset,
+          lengths + task.first_row, task.rows, maxima.data() + task.head_offset, sums.data() + task.head_offset,
           partial.data() + task.head_offset * padded_dim);
     }
   });
@@ -293,17 +317,17 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
       const paged::TaskPart* last = plan.parts.data() + plan.first_part[b + 1];
       float largest = -INFINITY;
       for (const paged::TaskPart* part = first; part != last; ++part) {
-        largest = std::max(largest, maxima[plan.head_index(*part, h, group)]);
+        largest = std::max(largest, maxima[plan.head_index(*part, h, H, group)]);
       }
       float total = 0.0f;
       for (const paged::TaskPart* part = first; part != last; ++part) {
-        const int64_t i = plan.head_index(*part, h, group);
+        const int64_t i = plan.head_index(*part, h, H, group);
         total += sums[i] * std::exp(maxima[i] - largest);
       }
       const auto merged = [&](int64_t d) {  // lanes d .. d + 7 of the splits' outputs, weighted
         __m256 sum = _mm256_setzero_ps();
         for (const paged::TaskPart* part = first; part != last; ++part) {
-          const int64_t i = plan.head_index(*part, h, group);
+          const int64_t i = plan.head_index(*part, h, H, group);
           const __m256 weight = _mm256_set1_ps(std::exp(maxima[i] - largest) / total);
           sum = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d), sum);
         }

@@ -41,8 +41,8 @@ using kunlun_cpu::vec::tail_mask;
 using PagedCache = kunlun_cpu::paged::PagedCache<bf16>;
 using kunlun_cpu::paged::gather_slots;
 
-constexpr int64_t kKeyChunk = 64;       // keys scored per pass (their K and V rows stay in L1)
-constexpr int64_t kMinSplitKeys = 64;   // a sequence's keys are split across threads down to this
+constexpr int64_t kKeyChunk = 64;  // keys scored per pass (their K and V rows stay in L1)
+static_assert(kunlun_cpu::paged::kPartKeys % kKeyChunk == 0, "a part is whole chunks");
 
 // Query heads whose P · V accumulators (CHUNKS vectors each) stay in registers together with one
 // pair of value rows, interleaved once for all of them.
@@ -203,30 +203,34 @@ inline void update_sums(const __m512* lanes, int64_t count, const float* correct
   }
 }
 
-// One split of one sequence: every query head (q: H rows of D, BF16, rotated) over keys
-// [start, end), as flash-decoding does it: per head the running maximum score, the sum of
-// exponentials relative to it, and the unnormalised output (acc, H × D), merged across splits by
-// the caller. Each chunk of kKeyChunk slots is read from memory once for all heads: scores come 16
-// keys at a time from VDPBF16PS dot products (FP32 accumulation) with one transpose-reduce, in
-// base 2 under a whole-number running maximum (probabilities()); each pair of value rows is
-// interleaved once for up to head_tile query heads that share its KV head and weighed by their
-// BF16 probabilities in VDPBF16PS (half the instructions of FP32 P · V, which was most of a draft
-// row's attention); while a chunk computes, the next chunk's K and V rows are prefetched into L2
-// (blocks sit in random order, which the hardware prefetcher cannot follow), a key's rows between
-// two dot products as the first query head of each KV head scores them. Issuing the whole next
-// chunk's prefetches up front stalled on the line fill buffers (a profile put a large share of
-// this kernel's samples on those instructions); spread out, into L2, they were a small gain at
-// every batch and context size tried. Per chunk and KV head, all its query heads are scored before
-// their maxima are updated together, and all their probabilities summed before their sums are
-// (update_maxima, update_sums). CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D);
-// FULL where D = 16 · CHUNKS, whose K and V rows load unmasked (load_words32).
+// One task (attention_plan.h): every query head (q: H rows of D, BF16, rotated) of `rows` rows over
+// keys [start, end), row r's only up to row_ends[r], as flash-decoding does it: per head and part
+// of the keys the running maximum score, the sum of exponentials relative to it, and the
+// unnormalised output (acc, H × D), the parts' results one after another, merged by the caller.
+// Chunks are aligned to key positions (multiples of kKeyChunk, which divides a part), and a row's
+// keys past its end score nothing and add exact zeros: each part of a row is folded in the same
+// order of additions whichever task folds it, with whichever other rows. Each chunk of kKeyChunk
+// slots is read from memory once for all heads: scores come 16 keys at a time from VDPBF16PS dot
+// products (FP32 accumulation) with one transpose- reduce, in base 2 under a whole-number running
+// maximum (probabilities()); each pair of value rows is interleaved once for up to head_tile query
+// heads that share its KV head and weighed by their BF16 probabilities in VDPBF16PS (half the
+// instructions of FP32 P · V, which was most of a draft row's attention); while a chunk computes,
+// the next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which the
+// hardware prefetcher cannot follow), a key's rows between two dot products as the first query head
+// of each KV head scores them. Issuing the whole next chunk's prefetches up front stalled on the
+// line fill buffers (a profile put a large share of this kernel's samples on those instructions);
+// spread out, into L2, they were a small gain at every batch and context size tried. Per chunk and
+// KV head, all its query heads are scored before their maxima are updated together, and all their
+// probabilities summed before their sums are (update_maxima, update_sums). CHUNKS = ceil(D / 16)
+// (or more: the masks zero the lanes past D); FULL where D = 16 · CHUNKS, whose K and V rows load
+// unmasked (load_words32).
 template <int CHUNKS, bool FULL>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
-                  const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
-                  float* sums, float* acc) {
+                  const int64_t* table, int64_t block_size, int64_t start, int64_t end, const int64_t* row_ends,
+                  int64_t rows, float scale, float* maxima, float* sums, float* acc) {
   constexpr int PAIRS = (CHUNKS + 1) / 2;
   constexpr int64_t kTile = head_tile<CHUNKS>();
-  const int64_t group = H / KVH;
+  const int64_t group = H / KVH, row_heads = group / rows;  // a KV head's query heads: [rows][row_heads]
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(bf16));
   __mmask32 pair_mask[PAIRS];
   for (int c = 0; c < PAIRS; ++c) {
@@ -252,17 +256,25 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   const bf16** value_slots = slot_storage[1];
   const bf16** next_key_slots = slot_storage[2];
   const bf16** next_value_slots = slot_storage[3];
-  for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
-  std::fill(acc, acc + H * D, 0.0f);
+  auto begin_part = [&] {
+    for (int64_t h = 0; h < H; ++h) maxima[h] = -INFINITY, sums[h] = 0.0f;
+    std::fill(acc, acc + H * D, 0.0f);
+  };
+  begin_part();
+  const auto chunk_end = [end](int64_t key) { return std::min(end, (key / kKeyChunk + 1) * kKeyChunk); };
   // The first two chunks' rows up front: a decode step's keys are cold (the weights streamed through
   // the caches since this layer last ran), and nothing prefetched them; from then on each chunk
   // prefetches the next one while it computes.
-  kunlun_cpu::paged::prefetch_slots(keys, values, table, block_size, start, std::min(end, start + 2 * kKeyChunk));
-  gather_slots(keys, table, block_size, start, std::min(end, start + kKeyChunk), key_slots);
-  gather_slots(values, table, block_size, start, std::min(end, start + kKeyChunk), value_slots);
-  for (int64_t c0 = start; c0 < end; c0 += kKeyChunk) {
-    const int64_t n = std::min(kKeyChunk, end - c0);
-    const int64_t next = c0 + n < end ? std::min(kKeyChunk, end - c0 - n) : 0;  // <= n
+  kunlun_cpu::paged::prefetch_slots(keys, values, table, block_size, start, chunk_end(chunk_end(start)));
+  gather_slots(keys, table, block_size, start, chunk_end(start), key_slots);
+  gather_slots(values, table, block_size, start, chunk_end(start), value_slots);
+  for (int64_t c0 = start, n = 0; c0 < end; c0 += n) {
+    n = chunk_end(c0) - c0;
+    const int64_t next = c0 + n < end ? chunk_end(c0 + n) - c0 - n : 0;
+    if (c0 > start && c0 % kunlun_cpu::paged::kPartKeys == 0) {  // the next part's results
+      maxima += H, sums += H, acc += H * D;
+      begin_part();
+    }
     if (next > 0) {
       gather_slots(keys, table, block_size, c0 + n, c0 + n + next, next_key_slots);
       gather_slots(values, table, block_size, c0 + n, c0 + n + next, next_value_slots);
@@ -280,6 +292,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
           qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + (kv * group + g) * D + 32 * c);
         }
         float* p = probs + g * kKeyChunk;
+        const int64_t valid = std::clamp<int64_t>(row_ends[g / row_heads] - c0, 0, n);  // this row's keys here
         __m512 max_lanes = _mm512_set1_ps(-INFINITY);
         int64_t j = 0;
         // The first query head of each KV head prefetches the next chunk's rows of that KV head.
@@ -289,7 +302,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
                                                            next_key_slots + j, next_value_slots + j, value_offset,
                                                            ahead(j), row_bytes);
           _mm512_storeu_ps(p + j, scores);
-          max_lanes = _mm512_max_ps(max_lanes, scores);
+          max_lanes = _mm512_mask_max_ps(max_lanes, tail_mask(valid - j), max_lanes, scores);
         }
         if (j < n) {
           const __mmask16 mask = tail_mask(n - j);
@@ -297,18 +310,19 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
                                                             scale_v, next_key_slots + j, next_value_slots + j,
                                                             value_offset, ahead(j), row_bytes);
           _mm512_mask_storeu_ps(p + j, mask, scores);
-          max_lanes = _mm512_mask_max_ps(max_lanes, mask, max_lanes, scores);
+          max_lanes = _mm512_mask_max_ps(max_lanes, mask & tail_mask(valid - j), max_lanes, scores);
         }
         head_lanes[g] = max_lanes;
       }
       update_maxima(head_lanes.data(), group, head_maxima, corrections.data());
       for (int64_t g = 0; g < group; ++g) {
         const float* p = probs + g * kKeyChunk;
+        const int64_t valid = std::clamp<int64_t>(row_ends[g / row_heads] - c0, 0, n);
         const float new_max = head_maxima[g];
         __m512 total = _mm512_setzero_ps();
         uint32_t* pair = pairs + g * (kKeyChunk / 2);
-        for (int64_t i = 0; i < n; i += 32) {  // 32 probabilities, packed as 16 BF16 pairs of keys
-          const __mmask16 first = tail_mask(n - i), second = tail_mask(n - i - 16);
+        for (int64_t i = 0; i < n; i += 32) {  // 32 probabilities, packed as 16 BF16 pairs of keys (0 past valid)
+          const __mmask16 first = tail_mask(valid - i), second = tail_mask(valid - i - 16);
           const __m512 e0 = probabilities(_mm512_maskz_loadu_ps(first, p + i), new_max, first);
           const __m512 e1 = probabilities(_mm512_maskz_loadu_ps(second, p + i + 16), new_max, second);
           total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
@@ -336,15 +350,16 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
 }
 
 void attend(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
-            const int64_t* table, int64_t block_size, int64_t start, int64_t end, float scale, float* maxima,
-            float* sums, float* acc) {
+            const int64_t* table, int64_t block_size, int64_t start, int64_t end, const int64_t* row_ends,
+            int64_t rows, float scale, float* maxima, float* sums, float* acc) {
   auto run = [&](auto chunks) {  // FULL where D fills its CHUNKS exactly (no lane masked off)
     constexpr int CHUNKS = decltype(chunks)::value;
     if (D == 16 * CHUNKS) {
-      return attend_split<CHUNKS, true>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima,
-                                        sums, acc);
+      return attend_split<CHUNKS, true>(q, H, KVH, D, keys, values, table, block_size, start, end, row_ends, rows,
+                                        scale, maxima, sums, acc);
     }
-    attend_split<CHUNKS, false>(q, H, KVH, D, keys, values, table, block_size, start, end, scale, maxima, sums, acc);
+    attend_split<CHUNKS, false>(q, H, KVH, D, keys, values, table, block_size, start, end, row_ends, rows, scale,
+                                maxima, sums, acc);
   };
   switch ((D + 15) / 16) {
     case 2: return run(std::integral_constant<int, 2>{});
@@ -394,7 +409,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // each slot it covers is read once for all of them.
   const int64_t group = H / KVH;
   const paged::AttentionPlan plan = paged::plan_attention(tables, lengths, B, max_blocks, block_size, window, H,
-                                                          at::get_num_threads(), kMinSplitKeys);
+                                                          at::get_num_threads());
   std::vector<float> maxima(plan.heads), sums(plan.heads), partial(plan.heads * D);
   paged::run_tasks(plan, [&](auto take) {
     std::vector<float> rotated_q(D);
@@ -415,7 +430,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         }
       }
       attend(queries.data(), task.rows * H, KVH, D, keys, values, tables + task.first_row * max_blocks, block_size,
-             task.key_begin, task.key_end, static_cast<float>(scale), maxima.data() + task.head_offset,
+             task.key_begin, task.key_end, lengths + task.first_row, task.rows, static_cast<float>(scale),
+             maxima.data() + task.head_offset,
              sums.data() + task.head_offset, partial.data() + task.head_offset * D);
     }
   });
@@ -426,18 +442,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const paged::TaskPart* last = plan.parts.data() + plan.first_part[b + 1];
       float largest = -INFINITY;
       for (const paged::TaskPart* part = first; part != last; ++part) {
-        largest = std::max(largest, maxima[plan.head_index(*part, h, group)]);
+        largest = std::max(largest, maxima[plan.head_index(*part, h, H, group)]);
       }
       float total = 0.0f;  // the maxima are base 2 and whole numbers: exact powers of two
       for (const paged::TaskPart* part = first; part != last; ++part) {
-        const int64_t i = plan.head_index(*part, h, group);
+        const int64_t i = plan.head_index(*part, h, H, group);
         total += sums[i] * exact_pow2(maxima[i] - largest);
       }
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 mask = tail_mask(D - d);
         __m512 merged = _mm512_setzero_ps();
         for (const paged::TaskPart* part = first; part != last; ++part) {
-          const int64_t i = plan.head_index(*part, h, group);
+          const int64_t i = plan.head_index(*part, h, H, group);
           const __m512 weight = _mm512_set1_ps(exact_pow2(maxima[i] - largest) / total);
           merged = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, partial.data() + i * D + d), merged);
         }
