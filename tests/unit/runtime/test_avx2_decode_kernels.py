@@ -247,7 +247,7 @@ def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threa
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads,head_dim,rows", [((9, 3), 64, 4), ((10, 2), 64, 2), ((8, 2), 36, 3)])
-@pytest.mark.parametrize("length", [7, 254, 300])
+@pytest.mark.parametrize("length", [7, 254, 510, 1020])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_decode_attention_gives_a_row_with_drafts_the_bits_it_has_alone(
     heads, head_dim, rows, length, threads, cache_dtype
@@ -257,8 +257,10 @@ def test_decode_attention_gives_a_row_with_drafts_the_bits_it_has_alone(
     # + 1, 12 with a row tail), each row masking the drafts' keys after its own; a row alone is a
     # task of its own, split across threads differently (or not at all). Every row's attention must
     # be the same bits either way, or a draft's verification would not see what decoding without
-    # drafts sees, and greedy outputs with speculation would drift from those without. Three
-    # threads split the drafts' sequence (a second sequence of 90 keys takes one task).
+    # drafts sees, and greedy outputs with speculation would drift from those without. The drafts'
+    # keys cross no part boundary, the parts of 128 keys (256), their end (512) and the parts of
+    # 256 (1024). Three threads split the drafts' sequence (a second sequence of 90 keys takes one
+    # task).
     lengths = [length + r for r in range(rows)] + [90]
     own = _random_tables((lengths[rows - 1], 90), -(-lengths[rows - 1] // BLOCK) + 9, 3)
     _check_rows_alone(heads, head_dim, lengths, [own[0]] * rows + [own[1]], 0, threads, cache_dtype)

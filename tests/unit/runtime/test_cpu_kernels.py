@@ -331,7 +331,7 @@ def test_decode_attention_shares_keys_between_rows_of_one_sequence(window, threa
 
 @needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("heads,head_dim", [((6, 2), 32), ((9, 3), 64), ((4, 4), 128), ((6, 3), 48)])
-@pytest.mark.parametrize("length", [7, 254, 300])
+@pytest.mark.parametrize("length", [7, 254, 510, 1020])
 @pytest.mark.parametrize("rows", [4, 7])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_decode_attention_scores_a_row_with_drafts_as_it_scores_it_alone(
@@ -344,11 +344,12 @@ def test_decode_attention_scores_a_row_with_drafts_as_it_scores_it_alone(
     # decoding without drafts would, and greedy outputs with speculation equal those without. The
     # AVX-512 kernel reduces the maxima and sums of 8 or more query heads per KV head 16 at a time
     # and of fewer one at a time: 4 and 7 rows of GQA groups of 3 give 12 and 21 heads (a second,
-    # partial 16), a row alone 3. Three threads split the drafts' sequence (a second sequence of 40
-    # keys takes one task).
-    order = torch.randperm(48, generator=torch.Generator().manual_seed(3)).tolist()
+    # partial 16), a row alone 3. The drafts' keys cross no part boundary, the parts of 128 keys
+    # (256), their end (512) and the parts of 256 (1024). Three threads split the drafts' sequence
+    # (a second sequence of 40 keys takes one task).
+    order = torch.randperm(70, generator=torch.Generator().manual_seed(3)).tolist()
     lengths = (*(length + r for r in range(rows)), 40)
-    _check_rows_alone(0, heads, head_dim, threads, lengths, [order[:20]] * rows + [order[20:23]])
+    _check_rows_alone(0, heads, head_dim, threads, lengths, [order[:65]] * rows + [order[65:68]])
 
 
 def _check_rows_alone(window, heads, head_dim, threads, lengths, tables) -> None:
@@ -359,7 +360,7 @@ def _check_rows_alone(window, heads, head_dim, threads, lengths, tables) -> None
     from kunlun_runtime.layers.attention import build_attention_metadata
 
     cache, tables, q, k, v, (cos, sin), _ = _decode_case(
-        window, heads, head_dim, lengths=lengths, tables=tables, num_blocks=48
+        window, heads, head_dim, lengths=lengths, tables=tables, num_blocks=max(max(t) for t in tables) + 1
     )
     meta = build_attention_metadata([1] * len(lengths), list(lengths), tables, 16, torch.device("cpu"))
     cos, sin = cos.view(-1, head_dim), sin.view(-1, head_dim)

@@ -5,7 +5,7 @@
 // A row's attention must be the same bits whatever else the step holds and however many threads
 // run it: a draft verified in a step of five rows must see what decoding it alone would, or greedy
 // outputs with speculation drift from those without wherever two logits nearly tie. So a row's
-// keys are cut into parts at fixed multiples of kPartKeys (plus the window's start), each part is
+// keys are cut into parts at fixed key positions (part_start; and the window's start), each part is
 // folded on its own in the same order of additions (chunks aligned to key positions, not to where
 // a task starts), and the parts are merged in key order: a plan decides only which thread folds
 // which parts, never how a row's sums are grouped. Splitting a row's keys where the threads
@@ -40,10 +40,25 @@
 
 namespace kunlun_cpu::paged {
 
-// Where a row's keys are cut into separately folded parts: small enough that two threads share a
-// few hundred keys evenly, large enough that the parts' results (H · (D + 2) floats each) stay a
-// few percent of the keys and values read. Both tiers' chunks of keys divide it.
-constexpr int64_t kPartKeys = 128;
+// Where a row's keys are cut into separately folded parts: every kShortPartKeys keys up to
+// kLongPartsFrom, so that two threads share a few hundred keys evenly, then every kLongPartKeys,
+// so that the parts' results (H · (D + 2) floats each, written and merged) stay a small share of
+// the keys and values read (parts of 128 throughout took 3-6 % longer at 1,500-4,000 keys). Both
+// tiers' chunks of keys divide both sizes.
+constexpr int64_t kShortPartKeys = 128, kLongPartKeys = 256, kLongPartsFrom = 512;
+static_assert(kLongPartsFrom % kShortPartKeys == 0 && kLongPartsFrom % kLongPartKeys == 0);
+
+inline int64_t part_of(int64_t key) {  // the part holding `key`
+  return key < kLongPartsFrom ? key / kShortPartKeys
+                              : kLongPartsFrom / kShortPartKeys + (key - kLongPartsFrom) / kLongPartKeys;
+}
+
+inline int64_t part_start(int64_t part) {  // its first key
+  constexpr int64_t short_parts = kLongPartsFrom / kShortPartKeys;
+  return part < short_parts ? part * kShortPartKeys : kLongPartsFrom + (part - short_parts) * kLongPartKeys;
+}
+
+inline bool starts_part(int64_t key) { return part_start(part_of(key)) == key; }
 
 struct AttentionTask {
   int64_t first_row, rows;      // the rows whose queries it holds: first_row .. first_row + rows - 1
@@ -72,10 +87,6 @@ struct AttentionPlan {
   }
 };
 
-// The first key of the part after the one holding `key`: where a task's results move to the next
-// part's.
-inline int64_t next_part_start(int64_t key) { return (key / kPartKeys + 1) * kPartKeys; }
-
 // Whether rows a and b (a < b) read the same blocks for b's `length` keys.
 inline bool same_blocks(const int64_t* tables, int64_t max_blocks, int64_t a, int64_t b, int64_t length,
                         int64_t block_size) {
@@ -84,8 +95,8 @@ inline bool same_blocks(const int64_t* tables, int64_t max_blocks, int64_t a, in
 }
 
 // The tasks of B rows (block tables [B, max_blocks], context lengths [B]; window > 0 keeps each
-// row's last `window` keys) for H query heads, split at part boundaries until there are about as
-// many tasks as threads. Rows are grouped only where every row of the group sees its keys from the
+// row's last `window` keys) for H query heads, split at the part boundaries nearest to even shares
+// of the keys until there are about as many tasks as threads. Rows are grouped only where every row of the group sees its keys from the
 // first one (no window cuts into them), so a group's rows differ only in their last few keys. No
 // finer: a decode step's keys are cold (the weights streamed through the caches since the layer
 // last ran), and each task starts its own stream of them, whose first chunks wait on memory before
@@ -110,15 +121,23 @@ inline AttentionPlan plan_attention(const int64_t* tables, const int64_t* length
   for (const auto& [first, rows] : groups) {
     const int64_t start = window > 0 ? std::max<int64_t>(0, lengths[first] - window) : 0;
     const int64_t end = lengths[first + rows - 1];
-    const int64_t first_part = start / kPartKeys, part_count = (end - 1) / kPartKeys - first_part + 1;
-    const int64_t splits = std::max<int64_t>(1, std::min(wanted, part_count));
+    const int64_t first_part = part_of(start), end_part = part_of(end - 1) + 1;
+    const int64_t splits = std::max<int64_t>(1, std::min(wanted, end_part - first_part));
+    std::vector<int64_t> cuts{first_part};  // the splits' first parts, then end_part
+    for (int64_t split = 1; split < splits; ++split) {
+      const int64_t target = start + (end - start) * split / splits;
+      int64_t part = part_of(target);
+      if (target - part_start(part) > part_start(part + 1) - target) ++part;
+      cuts.push_back(std::clamp(part, cuts.back() + 1, end_part - (splits - split)));
+    }
+    cuts.push_back(end_part);
     for (int64_t split = 0; split < splits; ++split) {
-      const int64_t p0 = first_part + part_count * split / splits, p1 = first_part + part_count * (split + 1) / splits;
+      const int64_t p0 = cuts[split], p1 = cuts[split + 1];
       const int64_t task = static_cast<int64_t>(plan.tasks.size());
-      plan.tasks.push_back({first, rows, std::max(start, p0 * kPartKeys), std::min(end, p1 * kPartKeys), plan.heads});
+      plan.tasks.push_back({first, rows, std::max(start, part_start(p0)), std::min(end, part_start(p1)), plan.heads});
       plan.heads += (p1 - p0) * rows * H;
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t p = p0; p < p1 && p * kPartKeys < lengths[first + r]; ++p) {
+        for (int64_t p = p0; p < p1 && part_start(p) < lengths[first + r]; ++p) {
           row_parts[first + r].push_back({task, r, p - p0});
         }
       }

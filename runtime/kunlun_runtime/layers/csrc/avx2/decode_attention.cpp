@@ -64,7 +64,8 @@ using kunlun_cpu::paged::gather_slots;
 template <typename T>
 using PagedCache = kunlun_cpu::paged::PagedCache<T>;
 
-static_assert(kunlun_cpu::paged::kPartKeys % kSegmentKeys == 0, "a part is whole segments");
+static_assert(kunlun_cpu::paged::kShortPartKeys % kSegmentKeys == 0 && kunlun_cpu::paged::kLongPartKeys % kSegmentKeys == 0,
+              "a part is whole segments");
 // How far ahead of the key rows being scored the next ones are prefetched (in reading order); 32,
 // 64 or 128 keys ahead, or into L1, ran no faster.
 constexpr int64_t kPrefetchKeys = 16;
@@ -141,7 +142,7 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
   for (int64_t s0 = 0, n = 0; s0 < length; s0 += n) {
     n = segment_end(s0) - s0;
     const int64_t score_steps = (n + 7) / 8;
-    if (s0 > 0 && (start + s0) % kunlun_cpu::paged::kPartKeys == 0) {  // the next part's results
+    if (s0 > 0 && kunlun_cpu::paged::starts_part(start + s0)) {  // the next part's results
       maxima += H, sums += H, acc += H * padded_dim;
       begin_part();
     }
@@ -311,25 +312,28 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
     }
   });
   at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> index;  // a row's parts' results, in key order
+    std::vector<float> weight;   // and their weights
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, h = item % H;
-      const paged::TaskPart* first = plan.parts.data() + plan.first_part[b];
-      const paged::TaskPart* last = plan.parts.data() + plan.first_part[b + 1];
+      index.clear();
+      for (int64_t p = plan.first_part[b]; p < plan.first_part[b + 1]; ++p) {
+        index.push_back(plan.head_index(plan.parts[p], h, H, group));
+      }
       float largest = -INFINITY;
-      for (const paged::TaskPart* part = first; part != last; ++part) {
-        largest = std::max(largest, maxima[plan.head_index(*part, h, H, group)]);
-      }
+      for (const int64_t i : index) largest = std::max(largest, maxima[i]);
+      weight.clear();
       float total = 0.0f;
-      for (const paged::TaskPart* part = first; part != last; ++part) {
-        const int64_t i = plan.head_index(*part, h, H, group);
-        total += sums[i] * std::exp(maxima[i] - largest);
+      for (const int64_t i : index) {
+        weight.push_back(std::exp(maxima[i] - largest));
+        total += sums[i] * weight.back();
       }
-      const auto merged = [&](int64_t d) {  // lanes d .. d + 7 of the splits' outputs, weighted
+      for (float& w : weight) w /= total;
+      const auto merged = [&](int64_t d) {  // lanes d .. d + 7 of the parts' outputs, weighted
         __m256 sum = _mm256_setzero_ps();
-        for (const paged::TaskPart* part = first; part != last; ++part) {
-          const int64_t i = plan.head_index(*part, h, H, group);
-          const __m256 weight = _mm256_set1_ps(std::exp(maxima[i] - largest) / total);
-          sum = _mm256_fmadd_ps(weight, _mm256_loadu_ps(partial.data() + i * padded_dim + d), sum);
+        for (size_t p = 0; p < index.size(); ++p) {
+          sum = _mm256_fmadd_ps(_mm256_set1_ps(weight[p]), _mm256_loadu_ps(partial.data() + index[p] * padded_dim + d),
+                                sum);
         }
         return sum;
       };

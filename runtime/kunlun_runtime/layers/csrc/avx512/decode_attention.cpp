@@ -42,7 +42,8 @@ using PagedCache = kunlun_cpu::paged::PagedCache<bf16>;
 using kunlun_cpu::paged::gather_slots;
 
 constexpr int64_t kKeyChunk = 64;  // keys scored per pass (their K and V rows stay in L1)
-static_assert(kunlun_cpu::paged::kPartKeys % kKeyChunk == 0, "a part is whole chunks");
+static_assert(kunlun_cpu::paged::kShortPartKeys % kKeyChunk == 0 && kunlun_cpu::paged::kLongPartKeys % kKeyChunk == 0,
+              "a part is whole chunks");
 
 // Query heads whose P · V accumulators (CHUNKS vectors each) stay in registers together with one
 // pair of value rows, interleaved once for all of them.
@@ -271,7 +272,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   for (int64_t c0 = start, n = 0; c0 < end; c0 += n) {
     n = chunk_end(c0) - c0;
     const int64_t next = c0 + n < end ? chunk_end(c0 + n) - c0 - n : 0;
-    if (c0 > start && c0 % kunlun_cpu::paged::kPartKeys == 0) {  // the next part's results
+    if (c0 > start && kunlun_cpu::paged::starts_part(c0)) {  // the next part's results
       maxima += H, sums += H, acc += H * D;
       begin_part();
     }
@@ -436,26 +437,29 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
   });
   at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> index;  // a row's parts' results, in key order
+    std::vector<float> weight;   // and their weights
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, h = item % H;
-      const paged::TaskPart* first = plan.parts.data() + plan.first_part[b];
-      const paged::TaskPart* last = plan.parts.data() + plan.first_part[b + 1];
+      index.clear();
+      for (int64_t p = plan.first_part[b]; p < plan.first_part[b + 1]; ++p) {
+        index.push_back(plan.head_index(plan.parts[p], h, H, group));
+      }
       float largest = -INFINITY;
-      for (const paged::TaskPart* part = first; part != last; ++part) {
-        largest = std::max(largest, maxima[plan.head_index(*part, h, H, group)]);
-      }
+      for (const int64_t i : index) largest = std::max(largest, maxima[i]);
+      weight.clear();
       float total = 0.0f;  // the maxima are base 2 and whole numbers: exact powers of two
-      for (const paged::TaskPart* part = first; part != last; ++part) {
-        const int64_t i = plan.head_index(*part, h, H, group);
-        total += sums[i] * exact_pow2(maxima[i] - largest);
+      for (const int64_t i : index) {
+        weight.push_back(exact_pow2(maxima[i] - largest));
+        total += sums[i] * weight.back();
       }
+      for (float& w : weight) w /= total;
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 mask = tail_mask(D - d);
         __m512 merged = _mm512_setzero_ps();
-        for (const paged::TaskPart* part = first; part != last; ++part) {
-          const int64_t i = plan.head_index(*part, h, H, group);
-          const __m512 weight = _mm512_set1_ps(exact_pow2(maxima[i] - largest) / total);
-          merged = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, partial.data() + i * D + d), merged);
+        for (size_t p = 0; p < index.size(); ++p) {
+          merged = _mm512_fmadd_ps(_mm512_set1_ps(weight[p]),
+                                   _mm512_maskz_loadu_ps(mask, partial.data() + index[p] * D + d), merged);
         }
         store_bf16x16(op + b * H * D + h * D + d, merged, mask);
       }
