@@ -307,6 +307,42 @@ def test_decode_attention_spreads_a_nan_only_to_the_heads_that_read_it():
     assert out[0, :2].isfinite().all() and out[0, 4:].isfinite().all() and out[1].isfinite().all()
 
 
+@pytest.mark.parametrize("length", [40, 129])  # the drafts' keys in the first or in a new segment
+def test_decode_attention_keeps_a_drafts_nan_value_from_the_rows_before_it(length):
+    # A decode row and two drafts share a task whose last keys are the drafts' own; the second
+    # draft's new value row is NaN. Rows 0 and 1 never read that key and must stay finite, the
+    # bits they have alone (not even multiplied by a probability of 0: 0 · NaN is NaN).
+    heads, kv_heads, head_dim = 6, 3, 64
+    lengths = [length, length + 1, length + 2]
+    table = _random_tables([length + 2], 12, 4)[0]
+    cache = _pool(kv_heads, head_dim, 12, 0)
+    q, k, v = _qkv_views(3, heads, kv_heads, head_dim, 1)
+    v[2, 1, 5] = float("nan")
+    cos, sin = (t.view(-1, head_dim) for t in _cos_sin(head_dim, [n - 1 for n in lengths]))
+    meta = build_attention_metadata([1] * 3, lengths, [table] * 3, BLOCK, torch.device("cpu"))
+    out = cpu_kernels.decode_attention(
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        cache.k_blocks[0],
+        cache.v_blocks[0],
+        meta.block_tables,
+        meta.context_lens,
+        0.125,
+        0,
+    )
+    assert out[:2].isfinite().all() and out[2].view(heads, head_dim)[2:4].isnan().any()
+    for b in range(2):
+        rows = slice(b, b + 1)
+        alone = cpu_kernels.decode_attention(
+            q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
+            meta.block_tables[rows], meta.context_lens[rows], 0.125, 0,
+        )  # fmt: skip
+        assert torch.equal(out[b], alone[0])
+
+
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 40, 36])  # vector rotary; rotate-half through scratch; a row tail
 def test_rotary_kv_write_matches_apply_rotary_and_the_scatter_bit_for_bit(head_dim, cache_dtype):

@@ -352,6 +352,44 @@ def test_decode_attention_scores_a_row_with_drafts_as_it_scores_it_alone(
     _check_rows_alone(0, heads, head_dim, threads, lengths, [order[:65]] * rows + [order[65:68]])
 
 
+@needs_kernels(torch.bfloat16)
+@pytest.mark.parametrize("length", [40, 63])  # the drafts' keys in the first chunk, or in the next
+def test_decode_attention_keeps_a_drafts_nan_value_from_the_rows_before_it(length):
+    # A decode row and two drafts share a task whose last keys are the drafts' own; the second
+    # draft's new value row is NaN. Rows 0 and 1 never read that key and must stay finite, the
+    # bits they have alone (not even multiplied by a probability of 0: 0 · NaN is NaN).
+    from kunlun_runtime.layers.attention import build_attention_metadata
+
+    lengths = (length, length + 1, length + 2)
+    cache, tables, q, k, v, (cos, sin), _ = _decode_case(
+        0, (6, 3), 64, lengths=lengths, tables=[[3, 7, 1, 5, 9]] * 3
+    )
+    v[2, 1, 5] = float("nan")
+    meta = build_attention_metadata([1] * 3, list(lengths), tables, 16, torch.device("cpu"))
+    cos, sin = cos.view(-1, 64), sin.view(-1, 64)
+    out = cpu_kernels.decode_attention(
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        cache.k_blocks[0],
+        cache.v_blocks[0],
+        meta.block_tables,
+        meta.context_lens,
+        0.125,
+        0,
+    )
+    assert out[:2].isfinite().all() and out[2].view(6, 64)[2:4].isnan().any()
+    for b in range(2):
+        rows = slice(b, b + 1)
+        alone = cpu_kernels.decode_attention(
+            q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
+            meta.block_tables[rows], meta.context_lens[rows], 0.125, 0,
+        )  # fmt: skip
+        assert torch.equal(out[b], alone[0])
+
+
 def _check_rows_alone(window, heads, head_dim, threads, lengths, tables) -> None:
     """Every row's attention in one call on `threads` threads is the same bits as in a call of its
     own on one thread (made after the first wrote every row's key and value, as a row's own call

@@ -121,6 +121,7 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
     std::fill(acc, acc + H * padded_dim, 0.0f);
   };
   begin_part();
+  std::vector<int64_t> valid(rows);  // each row's keys in the segment: a prefix of it
   // Where the segment holding key start + offset ends, as an offset.
   const auto segment_end = [start, length](int64_t offset) {
     return std::min(length, ((start + offset) / kSegmentKeys + 1) * kSegmentKeys - start);
@@ -145,6 +146,11 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
     if (s0 > 0 && kunlun_cpu::paged::starts_part(start + s0)) {  // the next part's results
       maxima += H, sums += H, acc += H * padded_dim;
       begin_part();
+    }
+    bool ragged = false;  // a row's keys end inside the segment (the drafts' after it are not its own)
+    for (int64_t r = 0; r < rows; ++r) {
+      valid[r] = std::clamp<int64_t>(row_ends[r] - start - s0, 0, n);
+      ragged |= valid[r] < n;
     }
     const T* const* segment_keys = key_slots.data() + s0;
     const T* const* segment_values = value_slots.data() + s0;
@@ -190,13 +196,12 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kv * group + g;
         float* p = probs + g * kSegmentKeys;
-        const int64_t valid = std::clamp<int64_t>(row_ends[g / row_heads] - start - s0, 0, n);  // this row's keys
-        if (valid == 0) {  // none here (a later row's draft keys): its sums and outputs stay as they are
-          std::fill(p, p + n, 0.0f);
+        const int64_t keys_here = valid[g / row_heads];
+        if (keys_here == 0) {  // none here (a later row's draft keys): its sums and outputs stay as they are
           corrections[g] = maxima[h] == -INFINITY ? 0.0f : 1.0f;
           continue;
         }
-        std::fill(p + valid, p + n, -INFINITY);
+        std::fill(p + keys_here, p + n, -INFINITY);
         __m256 max_lanes = _mm256_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 8) max_lanes = _mm256_max_ps(max_lanes, _mm256_loadu_ps(p + j));
         const float new_max = std::max(maxima[h], hmax(max_lanes));
@@ -210,27 +215,35 @@ void attend_split(const float* q, const AttentionShape<T>& s, const int64_t* tab
         sums[h] = sums[h] * corrections[g] + hsum(total);
         maxima[h] = new_max;
       }
-      // P · V for this KV head's query heads, in stripes of D and tiles of heads so the
-      // accumulators stay in registers; the earlier segments' sums are rescaled on the way.
-      if constexpr (PAIRED) {
-        for (int64_t g0 = 0; g0 < group; g0 += kPairedValueTile) {
-          const int tile = static_cast<int>(std::min<int64_t>(kPairedValueTile, group - g0));
-          for (int64_t pair = 0; pair < D / 16; ++pair) {
-            pick_accumulate_paired<kPairedValueTile>(tile)(segment_values, kv * values.head_stride, n,
-                                                           probs + g0 * kSegmentKeys, corrections.data() + g0,
-                                                           acc + (kv * group + g0) * padded_dim, padded_dim, pair);
+      // P · V for this KV head's query heads g_begin .. g_end - 1 over the segment's first `count`
+      // keys, in stripes of D and tiles of heads so the accumulators stay in registers; the earlier
+      // segments' sums are rescaled on the way.
+      const auto weigh = [&](int64_t g_begin, int64_t g_end, int64_t count) {
+        if constexpr (PAIRED) {
+          for (int64_t g0 = g_begin; g0 < g_end; g0 += kPairedValueTile) {
+            const int tile = static_cast<int>(std::min<int64_t>(kPairedValueTile, g_end - g0));
+            for (int64_t pair = 0; pair < D / 16; ++pair) {
+              pick_accumulate_paired<kPairedValueTile>(tile)(segment_values, kv * values.head_stride, count,
+                                                             probs + g0 * kSegmentKeys, corrections.data() + g0,
+                                                             acc + (kv * group + g0) * padded_dim, padded_dim, pair);
+            }
+          }
+          return;
+        }
+        for (int64_t g0 = g_begin; g0 < g_end; g0 += kHeadTile) {
+          const int tile = static_cast<int>(std::min<int64_t>(kHeadTile, g_end - g0));
+          for (int64_t first = 0; first < vectors; first += kStripe) {
+            const int width = static_cast<int>(std::min<int64_t>(kStripe, vectors - first));
+            pick_accumulate<T>(tile, width, TAIL && first + width == vectors)(
+                segment_values, kv * values.head_stride, count, probs + g0 * kSegmentKeys, corrections.data() + g0,
+                acc + (kv * group + g0) * padded_dim, padded_dim, first, tail);
           }
         }
-        continue;
-      }
-      for (int64_t g0 = 0; g0 < group; g0 += kHeadTile) {
-        const int tile = static_cast<int>(std::min<int64_t>(kHeadTile, group - g0));
-        for (int64_t first = 0; first < vectors; first += kStripe) {
-          const int width = static_cast<int>(std::min<int64_t>(kStripe, vectors - first));
-          pick_accumulate<T>(tile, width, TAIL && first + width == vectors)(
-              segment_values, kv * values.head_stride, n, probs + g0 * kSegmentKeys, corrections.data() + g0,
-              acc + (kv * group + g0) * padded_dim, padded_dim, first, tail);
-        }
+      };
+      if (!ragged) {
+        weigh(0, group, n);
+      } else {  // each row over its own keys: another row's value rows never reach it, not even times 0
+        for (int64_t r = 0; r < rows; ++r) weigh(r * row_heads, (r + 1) * row_heads, valid[r]);
       }
     }
   }

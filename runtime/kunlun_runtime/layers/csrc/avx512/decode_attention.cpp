@@ -263,6 +263,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   };
   begin_part();
   const auto chunk_end = [end](int64_t key) { return std::min(end, (key / kKeyChunk + 1) * kKeyChunk); };
+  std::vector<int64_t> valid(rows);  // each row's keys in the chunk: a prefix of it
   // The first two chunks' rows up front: a decode step's keys are cold (the weights streamed through
   // the caches since this layer last ran), and nothing prefetched them; from then on each chunk
   // prefetches the next one while it computes.
@@ -275,6 +276,11 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
     if (c0 > start && kunlun_cpu::paged::starts_part(c0)) {  // the next part's results
       maxima += H, sums += H, acc += H * D;
       begin_part();
+    }
+    bool ragged = false;  // a row's keys end inside the chunk (the drafts' after it are not its own)
+    for (int64_t r = 0; r < rows; ++r) {
+      valid[r] = std::clamp<int64_t>(row_ends[r] - c0, 0, n);
+      ragged |= valid[r] < n;
     }
     if (next > 0) {
       gather_slots(keys, table, block_size, c0 + n, c0 + n + next, next_key_slots);
@@ -293,7 +299,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
           qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + (kv * group + g) * D + 32 * c);
         }
         float* p = probs + g * kKeyChunk;
-        const int64_t valid = std::clamp<int64_t>(row_ends[g / row_heads] - c0, 0, n);  // this row's keys here
+        const int64_t keys_here = valid[g / row_heads];
         __m512 max_lanes = _mm512_set1_ps(-INFINITY);
         int64_t j = 0;
         // The first query head of each KV head prefetches the next chunk's rows of that KV head.
@@ -303,7 +309,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
                                                            next_key_slots + j, next_value_slots + j, value_offset,
                                                            ahead(j), row_bytes);
           _mm512_storeu_ps(p + j, scores);
-          max_lanes = _mm512_mask_max_ps(max_lanes, tail_mask(valid - j), max_lanes, scores);
+          max_lanes = _mm512_mask_max_ps(max_lanes, tail_mask(keys_here - j), max_lanes, scores);
         }
         if (j < n) {
           const __mmask16 mask = tail_mask(n - j);
@@ -311,19 +317,19 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
                                                             scale_v, next_key_slots + j, next_value_slots + j,
                                                             value_offset, ahead(j), row_bytes);
           _mm512_mask_storeu_ps(p + j, mask, scores);
-          max_lanes = _mm512_mask_max_ps(max_lanes, mask & tail_mask(valid - j), max_lanes, scores);
+          max_lanes = _mm512_mask_max_ps(max_lanes, mask & tail_mask(keys_here - j), max_lanes, scores);
         }
         head_lanes[g] = max_lanes;
       }
       update_maxima(head_lanes.data(), group, head_maxima, corrections.data());
       for (int64_t g = 0; g < group; ++g) {
         const float* p = probs + g * kKeyChunk;
-        const int64_t valid = std::clamp<int64_t>(row_ends[g / row_heads] - c0, 0, n);
+        const int64_t keys_here = valid[g / row_heads];
         const float new_max = head_maxima[g];
         __m512 total = _mm512_setzero_ps();
         uint32_t* pair = pairs + g * (kKeyChunk / 2);
-        for (int64_t i = 0; i < n; i += 32) {  // 32 probabilities, packed as 16 BF16 pairs of keys (0 past valid)
-          const __mmask16 first = tail_mask(valid - i), second = tail_mask(valid - i - 16);
+        for (int64_t i = 0; i < n; i += 32) {  // 32 probabilities, packed as 16 BF16 pairs of keys (0 past its own)
+          const __mmask16 first = tail_mask(keys_here - i), second = tail_mask(keys_here - i - 16);
           const __m512 e0 = probabilities(_mm512_maskz_loadu_ps(first, p + i), new_max, first);
           const __m512 e1 = probabilities(_mm512_maskz_loadu_ps(second, p + i + 16), new_max, second);
           total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
@@ -333,16 +339,24 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
         head_lanes[g] = total;
       }
       update_sums(head_lanes.data(), group, corrections.data(), head_sums);
-      // P · V for this KV head's query heads, kTile at a time so the accumulators stay in registers.
+      // P · V for this KV head's query heads g_begin .. g_end - 1 over the chunk's first `count`
+      // keys, kTile at a time so the accumulators stay in registers.
       float* base = acc + kv * group * D;
-      int64_t g0 = 0;
-      for (; g0 + kTile <= group; g0 += kTile) {
-        weigh_values<kTile, CHUNKS, FULL>(pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n, pair_mask,
-                                          lane_mask, corrections.data() + g0, base + g0 * D, D);
-      }
-      if (g0 < group) {
-        weigh_values_tail<CHUNKS, FULL>(group - g0, pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, n,
-                                        pair_mask, lane_mask, corrections.data() + g0, base + g0 * D, D);
+      const auto weigh = [&](int64_t g_begin, int64_t g_end, int64_t count) {
+        int64_t g0 = g_begin;
+        for (; g0 + kTile <= g_end; g0 += kTile) {
+          weigh_values<kTile, CHUNKS, FULL>(pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, count,
+                                            pair_mask, lane_mask, corrections.data() + g0, base + g0 * D, D);
+        }
+        if (g0 < g_end) {
+          weigh_values_tail<CHUNKS, FULL>(g_end - g0, pairs + g0 * (kKeyChunk / 2), value_slots, value_offset,
+                                          count, pair_mask, lane_mask, corrections.data() + g0, base + g0 * D, D);
+        }
+      };
+      if (!ragged) {
+        weigh(0, group, n);
+      } else {  // each row over its own keys: another row's value rows never reach it, not even times 0
+        for (int64_t r = 0; r < rows; ++r) weigh(r * row_heads, (r + 1) * row_heads, valid[r]);
       }
     }
     std::swap(key_slots, next_key_slots);
