@@ -127,34 +127,31 @@ def _invoices(count: int) -> str:
 
 
 def test_the_embedded_model_quotes_long_contexts_token_for_token_on_two_threads(smollm2_dir):
-    # Decode attention over ~1,500 keys is split across two threads, and a row verified with drafts
+    # Decode attention over ~1,800 keys is split across two threads, and a row verified with drafts
     # shares its keys' reading with them: each row's attention must still be the bits it has
     # decoded alone, or near-ties in the embedded model's logits let the outputs part (they did,
-    # when a split fell where the step's rows put it). Each prompt alone, as one stream.
+    # when a split fell where the step's rows put it: there this prompt's logprobs parted at the
+    # sixth token). One stream, as a client's alone.
     document = _invoices(48)
-    asks = [
-        "Copy every invoice for a customer in Harbin, exactly as written.",
-        "Rewrite each invoice as a JSON object with the fields number, customer, city and yuan.",
-    ]
-    conversations = [[{"role": "user", "content": f"{document}\n\n{ask}"}] for ask in asks]
+    ask = "Copy every invoice for a customer in Harbin, exactly as written."
+    conversation = [{"role": "user", "content": f"{document}\n\n{ask}"}]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         plain_llm = LLM(str(smollm2_dir), max_model_len=2048, enable_prefix_caching=False)
-        plain = [plain_llm.chat(c, params)[0].outputs[0] for c in conversations]
+        plain = plain_llm.chat(conversation, params)[0].outputs[0]
         llm = LLM(str(smollm2_dir), max_model_len=2048, enable_prefix_caching=False, speculative_config=SPEC)
-        spec = [llm.chat(c, params)[0].outputs[0] for c in conversations]
+        spec = llm.chat(conversation, params)[0].outputs[0]
         prompt_tokens = len(llm.engine.tokenizer.encode(document))
     finally:
         torch.set_num_threads(threads_before)
     assert prompt_tokens > 1200  # long enough that two threads split each row's keys
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec.token_ids == plain.token_ids
     # The logprobs show a difference in any layer's attention before it flips a token.
-    for ours, theirs in zip(spec, plain, strict=True):
-        for token, mine, reference in zip(ours.token_ids, ours.logprobs, theirs.logprobs, strict=True):
-            assert mine[token].logprob == reference[token].logprob
-    assert llm.engine.spec.counters.num_accepted_tokens >= 24  # it really copied
+    for token, mine, reference in zip(spec.token_ids, spec.logprobs, plain.logprobs, strict=True):
+        assert mine[token].logprob == reference[token].logprob
+    assert llm.engine.spec.counters.num_accepted_tokens >= 16  # it really copied
 
 
 @pytest.mark.parametrize("method", sorted(SPECS))

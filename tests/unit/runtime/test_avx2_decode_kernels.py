@@ -24,6 +24,7 @@ from kunlun_runtime.kv.cache import KVCache, KVCacheSpec
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import build_attention_metadata, paged_attention
 from kunlun_runtime.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from tests.support.decode_attention_rows import assert_each_row_as_alone, attend_rows
 from tests.support.kernel_marks import needs_kernels
 
 pytestmark = needs_kernels(torch.float32)
@@ -268,25 +269,16 @@ def test_decode_attention_gives_a_row_with_drafts_the_bits_it_has_alone(
 
 def _check_rows_alone(heads, head_dim, lengths, tables, window, threads, cache_dtype) -> None:
     """Every row's attention in one call on `threads` threads is the same bits as in a call of its
-    own on one thread (made after the first wrote every row's key and value, as a row's own call
-    writes its own again)."""
+    own on one thread."""
     num_heads, kv_heads = heads
     batch = len(lengths)
     cache = _pool(kv_heads, head_dim, max(max(t) for t in tables) + 1, 11, cache_dtype)
     q, k, v = _qkv_views(batch, num_heads, kv_heads, head_dim, 12)
     cos, sin = (t.view(-1, head_dim) for t in _cos_sin(head_dim, [n - 1 for n in lengths]))
     meta = build_attention_metadata([1] * batch, list(lengths), tables, BLOCK, torch.device("cpu"))
-
-    def attend(rows: slice, count: int) -> torch.Tensor:
-        with _threads(count):
-            return cpu_kernels.decode_attention(
-                q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
-                meta.block_tables[rows], meta.context_lens[rows], head_dim**-0.5, window,
-            )  # fmt: skip
-
-    together = attend(slice(0, batch), threads)
-    for b in range(batch):
-        assert torch.equal(together[b], attend(slice(b, b + 1), 1)[0]), f"row {b} of {list(lengths)}"
+    inputs = (q, k, v, cos, sin)
+    together = attend_rows(inputs, cache, meta, slice(0, batch), head_dim**-0.5, window, threads)
+    assert_each_row_as_alone(inputs, cache, meta, together, batch, head_dim**-0.5, window)
 
 
 def test_decode_attention_spreads_a_nan_only_to_the_heads_that_read_it():
@@ -320,27 +312,9 @@ def test_decode_attention_keeps_a_drafts_nan_value_from_the_rows_before_it(lengt
     v[2, 1, 5] = float("nan")
     cos, sin = (t.view(-1, head_dim) for t in _cos_sin(head_dim, [n - 1 for n in lengths]))
     meta = build_attention_metadata([1] * 3, lengths, [table] * 3, BLOCK, torch.device("cpu"))
-    out = cpu_kernels.decode_attention(
-        q,
-        k,
-        v,
-        cos,
-        sin,
-        cache.k_blocks[0],
-        cache.v_blocks[0],
-        meta.block_tables,
-        meta.context_lens,
-        0.125,
-        0,
-    )
+    out = attend_rows((q, k, v, cos, sin), cache, meta, slice(0, 3), 0.125)
     assert out[:2].isfinite().all() and out[2].view(heads, head_dim)[2:4].isnan().any()
-    for b in range(2):
-        rows = slice(b, b + 1)
-        alone = cpu_kernels.decode_attention(
-            q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
-            meta.block_tables[rows], meta.context_lens[rows], 0.125, 0,
-        )  # fmt: skip
-        assert torch.equal(out[b], alone[0])
+    assert_each_row_as_alone((q, k, v, cos, sin), cache, meta, out, 2, 0.125)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)

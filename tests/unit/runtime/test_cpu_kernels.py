@@ -17,6 +17,7 @@ from kunlun_runtime.layers.linear import (
     quantize_per_channel_int8,
 )
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
+from tests.support.decode_attention_rows import assert_each_row_as_alone, attend_rows
 from tests.support.kernel_marks import needs_kernels
 
 # (N, K): SmolLM2's shapes, and odd ones that leave row and column tails.
@@ -367,33 +368,14 @@ def test_decode_attention_keeps_a_drafts_nan_value_from_the_rows_before_it(lengt
     v[2, 1, 5] = float("nan")
     meta = build_attention_metadata([1] * 3, list(lengths), tables, 16, torch.device("cpu"))
     cos, sin = cos.view(-1, 64), sin.view(-1, 64)
-    out = cpu_kernels.decode_attention(
-        q,
-        k,
-        v,
-        cos,
-        sin,
-        cache.k_blocks[0],
-        cache.v_blocks[0],
-        meta.block_tables,
-        meta.context_lens,
-        0.125,
-        0,
-    )
+    out = attend_rows((q, k, v, cos, sin), cache, meta, slice(0, 3), 0.125)
     assert out[:2].isfinite().all() and out[2].view(6, 64)[2:4].isnan().any()
-    for b in range(2):
-        rows = slice(b, b + 1)
-        alone = cpu_kernels.decode_attention(
-            q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
-            meta.block_tables[rows], meta.context_lens[rows], 0.125, 0,
-        )  # fmt: skip
-        assert torch.equal(out[b], alone[0])
+    assert_each_row_as_alone((q, k, v, cos, sin), cache, meta, out, 2, 0.125)
 
 
 def _check_rows_alone(window, heads, head_dim, threads, lengths, tables) -> None:
     """Every row's attention in one call on `threads` threads is the same bits as in a call of its
-    own on one thread (made after the first wrote every row's key and value, as a row's own call
-    writes its own again). Bits, not closeness: an ulp's change in a score rarely shows through
+    own on one thread. Bits, not closeness: an ulp's change in a score rarely shows through
     the BF16 probabilities and output, and a near-tie in the logits then picks another token."""
     from kunlun_runtime.layers.attention import build_attention_metadata
 
@@ -401,22 +383,9 @@ def _check_rows_alone(window, heads, head_dim, threads, lengths, tables) -> None
         window, heads, head_dim, lengths=lengths, tables=tables, num_blocks=max(max(t) for t in tables) + 1
     )
     meta = build_attention_metadata([1] * len(lengths), list(lengths), tables, 16, torch.device("cpu"))
-    cos, sin = cos.view(-1, head_dim), sin.view(-1, head_dim)
-
-    def attend(rows: slice, count: int) -> torch.Tensor:
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(count)
-        try:
-            return cpu_kernels.decode_attention(
-                q[rows], k[rows], v[rows], cos[rows], sin[rows], cache.k_blocks[0], cache.v_blocks[0],
-                meta.block_tables[rows], meta.context_lens[rows], 0.125, window,
-            )  # fmt: skip
-        finally:
-            torch.set_num_threads(threads_before)
-
-    together = attend(slice(0, len(lengths)), threads)
-    for b in range(len(lengths)):
-        assert torch.equal(together[b], attend(slice(b, b + 1), 1)[0]), f"row {b} of {list(lengths)}"
+    inputs = (q, k, v, cos.view(-1, head_dim), sin.view(-1, head_dim))
+    together = attend_rows(inputs, cache, meta, slice(0, len(lengths)), 0.125, window, threads)
+    assert_each_row_as_alone(inputs, cache, meta, together, len(lengths), 0.125, window)
 
 
 def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <vector>
@@ -153,6 +154,27 @@ inline AttentionPlan plan_attention(const int64_t* tables, const int64_t* length
   auto work = [&](int64_t t) { return plan.tasks[t].rows * (plan.tasks[t].key_end - plan.tasks[t].key_begin); };
   std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) { return work(a) > work(b); });
   return plan;
+}
+
+// Head h of row b's parts, merged: their results' indices in key order (`index`) and their weights
+// (`weight`): each part's exp(maximum - the largest) (`rescale`, the tier's exp of its maxima's
+// base) over the total of its sums so rescaled, added in key order.
+template <typename Rescale>
+void merge_weights(const AttentionPlan& plan, int64_t b, int64_t h, int64_t H, int64_t group, const float* maxima,
+                   const float* sums, Rescale rescale, std::vector<int64_t>& index, std::vector<float>& weight) {
+  index.clear();
+  for (int64_t p = plan.first_part[b]; p < plan.first_part[b + 1]; ++p) {
+    index.push_back(plan.head_index(plan.parts[p], h, H, group));
+  }
+  float largest = -INFINITY;
+  for (const int64_t i : index) largest = std::max(largest, maxima[i]);
+  weight.clear();
+  float total = 0.0f;
+  for (const int64_t i : index) {
+    weight.push_back(rescale(maxima[i] - largest));
+    total += sums[i] * weight.back();
+  }
+  for (float& w : weight) w /= total;
 }
 
 // Runs `worker(take)` once on each intra-op thread (as many as there are tasks, at most): take()

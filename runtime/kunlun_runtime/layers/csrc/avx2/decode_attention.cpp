@@ -329,19 +329,8 @@ at::Tensor decode_attention_over(const at::Tensor& q, const at::Tensor& k, const
     std::vector<float> weight;   // and their weights
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, h = item % H;
-      index.clear();
-      for (int64_t p = plan.first_part[b]; p < plan.first_part[b + 1]; ++p) {
-        index.push_back(plan.head_index(plan.parts[p], h, H, group));
-      }
-      float largest = -INFINITY;
-      for (const int64_t i : index) largest = std::max(largest, maxima[i]);
-      weight.clear();
-      float total = 0.0f;
-      for (const int64_t i : index) {
-        weight.push_back(std::exp(maxima[i] - largest));
-        total += sums[i] * weight.back();
-      }
-      for (float& w : weight) w /= total;
+      paged::merge_weights(plan, b, h, H, group, maxima.data(), sums.data(), [](float x) { return std::exp(x); },
+                           index, weight);
       const auto merged = [&](int64_t d) {  // lanes d .. d + 7 of the parts' outputs, weighted
         __m256 sum = _mm256_setzero_ps();
         for (size_t p = 0; p < index.size(); ++p) {

@@ -455,19 +455,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     std::vector<float> weight;   // and their weights
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, h = item % H;
-      index.clear();
-      for (int64_t p = plan.first_part[b]; p < plan.first_part[b + 1]; ++p) {
-        index.push_back(plan.head_index(plan.parts[p], h, H, group));
-      }
-      float largest = -INFINITY;
-      for (const int64_t i : index) largest = std::max(largest, maxima[i]);
-      weight.clear();
-      float total = 0.0f;  // the maxima are base 2 and whole numbers: exact powers of two
-      for (const int64_t i : index) {
-        weight.push_back(exact_pow2(maxima[i] - largest));
-        total += sums[i] * weight.back();
-      }
-      for (float& w : weight) w /= total;
+      // The maxima are base 2 and whole numbers: the rescalings are exact powers of two.
+      paged::merge_weights(plan, b, h, H, group, maxima.data(), sums.data(), exact_pow2, index, weight);
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 mask = tail_mask(D - d);
         __m512 merged = _mm512_setzero_ps();
