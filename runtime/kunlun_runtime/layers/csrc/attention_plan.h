@@ -63,8 +63,8 @@ inline bool starts_part(int64_t key) { return part_start(part_of(key)) == key; }
 
 struct AttentionTask {
   int64_t first_row, rows;      // the rows whose queries it holds: first_row .. first_row + rows - 1
-  int64_t key_begin, key_end;   // the keys it attends to, in first_row's block table; row r's end at
-                                // most (its context length)
+  int64_t key_begin, key_end;   // the keys it attends to, in first_row's block table (each row's
+                                // only up to its own context length)
   int64_t head_offset;          // its parts' results start here, rows × H heads a part (maxima, sums;
                                 // × D for outputs)
 };
@@ -97,12 +97,12 @@ inline bool same_blocks(const int64_t* tables, int64_t max_blocks, int64_t a, in
 
 // The tasks of B rows (block tables [B, max_blocks], context lengths [B]; window > 0 keeps each
 // row's last `window` keys) for H query heads, split at the part boundaries nearest to even shares
-// of the keys until there are about as many tasks as threads. Rows are grouped only where every row of the group sees its keys from the
-// first one (no window cuts into them), so a group's rows differ only in their last few keys. No
-// finer: a decode step's keys are cold (the weights streamed through the caches since the layer
-// last ran), and each task starts its own stream of them, whose first chunks wait on memory before
-// any prefetch runs ahead (twice as many splits as threads made a one-row decode step measurably
-// slower); a task folds its parts one after another in one stream.
+// of the keys until there are about as many tasks as threads. Rows are grouped only where every row
+// of the group sees its keys from the first one (no window cuts into them), so a group's rows
+// differ only in their last few keys. No finer: a decode step's keys are cold (the weights streamed
+// through the caches since the layer last ran), and each task starts its own stream of them, whose
+// first chunks wait on memory before any prefetch runs ahead (twice as many splits as threads made
+// a one-row decode step measurably slower); a task folds its parts one after another in one stream.
 inline AttentionPlan plan_attention(const int64_t* tables, const int64_t* lengths, int64_t B, int64_t max_blocks,
                                     int64_t block_size, int64_t window, int64_t H, int64_t threads) {
   std::vector<std::pair<int64_t, int64_t>> groups;  // (first row, rows)

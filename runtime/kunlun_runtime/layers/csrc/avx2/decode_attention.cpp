@@ -64,7 +64,8 @@ using kunlun_cpu::paged::gather_slots;
 template <typename T>
 using PagedCache = kunlun_cpu::paged::PagedCache<T>;
 
-static_assert(kunlun_cpu::paged::kShortPartKeys % kSegmentKeys == 0 && kunlun_cpu::paged::kLongPartKeys % kSegmentKeys == 0,
+static_assert(kunlun_cpu::paged::kShortPartKeys % kSegmentKeys == 0 &&
+                  kunlun_cpu::paged::kLongPartKeys % kSegmentKeys == 0,
               "a part is whole segments");
 // How far ahead of the key rows being scored the next ones are prefetched (in reading order); 32,
 // 64 or 128 keys ahead, or into L1, ran no faster.
@@ -84,9 +85,10 @@ struct AttentionShape {
 // does it: per head and part of the keys the running maximum score, the sum of exponentials
 // relative to it, and the unnormalised output (acc, H × padded_dim), the parts' results one after
 // another, merged by the caller. The keys go in segments aligned to key positions (multiples of
-// kSegmentKeys, which divides a part), and a row's keys past its end score -inf and add exact
-// zeros: each part of a row is folded in the same order of additions, and under the same maxima,
-// whichever task folds it, with whichever other rows. Within a segment, KV head by
+// kSegmentKeys, which divides a part); a row's keys past its end score -inf, adding exact zeros
+// to its sums, and its P·V stops at its own last key: each part of a row is folded in the same
+// order of additions, and under the same maxima, whichever task folds it, with whichever other
+// rows. Within a segment, KV head by
 // KV head: first every query head's scores (each key vector loaded and widened once for up to
 // kScoreTile query heads that share its KV head: one FMA chain per key and head, one
 // transpose-reduce per 4 keys and head), then one softmax step per query head over the whole

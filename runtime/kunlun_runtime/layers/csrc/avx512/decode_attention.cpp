@@ -42,7 +42,8 @@ using PagedCache = kunlun_cpu::paged::PagedCache<bf16>;
 using kunlun_cpu::paged::gather_slots;
 
 constexpr int64_t kKeyChunk = 64;  // keys scored per pass (their K and V rows stay in L1)
-static_assert(kunlun_cpu::paged::kShortPartKeys % kKeyChunk == 0 && kunlun_cpu::paged::kLongPartKeys % kKeyChunk == 0,
+static_assert(kunlun_cpu::paged::kShortPartKeys % kKeyChunk == 0 &&
+                  kunlun_cpu::paged::kLongPartKeys % kKeyChunk == 0,
               "a part is whole chunks");
 
 // Query heads whose P · V accumulators (CHUNKS vectors each) stay in registers together with one
@@ -208,9 +209,10 @@ inline void update_sums(const __m512* lanes, int64_t count, const float* correct
 // keys [start, end), row r's only up to row_ends[r], as flash-decoding does it: per head and part
 // of the keys the running maximum score, the sum of exponentials relative to it, and the
 // unnormalised output (acc, H × D), the parts' results one after another, merged by the caller.
-// Chunks are aligned to key positions (multiples of kKeyChunk, which divides a part), and a row's
-// keys past its end score nothing and add exact zeros: each part of a row is folded in the same
-// order of additions whichever task folds it, with whichever other rows. Each chunk of kKeyChunk
+// Chunks are aligned to key positions (multiples of kKeyChunk, which divides a part); a row's
+// keys past its end score nothing (exact zeros in its sums), and its P · V stops at its own last
+// key: each part of a row is folded in the same order of additions whichever task folds it, with
+// whichever other rows. Each chunk of kKeyChunk
 // slots is read from memory once for all heads: scores come 16 keys at a time from VDPBF16PS dot
 // products (FP32 accumulation) with one transpose- reduce, in base 2 under a whole-number running
 // maximum (probabilities()); each pair of value rows is interleaved once for up to head_tile query
