@@ -214,7 +214,7 @@ inline void update_sums(const __m512* lanes, int64_t count, const float* correct
 // key: each part of a row is folded in the same order of additions whichever task folds it, with
 // whichever other rows. Each chunk of kKeyChunk
 // slots is read from memory once for all heads: scores come 16 keys at a time from VDPBF16PS dot
-// products (FP32 accumulation) with one transpose- reduce, in base 2 under a whole-number running
+// products (FP32 accumulation) with one transpose-reduce, in base 2 under a whole-number running
 // maximum (probabilities()); each pair of value rows is interleaved once for up to head_tile query
 // heads that share its KV head and weighed by their BF16 probabilities in VDPBF16PS (half the
 // instructions of FP32 P · V, which was most of a draft row's attention); while a chunk computes,
