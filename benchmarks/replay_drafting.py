@@ -22,6 +22,7 @@ compute-bound): pass the price measured at the batch replayed.
 
     .venv/bin/python benchmarks/replay_drafting.py                      # the benchmark's configs
     .venv/bin/python benchmarks/replay_drafting.py --batch 8 --row-ms 1.6
+    .venv/bin/python benchmarks/replay_drafting.py --step-ms 15.5 --row-ms 2.3 1.3 0.5  # cheaper rows
     .venv/bin/python benchmarks/replay_drafting.py --configs '[{"method": "ngram", "prompt_lookup_min": 2}]'
 """
 
@@ -193,7 +194,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--request-ms", type=float, default=1.94, help="what each further decoding request adds to it"
     )
-    parser.add_argument("--row-ms", type=float, default=0.65, help="what one draft row adds to it")
+    parser.add_argument(
+        "--row-ms",
+        type=float,
+        nargs="+",
+        default=[0.65],
+        help="what one draft row adds to it; several: each replayed over the same outputs",
+    )
     parser.add_argument(
         "--configs",
         type=json.loads,
@@ -216,22 +223,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     sequences = {name: greedy_outputs(llm, tasks, max_tokens) for name, tasks in workloads.items()}
     llm.close()
-    prices = StepPrices(args.step_ms, args.request_ms, args.row_ms)
-    print(
-        f"batch {args.batch}{' in flight' if args.in_flight else ''}, {args.prompts} prompts; "
-        f"prices: a step of one request {prices.step_ms} ms, each further request "
-        f"{prices.request_ms} ms, a draft row {prices.row_ms} ms"
-    )
-    for name, outputs in sequences.items():
-        for config, given in zip(configs, args.configs, strict=True):
-            result = replay(config, outputs, prices, args.batch, in_flight=args.in_flight)
-            ceiling = replay(config, outputs, prices, args.batch, oracle=True, in_flight=args.in_flight)
-            print(
-                f"{name} {json.dumps(given)}: {result.speedup:.2f}x, {result.steps} steps, "
-                f"{result.draft_rows} draft rows, {result.accepted} accepted, "
-                f"{result.steps_without_drafts} steps without drafts; oracle {ceiling.speedup:.2f}x, "
-                f"{ceiling.steps} steps, {ceiling.draft_rows} draft rows"
-            )
+    for row_ms in args.row_ms:
+        prices = StepPrices(args.step_ms, args.request_ms, row_ms)
+        print(
+            f"batch {args.batch}{' in flight' if args.in_flight else ''}, {args.prompts} prompts; "
+            f"prices: a step of one request {prices.step_ms} ms, each further request "
+            f"{prices.request_ms} ms, a draft row {prices.row_ms} ms"
+        )
+        for name, outputs in sequences.items():
+            for config, given in zip(configs, args.configs, strict=True):
+                result = replay(config, outputs, prices, args.batch, in_flight=args.in_flight)
+                ceiling = replay(config, outputs, prices, args.batch, oracle=True, in_flight=args.in_flight)
+                print(
+                    f"{name} {json.dumps(given)}: {result.speedup:.2f}x, {result.steps} steps, "
+                    f"{result.draft_rows} draft rows, {result.accepted} accepted, "
+                    f"{result.steps_without_drafts} steps without drafts; oracle {ceiling.speedup:.2f}x, "
+                    f"{ceiling.steps} steps, {ceiling.draft_rows} draft rows"
+                )
     return 0
 
 

@@ -85,10 +85,12 @@ class NgramIndex:
 @dataclass(slots=True)
 class DraftBudget:
     """How many drafts a request gets: starts at the configured maximum, halves after a step that
-    accepted none (down to none at all), grows by one after a step that accepted all. At none it
-    rests ``REST_STEPS`` steps, then probes with one draft: text with nothing to copy pays for a
-    draft only now and then. ``wake`` ends a rest early (the proposer's evidence that drafting
-    pays again)."""
+    accepted none (down to none at all), returns to the maximum after a step that accepted all.
+    At none it rests ``REST_STEPS`` steps, then probes with one draft: text with nothing to copy
+    pays for a draft only now and then. ``wake`` ends a rest early (the proposer's evidence that
+    drafting pays again). A step that accepts every draft is a copy resumed; climbing back one
+    draft a step cut the copy's next runs short, and the step's pricing still decides how many
+    of the maximum run (docs/performance.md: 7 Dec 2026, late morning)."""
 
     REST_STEPS = 8
     maximum: int
@@ -116,7 +118,7 @@ class DraftBudget:
         if proposed and accepted == 0:
             self.current //= 2
         elif proposed and accepted == proposed:
-            self.current = min(self.maximum, self.current + 1)
+            self.current = self.maximum
 
 
 DRAFT_MARGIN = 0.05  # the predicted gain in tokens per second a step's drafts must bring

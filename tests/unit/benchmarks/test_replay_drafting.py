@@ -85,20 +85,30 @@ def test_a_batch_decodes_in_lockstep_and_a_finished_request_leaves_it(replay_mod
     assert (apart.steps, apart.accepted) == (4 + 19, 15)
 
 
-def test_the_command_replays_every_config_on_both_workloads_in_flight(tmp_path):
+def test_the_command_replays_every_config_on_both_workloads_in_flight_at_each_row_price(tmp_path):
     model_dir = make_tiny_model(tmp_path / "tiny")
     command = [
         sys.executable, str(BENCHMARKS / "replay_drafting.py"), "--quick", "--model", str(model_dir),
         "--dtype", "float32", "--configs", '[{"method": "ngram"}, {"method": "suffix"}]', "--batch", "8",
-        "--in-flight", "--prompts", "10",
+        "--in-flight", "--prompts", "10", "--row-ms", "1.0", "0.25",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stdout.splitlines() if " steps, " in line]
-    assert [line.split(" {")[0] for line in lines] == ["copy", "copy", "free", "free"]
-    assert all('"method": "ngram"' in line for line in lines[::2])
-    assert all("; oracle " in line for line in lines)
-    assert done.stdout.startswith("batch 8 in flight, 10 prompts;")
+    blocks = done.stdout.split("batch 8 in flight, 10 prompts;")
+    assert blocks[0] == "" and len(blocks) == 3
+    assert "a draft row 1.0 ms" in blocks[1] and "a draft row 0.25 ms" in blocks[2]
+    oracles = []
+    for block in blocks[1:]:
+        lines = [line for line in block.splitlines() if " steps, " in line]
+        assert [line.split(" {")[0] for line in lines] == ["copy", "copy", "free", "free"]
+        assert all('"method": "ngram"' in line for line in lines[::2])
+        assert all("; oracle " in line for line in lines)
+        oracles.append([line.split("; oracle ")[1] for line in lines])
+    # The same outputs at both prices: the oracle runs the same steps and rows (exactly the drafts
+    # that hold, whatever they cost), each row cheaper at the second price.
+    for dear, cheap in zip(*oracles, strict=True):
+        assert dear.split("x, ")[1] == cheap.split("x, ")[1]
+        assert float(cheap.split("x")[0]) >= float(dear.split("x")[0])
 
 
 def test_in_flight_a_leaving_request_is_replaced_and_only_full_steps_count(replay_module, prices):

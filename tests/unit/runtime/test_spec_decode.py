@@ -57,14 +57,19 @@ def test_the_draft_budget_follows_acceptance_and_rests_when_nothing_is_accepted(
     budget.update(4, 0)
     budget.update(2, 0)
     assert budget.next() == 1
-    budget.update(1, 1)
-    budget.update(2, 2)
-    assert budget.next() == 3
-    budget.update(0, 0)  # nothing proposed: nothing learnt
-    assert budget.next() == 3
-    for proposed in (3, 1):
-        budget.update(proposed, 0)
+    budget.update(1, 0)  # at none: resting
     assert [budget.next() for _ in range(DraftBudget.REST_STEPS)] == [0] * (DraftBudget.REST_STEPS - 1) + [1]
+    budget.update(1, 1)  # the probe held: a copy resumed, the whole budget again
+    assert budget.next() == 4
+    budget.update(4, 3)  # some held: the budget stays
+    assert budget.next() == 4
+    budget.update(4, 0)
+    budget.update(0, 0)  # nothing proposed: nothing learnt
+    assert budget.next() == 2
+    budget.update(2, 1)
+    assert budget.next() == 2
+    budget.update(2, 2)
+    assert budget.next() == 4
 
 
 def test_a_woken_budget_probes_with_one_draft_and_follows_acceptance_from_there():
@@ -74,7 +79,7 @@ def test_a_woken_budget_probes_with_one_draft_and_follows_acceptance_from_there(
     assert [budget.next() for _ in range(3)] == [0, 0, 0]  # resting
     assert budget.wake() == 1
     budget.update(1, 1)
-    assert budget.next() == 2
+    assert budget.next() == 4
     assert DraftBudget(4).wake() == 4  # a budget that is not resting keeps its drafts
 
 
