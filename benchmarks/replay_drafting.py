@@ -2,11 +2,12 @@
 speculative decoder.
 
 Under greedy decoding speculation never changes the tokens, only how many steps produce them. So
-the outputs of ``bench_speculative.py``'s prompts are generated once (plain engine, batch 1), and
-each drafting config is replayed over them offline, ``--batch`` prompts decoding together as in
-the benchmark: each step the engine's own ``SpeculativeDecoder`` proposes (its n-gram index or
-suffix trees, draft budgets, acceptance, wake-up rule, and its choice of how many drafts the step
-runs, priced by the steps it has observed), the drafts the output confirms are accepted, and the
+the outputs of ``bench_speculative.py``'s prompts are generated once (plain engine, ``--batch``
+prompts at a time, as the benchmark's closed batches run them), and each drafting config is
+replayed over them offline, ``--batch`` prompts decoding together as in the benchmark: each step
+the engine's own ``SpeculativeDecoder`` proposes (its n-gram index or suffix trees, draft
+budgets, acceptance, wake-up rule, and its choice of how many drafts the step runs, priced by the
+steps it has observed), the drafts the output confirms are accepted, and the
 step is priced by a linear model: ``--step-ms`` for a step of one request, ``--request-ms`` for
 each further request decoding in it, ``--row-ms`` per draft row; the decoder observes that price
 as the engine observes its forward's time. Reported per workload and config: the decode speed-up
@@ -163,14 +164,22 @@ def _oracle_drafts(decoder: SpeculativeDecoder, request: Request, output: list[i
     return accepted
 
 
-def greedy_outputs(llm: LLM, conversations, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+def greedy_outputs(
+    llm: LLM, conversations, max_tokens: int, batch: int = 1
+) -> list[tuple[list[int], list[int]]]:
+    """Each prompt's greedy output, generated ``batch`` prompts at a time as the benchmark runs
+    them: prompts prefilled together share PyTorch's matrix multiplies, whose rows' bits follow
+    the step's other rows, so the same prompt can decode otherwise alone than beside others, and
+    a replay must draft over the text the benchmark's side will see."""
     tokenizer = llm.engine.tokenizer
     prompts = [
         tokenizer.encode(text, add_special_tokens=False)
         for text in bench_speculative.prompt_texts(tokenizer, conversations)
     ]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
+    outputs = []
+    for start in range(0, len(prompts), batch):
+        outputs.extend(llm.generate(prompts[start : start + batch], params))
     return [
         (prompt, list(output.outputs[0].token_ids)) for prompt, output in zip(prompts, outputs, strict=True)
     ]
@@ -221,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         "copy": bench_speculative.copy_tasks(args.prompts, scale),
         "free": bench_speculative.free_tasks(args.prompts),
     }
-    sequences = {name: greedy_outputs(llm, tasks, max_tokens) for name, tasks in workloads.items()}
+    sequences = {
+        name: greedy_outputs(llm, tasks, max_tokens, args.batch) for name, tasks in workloads.items()
+    }
     llm.close()
     for row_ms in args.row_ms:
         prices = StepPrices(args.step_ms, args.request_ms, row_ms)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from kunlun_runtime import LLM
 from kunlun_runtime.config import SpeculativeConfig
 from tests.support.benchmark_scripts import BENCHMARKS, load_benchmark
 from tests.support.tiny_models import make_tiny_model
@@ -127,6 +128,31 @@ def test_in_flight_a_leaving_request_is_replaced_and_only_full_steps_count(repla
     assert closed.steps == 19 + 4 and closed.speedup < result.speedup
     with pytest.raises(ValueError, match="at least 4 prompts"):
         replay_module.replay(NGRAM, [copying, fresh], prices, batch=4, in_flight=True)
+
+
+def test_outputs_are_generated_as_the_replayed_batch_runs_them(replay_module, tmp_path):
+    # Prompts prefilled together share matrix multiplies whose rows' bits follow the step's other
+    # rows: a batch-1 replay must draft over the outputs each prompt has alone.
+    llm = LLM(str(make_tiny_model(tmp_path / "tiny")), dtype="float32")
+    calls = []
+    generate = llm.generate
+
+    def recording(prompts, params):
+        calls.append(len(prompts))
+        return generate(prompts, params)
+
+    llm.generate = recording
+    try:
+        conversations = sys.modules["bench_speculative"].free_tasks(3)
+        alone = replay_module.greedy_outputs(llm, conversations, 4)
+        assert calls == [1, 1, 1]
+        calls.clear()
+        paired = replay_module.greedy_outputs(llm, conversations, 4, batch=2)
+        assert calls == [2, 1]
+    finally:
+        llm.close()
+    assert [prompt for prompt, _ in paired] == [prompt for prompt, _ in alone]
+    assert all(len(output) == 4 for _, output in alone + paired)
 
 
 def test_free_generation_prompts_never_repeat(replay_module):
