@@ -7,13 +7,13 @@ prompts at a time, as the benchmark's closed batches run them), and each draftin
 replayed over them offline, ``--batch`` prompts decoding together as in the benchmark: each step
 the engine's own ``SpeculativeDecoder`` proposes (its n-gram index or suffix trees, draft
 budgets, acceptance, wake-up rule, and its choice of how many drafts the step runs, priced by the
-steps it has observed), the drafts the output confirms are accepted, and the
-step is priced by a linear model: ``--step-ms`` for a step of one request, ``--request-ms`` for
-each further request decoding in it, ``--row-ms`` per draft row; the decoder observes that price
-as the engine observes its forward's time. Reported per workload and config: the decode speed-up
-that prices imply, the steps, draft rows, accepted drafts and steps without any draft, and the
-*oracle*: the same proposals with exactly the drafts that will be accepted run, the ceiling of
-any step decision at those prices.
+steps it has observed), the drafts the output confirms are accepted, and the step is priced by a
+linear model: ``--step-ms`` for a step of one request, ``--request-ms`` for each further request
+decoding in it, ``--row-ms`` per draft row (several: each replayed over the same outputs); the
+decoder observes that price as the engine observes its forward's time. Reported per workload and
+config: the decode speed-up that prices imply, the steps, draft rows, accepted drafts and steps
+without any draft, and the *oracle*: the same proposals with exactly the drafts that will be
+accepted run, the ceiling of any step decision at those prices.
 
 The default prices are those of the embedded model at ~1,500 tokens of context on a 2-vCPU AMD
 EPYC Zen 4 (docs/performance.md): a batch-1 step, what each further decoding request added at
@@ -169,8 +169,8 @@ def greedy_outputs(
 ) -> list[tuple[list[int], list[int]]]:
     """Each prompt's greedy output, generated ``batch`` prompts at a time as the benchmark runs
     them: prompts prefilled together share PyTorch's matrix multiplies, whose rows' bits follow
-    the step's other rows, so the same prompt can decode otherwise alone than beside others, and
-    a replay must draft over the text the benchmark's side will see."""
+    the step's other rows, so a prompt's output alone can differ from its output beside others,
+    and a replay must draft over the text the benchmark will decode."""
     tokenizer = llm.engine.tokenizer
     prompts = [
         tokenizer.encode(text, add_special_tokens=False)
