@@ -209,24 +209,23 @@ inline void update_sums(const __m512* lanes, int64_t count, const float* correct
 // keys [start, end), row r's only up to row_ends[r], as flash-decoding does it: per head and part
 // of the keys the running maximum score, the sum of exponentials relative to it, and the
 // unnormalised output (acc, H × D), the parts' results one after another, merged by the caller.
-// Chunks are aligned to key positions (multiples of kKeyChunk, which divides a part); a row's
-// keys past its end score nothing (exact zeros in its sums), and its P · V stops at its own last
-// key: each part of a row is folded in the same order of additions whichever task folds it, with
-// whichever other rows. Each chunk of kKeyChunk
-// slots is read from memory once for all heads: scores come 16 keys at a time from VDPBF16PS dot
-// products (FP32 accumulation) with one transpose-reduce, in base 2 under a whole-number running
-// maximum (probabilities()); each pair of value rows is interleaved once for up to head_tile query
-// heads that share its KV head and weighed by their BF16 probabilities in VDPBF16PS (half the
-// instructions of FP32 P · V, which was most of a draft row's attention); while a chunk computes,
-// the next chunk's K and V rows are prefetched into L2 (blocks sit in random order, which the
-// hardware prefetcher cannot follow), a key's rows between two dot products as the first query head
-// of each KV head scores them. Issuing the whole next chunk's prefetches up front stalled on the
-// line fill buffers (a profile put a large share of this kernel's samples on those instructions);
-// spread out, into L2, they were a small gain at every batch and context size tried. Per chunk and
-// KV head, all its query heads are scored before their maxima are updated together, and all their
-// probabilities summed before their sums are (update_maxima, update_sums). CHUNKS = ceil(D / 16)
-// (or more: the masks zero the lanes past D); FULL where D = 16 · CHUNKS, whose K and V rows load
-// unmasked (load_words32).
+// Chunks are aligned to key positions (multiples of kKeyChunk, which divides a part); a row's keys
+// past its end score nothing (exact zeros in its sums), and its P · V stops at its own last key:
+// each part of a row is folded in the same order of additions whichever task folds it, with
+// whichever other rows. Each chunk of kKeyChunk slots is read from memory once for all heads:
+// scores come 16 keys at a time from VDPBF16PS dot products (FP32 accumulation) with one
+// transpose-reduce, in base 2 under a whole-number running maximum (probabilities()); each pair of
+// value rows is interleaved once for up to head_tile query heads that share its KV head and weighed
+// by their BF16 probabilities in VDPBF16PS (half the instructions of FP32 P · V, which was most of
+// a draft row's attention); while a chunk computes, the next chunk's K and V rows are prefetched
+// into L2 (blocks sit in random order, which the hardware prefetcher cannot follow), a key's rows
+// between two dot products as the first query head of each KV head scores them. Issuing the whole
+// next chunk's prefetches up front stalled on the line fill buffers (a profile put a large share of
+// this kernel's samples on those instructions); spread out, into L2, they were a small gain at
+// every batch and context size tried. Per chunk and KV head, all its query heads are scored before
+// their maxima are updated together, and all their probabilities summed before their sums are
+// (update_maxima, update_sums). CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D);
+// FULL where D = 16 · CHUNKS, whose K and V rows load unmasked (load_words32).
 template <int CHUNKS, bool FULL>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, const int64_t* row_ends,
