@@ -40,6 +40,8 @@ speculative tok/s against each (the programs decode one sequence, so batch 8 has
 
     .venv/bin/python benchmarks/bench_speculative.py                  # embedded SmolLM2, --dtype auto
     .venv/bin/python benchmarks/bench_speculative.py --quick --model DIR   # smoke run (the test suite)
+    .venv/bin/python benchmarks/bench_speculative.py --methods ngram --workloads copy --batches 1
+                                                           # one cell again (a noisy one)
     LLAMA_LOOKUP=DIR/build/bin/llama-lookup LLAMA_LOOKUP_GGUF=DIR/smollm2-BF16.gguf \
       .venv/bin/python benchmarks/bench_speculative.py               # DIR from build_llama_cpp.sh
 """
@@ -307,6 +309,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=list(SPECS),
         help="drafting methods to run beside the plain engine (default: ngram,suffix)",
     )
+    parser.add_argument(
+        "--workloads",
+        type=lambda text: text.split(","),
+        default=["copy", "free"],
+        help="workloads to run (default: copy,free); with --batches, one cell can be measured again",
+    )
+    parser.add_argument(
+        "--batches",
+        nargs="+",
+        choices=[str(batch) for batch in BATCHES if isinstance(batch, int)] + ["in-flight"],
+        default=None,
+        help="batches to run: 1, 8 (closed), in-flight (default: all)",
+    )
     parser.add_argument("--llama-threads", type=int, default=2, help="llama.cpp's -t (default: 2)")
     parser.add_argument("--llama-flash-attn", choices=("off", "on"), default="off", help="llama.cpp's -fa")
     parser.add_argument(
@@ -315,6 +330,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run only llama.cpp's sides (a check of that side; no comparison with ours)",
     )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.workloads) - {"copy", "free"})
+    if unknown or not args.workloads:
+        parser.error(f"--workloads: copy and free only, not {','.join(unknown) or 'none'}")
+    args.batches = [batch for batch in BATCHES if args.batches is None or _batch_name(batch) in args.batches]
     if args.quick:  # prompts of a sentence or two: they fit a tiny test model's context
         args.max_tokens, args.repeats, args.in_flight_tasks = 8, 1, 12
     least = max(CLOSED_TASKS, IN_FLIGHT_REQUESTS)  # the closed batches' prompts are its first ones
@@ -325,6 +344,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(f"--in-flight-tasks: {error}")
     return args
+
+
+def _batch_name(batch: int | str) -> str:
+    """``--batches``' name of a batch: its size, or in-flight."""
+    return str(batch) if isinstance(batch, int) else "in-flight"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,14 +375,16 @@ def main(argv: list[str] | None = None) -> int:
         "copy": copy_tasks(args.in_flight_tasks, scale),
         "free": free_tasks(args.in_flight_tasks),
     }
+    warm_up = workloads["free"][:1]
+    workloads = {name: tasks for name, tasks in workloads.items() if name in args.workloads}
     for llm in engines.values():  # warm-up: kernels, allocator
-        run_batch(llm, workloads["free"][:1], 4)
+        run_batch(llm, warm_up, 4)
     rates: dict[tuple[str, int | str, str], list[Measured]] = {}
     llama_runs: dict[str, dict[str, list[list[llama_lookup.LlamaRun]]]] = {name: {} for name in workloads}
     counters_before = {method: _counters(engines[method]) for method in engines if method != "plain"}
     for repeat in range(args.repeats):
         for name, tasks in workloads.items():
-            for batch in BATCHES:
+            for batch in args.batches:
                 our_sides = list(engines)
                 llama_sides = list(llama_lookup.SIDES) if llama is not None and batch == 1 else []
                 if repeat % 2:
@@ -378,10 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     if plain is not None:
         for method in args.methods:
             report[method], met = ours_report(
-                method, engines[method], counters_before[method], rates, workloads
+                method, engines[method], counters_before[method], rates, workloads, args.batches
             )
             ok &= met
-    if llama is not None:
+    if llama is not None and 1 in args.batches:  # llama.cpp runs beside batch 1 only
         report["llama_cpp"] = {
             "gguf": str(llama.gguf),
             "threads": llama.threads,
@@ -417,8 +443,10 @@ def _counters(llm: LLM) -> tuple[int, int, int, tuple[int, ...]]:
     return llm.engine.spec.counters.totals()
 
 
-def ours_report(method: str, spec: LLM, counters_before, rates, workloads) -> tuple[dict, bool]:
-    """One method's figures per workload and batch against the plain engine and the targets,
+def ours_report(
+    method: str, spec: LLM, counters_before, rates, workloads, batches: list[int | str]
+) -> tuple[dict, bool]:
+    """One method's figures per workload and batch run against the plain engine and the targets,
     printed; whether all were met."""
     drafts, drafted, accepted, _ = _counters(spec)
     drafts, drafted, accepted = (
@@ -435,7 +463,7 @@ def ours_report(method: str, spec: LLM, counters_before, rates, workloads) -> tu
     }
     ok = True
     for name in workloads:
-        for batch in BATCHES:
+        for batch in batches:
             plain, spec_side = rates[name, batch, "plain"], rates[name, batch, method]
             # The target's measure: the requests' rate of a closed batch of 8, else the batch's.
             requests = batch != 1 and isinstance(batch, int)

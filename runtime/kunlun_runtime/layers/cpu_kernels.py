@@ -99,6 +99,7 @@ HEADERS = (
     CSRC / "kernels.h",
     CSRC / "paged_cache.h",
     CSRC / "attention_plan.h",
+    CSRC / "avx512" / "bf16_dot.h",
     CSRC / "avx512" / "bf16_vec.h",
     CSRC / "avx512" / "amx_linear.h",
     CSRC / "avx512" / "rotary_cache.h",

@@ -1,6 +1,8 @@
 """benchmarks/bench_speculative.py: the engines take turns batch by batch (in flight, run by run),
 the order reversed from one turn to the next, and each side's rates come from its own batches."""
 
+import json
+
 import pytest
 
 from kunlun_runtime import LLM
@@ -75,3 +77,32 @@ def test_in_flight_runs_alternate_between_the_sides(bench, engines):
         assert measured.tokens >= measured.request_steps > 0
         assert measured.request_steps % bench.IN_FLIGHT_REQUESTS == 0
     assert rates["plain"].tokens == rates["plain"].request_steps
+
+
+def test_chosen_cells_alone_are_measured_and_reported(bench, tmp_path, capsys):
+    # One noisy cell can be measured again without the whole 35-minute run: only the chosen
+    # workloads and batches run, and only they are reported and judged.
+    model = make_tiny_model(tmp_path / "tiny")
+    results = tmp_path / "results.json"
+    argv = ["--quick", "--model", str(model), "--dtype", "float32", "--methods", "ngram"]
+    argv += ["--workloads", "copy", "--batches", "1", "in-flight", "--json", str(results)]
+    assert bench.main(argv) == 0
+    report = json.loads(results.read_text())
+    cells = {key for key in report["ngram"] if key.startswith(("copy_", "free_"))}
+    assert cells == {"copy_batch1", "copy_batch8_in_flight"}
+    printed = capsys.readouterr().out
+    assert "ngram copy batch 1:" in printed and "ngram copy batch 8 in flight:" in printed
+    assert "free" not in printed and "batch 8:" not in printed
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--workloads", "copy,chat"], "--workloads: copy and free only, not chat"),
+        (["--batches", "4"], "argument --batches: invalid choice: '4'"),
+    ],
+)
+def test_an_unknown_cell_is_rejected_before_anything_runs(bench, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert message in capsys.readouterr().err

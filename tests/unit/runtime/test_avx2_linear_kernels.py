@@ -263,10 +263,19 @@ def test_linear_kernels_reject_bad_inputs_with_a_message():
             call()
 
 
-def test_the_tier_has_one_weight_prefetch_order_and_refuses_another():
+@pytest.mark.parametrize(
+    "switch,only,other,message",
+    [
+        ("weight_prefetch", "stream-l1", "rows-l2", "into L1 \\('stream-l1'\\) only, not 'rows-l2'"),
+        # no VDPBF16PS here: BF16 is widened for FP32 FMAs everywhere
+        ("bf16_dot", "fma", "dpbf16", "in FP32 FMAs \\('fma'\\) only, not 'dpbf16'"),
+    ],
+)
+def test_the_tier_has_one_choice_of_each_switch_and_refuses_another(switch, only, other, message):
     ops = torch.ops.kunlun_avx2
-    assert ops.weight_prefetch() == "stream-l1"
-    ops.set_weight_prefetch("stream-l1")
-    with pytest.raises(RuntimeError, match="into L1 \\('stream-l1'\\) only, not 'rows-l2'"):
-        ops.set_weight_prefetch("rows-l2")
-    assert ops.weight_prefetch() == "stream-l1"
+    get, set_ = getattr(ops, switch), getattr(ops, f"set_{switch}")
+    assert get() == only
+    set_(only)
+    with pytest.raises(RuntimeError, match=message):
+        set_(other)
+    assert get() == only

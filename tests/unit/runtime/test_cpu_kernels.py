@@ -133,26 +133,28 @@ def _cpu_vendor() -> str:
 
 
 @pytest.fixture
-def weight_prefetch():
-    """The AVX-512 tier's weight-prefetch switch, put back as it was after the test."""
+def avx512_ops():
+    """The AVX-512 tier's ops, its switches (weight prefetch order, BF16 dot products) put back as
+    they were after the test."""
     ops = torch.ops.kunlun_avx512
-    default = ops.weight_prefetch()
+    prefetch, dot = ops.weight_prefetch(), ops.bf16_dot()
     yield ops
-    ops.set_weight_prefetch(default)
+    ops.set_weight_prefetch(prefetch)
+    ops.set_bf16_dot(dot)
 
 
 @needs_kernels(torch.bfloat16)
-def test_weight_prefetch_order_follows_the_cpu_vendor(weight_prefetch):
+def test_weight_prefetch_order_follows_the_cpu_vendor(avx512_ops):
     # AMD cores (and Hygon's, derived from them) read the weight faster prefetched in address
     # order into L1; Intel keeps the per-row order into L2 it was tuned with
     # (benchmarks/bench_weight_prefetch.py).
     expected = "stream-l1" if _cpu_vendor() in ("AuthenticAMD", "HygonGenuine") else "rows-l2"
-    assert weight_prefetch.weight_prefetch() == expected
+    assert avx512_ops.weight_prefetch() == expected
 
 
 @needs_kernels(torch.bfloat16)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 32])
-def test_both_weight_prefetch_orders_give_the_same_bits(weight_prefetch, rows):
+def test_both_weight_prefetch_orders_give_the_same_bits(avx512_ops, rows):
     # The order of prefetches must not change a result: both orders run the same arithmetic over
     # every row and column tail (on AMX CPUs 3-16 BF16 rows take the AMX kernel in both).
     generator = torch.Generator().manual_seed(700 + rows)
@@ -163,8 +165,8 @@ def test_both_weight_prefetch_orders_give_the_same_bits(weight_prefetch, rows):
         q, scales = quantize_per_channel_int8(w.float())
         results = {}
         for policy in ("rows-l2", "stream-l1"):
-            weight_prefetch.set_weight_prefetch(policy)
-            assert weight_prefetch.weight_prefetch() == policy
+            avx512_ops.set_weight_prefetch(policy)
+            assert avx512_ops.weight_prefetch() == policy
             results[policy] = (
                 cpu_kernels.linear_bf16(x, w, bias),
                 cpu_kernels.linear_int8(x[: min(rows, 8)].contiguous(), q, scales, bias),
@@ -174,11 +176,11 @@ def test_both_weight_prefetch_orders_give_the_same_bits(weight_prefetch, rows):
 
 
 @needs_kernels(torch.bfloat16)
-def test_an_unknown_weight_prefetch_order_is_rejected_and_changes_nothing(weight_prefetch):
-    before = weight_prefetch.weight_prefetch()
+def test_an_unknown_weight_prefetch_order_is_rejected_and_changes_nothing(avx512_ops):
+    before = avx512_ops.weight_prefetch()
     with pytest.raises(RuntimeError, match="must be 'stream-l1' or 'rows-l2', not 'l3'"):
-        weight_prefetch.set_weight_prefetch("l3")
-    assert weight_prefetch.weight_prefetch() == before
+        avx512_ops.set_weight_prefetch("l3")
+    assert avx512_ops.weight_prefetch() == before
 
 
 @needs_kernels(torch.bfloat16)
@@ -386,6 +388,65 @@ def _check_rows_alone(window, heads, head_dim, threads, lengths, tables) -> None
     inputs = (q, k, v, cos.view(-1, head_dim), sin.view(-1, head_dim))
     together = attend_rows(inputs, cache, meta, slice(0, len(lengths)), 0.125, window, threads)
     assert_each_row_as_alone(inputs, cache, meta, together, len(lengths), 0.125, window)
+
+
+@needs_kernels(torch.bfloat16)
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 1), 128), ((6, 3), 48), ((4, 2), 32)])
+@pytest.mark.parametrize("rows", [1, 2, 6])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spread", [1.0, 40.0])
+def test_both_bf16_dot_products_give_decode_attention_the_same_bits(
+    avx512_ops, heads, head_dim, rows, threads, spread
+):
+    # With "fma", a task of 6 or more query heads per KV head (a row with drafts; GQA groups of 3
+    # from 2 rows on, of 8 alone) widens a chunk's K and V rows to FP32 and takes its scores and
+    # P · V in FMAs, the odd element of each pair first as VDPBF16PS adds them: everything must be
+    # VDPBF16PS's bits, over whole chunks and tails of keys, rows ending inside a chunk at odd and
+    # even keys, masked head sizes (48) and full ones. Queries 40 times larger spread the scores
+    # so far that most probabilities fall below FP32's normal range, where the BF16 conversion
+    # VDPBF16PS's operands pass through flushes them to 0. A CPU whose VDPBF16PS rounds otherwise
+    # refuses "fma" and keeps "dpbf16".
+    from kunlun_runtime.layers.attention import build_attention_metadata
+
+    try:
+        avx512_ops.set_bf16_dot("fma")
+    except RuntimeError as error:
+        assert "rounds otherwise than FMAs" in str(error) and avx512_ops.bf16_dot() == "dpbf16"
+        return
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(rows)).tolist()
+    for length in (7, 70, 300):
+        lengths = tuple(length + r for r in range(rows))
+        case = {"lengths": lengths, "tables": [order[:20]] * rows, "num_blocks": 48}
+        outputs = {}
+        for method in ("fma", "dpbf16"):
+            avx512_ops.set_bf16_dot(method)
+            assert avx512_ops.bf16_dot() == method
+            cache, tables, q, k, v, (cos, sin), _ = _decode_case(0, heads, head_dim, **case)
+            q = (q.float() * spread).bfloat16()
+            meta = build_attention_metadata([1] * rows, list(lengths), tables, 16, torch.device("cpu"))
+            threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                outputs[method] = cpu_kernels.decode_attention(
+                    q, k, v, cos.view(-1, head_dim), sin.view(-1, head_dim), cache.k_blocks[0],
+                    cache.v_blocks[0], meta.block_tables, meta.context_lens, 0.125, 0,
+                )  # fmt: skip
+            finally:
+                torch.set_num_threads(threads_before)
+        assert outputs["fma"].isfinite().all()
+        assert torch.equal(outputs["fma"], outputs["dpbf16"]), (length, rows)
+
+
+@needs_kernels(torch.bfloat16)
+def test_bf16_dot_products_are_chosen_once_and_an_unknown_choice_is_rejected(avx512_ops):
+    # Probed at first use (both instructions' rates, and that the FMAs give VDPBF16PS's bits):
+    # the same answer on every call after it, and a bad name changes nothing.
+    default = avx512_ops.bf16_dot()
+    assert default in ("fma", "dpbf16")
+    assert avx512_ops.bf16_dot() == default
+    with pytest.raises(RuntimeError, match="must be 'fma' or 'dpbf16', not 'amx'"):
+        avx512_ops.set_bf16_dot("amx")
+    assert avx512_ops.bf16_dot() == default
 
 
 def _check_decode_attention(window, heads, head_dim, threads, **case) -> None:

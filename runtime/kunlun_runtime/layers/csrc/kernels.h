@@ -24,6 +24,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // it runs on; the setter exists for side-by-side measurement and rejects what the tier lacks.
 std::string weight_prefetch();
 void set_weight_prefetch(const std::string& policy);
+// How decode attention takes a row with drafts' scores and P · V (many query heads per key):
+// "dpbf16" (VDPBF16PS on the BF16 rows) or "fma" (a chunk's K and V rows widened to FP32 once,
+// FMAs in VDPBF16PS's order: the same bits). The AVX-512 tier probes the CPU once; the AVX2 tier,
+// without VDPBF16PS, widens always ("fma"). The setter exists for side-by-side measurement.
+std::string bf16_dot();
+void set_bf16_dot(const std::string& method);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
                                                 double eps);

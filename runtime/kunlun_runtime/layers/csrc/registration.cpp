@@ -17,6 +17,8 @@ KUNLUN_LIBRARY(KUNLUN_OPS, m) {
   // No tensor to dispatch on: one implementation for every backend.
   m.def("weight_prefetch() -> str", &kunlun_cpu::weight_prefetch);
   m.def("set_weight_prefetch(str policy) -> ()", &kunlun_cpu::set_weight_prefetch);
+  m.def("bf16_dot() -> str", &kunlun_cpu::bf16_dot);
+  m.def("set_bf16_dot(str method) -> ()", &kunlun_cpu::set_bf16_dot);
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

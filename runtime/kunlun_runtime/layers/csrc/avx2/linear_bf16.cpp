@@ -180,6 +180,13 @@ void set_weight_prefetch(const std::string& policy) {
               policy, "'");
 }
 
+// This tier has no VDPBF16PS: its kernels widen BF16 to FP32 for FMAs everywhere.
+std::string bf16_dot() { return "fma"; }
+
+void set_bf16_dot(const std::string& method) {
+  TORCH_CHECK(method == "fma", "the avx2 tier takes BF16 dot products in FP32 FMAs ('fma') only, not '", method, "'");
+}
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   avx2::check_linear_inputs("linear_bf16", x, w, bias);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear_bf16: w must be bfloat16, got ", w.scalar_type());

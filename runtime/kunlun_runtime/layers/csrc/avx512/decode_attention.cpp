@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include "bf16_dot.h"
 #include "bf16_vec.h"
 #include "rotary_cache.h"
 #include "../kernels.h"
@@ -23,8 +24,10 @@
 #include "../paged_cache.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -33,6 +36,8 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using kunlun_cpu::avx512::check_bf16;
+using kunlun_cpu::avx512::even_words;
+using kunlun_cpu::avx512::odd_words;
 using kunlun_cpu::avx512::rotate;
 using kunlun_cpu::vec::load_bf16x16;
 using kunlun_cpu::vec::load_words32;
@@ -45,6 +50,11 @@ constexpr int64_t kKeyChunk = 64;  // keys scored per pass (their K and V rows s
 static_assert(kunlun_cpu::paged::kShortPartKeys % kKeyChunk == 0 &&
                   kunlun_cpu::paged::kLongPartKeys % kKeyChunk == 0,
               "a part is whole chunks");
+// Where the CPU's FMAs outpace VDPBF16PS (bf16_dot.h), query heads per KV head from which a
+// chunk's K and V rows are widened to FP32 once for all of them, its scores and P · V taken in
+// FMAs: a row with drafts. With a decode row's 3 heads of SmolLM2 the widening does not pay
+// (docs/performance.md).
+constexpr int64_t kMinWideHeads = 6;
 
 // Query heads whose P · V accumulators (CHUNKS vectors each) stay in registers together with one
 // pair of value rows, interleaved once for all of them.
@@ -70,6 +80,16 @@ inline __m512 probabilities(__m512 t, float m, __mmask16 mask) {
   return _mm512_maskz_scalef_ps(mask, unit, _mm512_sub_ps(n, _mm512_set1_ps(m)));
 }
 
+// A key's K and V rows (row_bytes each) into L2.
+inline void prefetch_rows(const bf16* key, const bf16* value, int64_t row_bytes) {
+  const char* k = reinterpret_cast<const char*>(key);
+  const char* v = reinterpret_cast<const char*>(value);
+  for (int64_t line = 0; line < row_bytes; line += 64) {
+    _mm_prefetch(k + line, _MM_HINT_T1);
+    _mm_prefetch(v + line, _MM_HINT_T1);
+  }
+}
+
 // Scores of one query head (qv: its PAIRS vectors of 32 BF16) against 16 keys (slots[i] + offset),
 // scaled: one VDPBF16PS per pair of dimensions and key, then one transpose-reduce. `count` < 16
 // keys leave the other lanes zero. Every bound is known at compile time for a whole block, so the
@@ -84,19 +104,34 @@ inline __m512 score16(const __m512bh* qv, const __mmask32* pair_mask, const bf16
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) {
     dots[i] = _mm512_setzero_ps();
-    if (i < ahead) {
-      const char* next_key = reinterpret_cast<const char*>(ahead_keys[i] + offset);
-      const char* next_value = reinterpret_cast<const char*>(ahead_values[i] + value_offset);
-      for (int64_t line = 0; line < row_bytes; line += 64) {
-        _mm_prefetch(next_key + line, _MM_HINT_T1);
-        _mm_prefetch(next_value + line, _MM_HINT_T1);
-      }
-    }
+    if (i < ahead) prefetch_rows(ahead_keys[i] + offset, ahead_values[i] + value_offset, row_bytes);
     if (!WHOLE && i >= count) continue;
     const bf16* key = slots[i] + offset;
 #pragma GCC unroll 8
     for (int c = 0; c < PAIRS; ++c) {
       dots[i] = _mm512_dpbf16_ps(dots[i], qv[c], (__m512bh)load_words32<FULL>(key + 32 * c, pair_mask[c]));
+    }
+  }
+  return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
+}
+
+// score16 over keys widened to FP32 (by attend_split, once per chunk and KV head): each key's
+// PAIRS pairs of 16 even and 16 odd dimensions; q_even / q_odd the query's, widened alike.
+// fma(even, fma(odd, dot)) per pair of dimensions is VDPBF16PS's arithmetic in its order (the
+// products of BF16 values are exact in FP32), so the scores have score16's bits.
+template <int PAIRS, bool WHOLE>
+inline __m512 score16_wide(const __m512* q_even, const __m512* q_odd, const float* keys, int64_t count,
+                           __m512 scale) {
+  __m512 dots[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    dots[i] = _mm512_setzero_ps();
+    if (!WHOLE && i >= count) continue;
+#pragma GCC unroll 8
+    for (int c = 0; c < PAIRS; ++c) {
+      const float* key = keys + (i * PAIRS + c) * 32;
+      dots[i] = _mm512_fmadd_ps(q_even[c], _mm512_load_ps(key),
+                                _mm512_fmadd_ps(q_odd[c], _mm512_load_ps(key + 16), dots[i]));
     }
   }
   return _mm512_mul_ps(kunlun_cpu::vec::transpose_sum16(dots), scale);
@@ -154,6 +189,47 @@ inline void weigh_values_tail(int64_t tile, const uint32_t* pairs, const bf16* c
     }
     return weigh_values_tail<CHUNKS, FULL, TILE + 1>(tile, pairs, slots, offset, n, pair_mask, lane_mask,
                                                      corrections, base, D);
+  }
+}
+
+// weigh_values in FMAs over value rows widened to FP32 (values: n rows of 16 · CHUNKS floats, by
+// attend_split once per chunk and KV head) and each head's probabilities as FP32 (probs + g *
+// kKeyChunk, the BF16 values weigh_values takes, 0 past the head's keys), in VDPBF16PS's order:
+// per pair of keys the second's product, then the first's, each rounded (an odd last key pairs
+// with a probability of 0 and its own row again, as there). The same bits as weigh_values.
+template <int TILE, int CHUNKS>
+inline void weigh_values_wide(const float* probs, const float* values, int64_t n, const __mmask16* lane_mask,
+                              const float* corrections, float* base, int64_t D) {
+  constexpr int64_t kRow = 16 * CHUNKS;
+  __m512 sum[TILE][CHUNKS];
+  for (int g = 0; g < TILE; ++g) {
+    const __m512 correction = _mm512_set1_ps(corrections[g]);
+    for (int c = 0; c < CHUNKS; ++c)
+      sum[g][c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask[c], base + g * D + 16 * c), correction);
+  }
+  for (int64_t j = 0; j < n; j += 2) {
+    const float* first = values + j * kRow;
+    const float* second = j + 1 < n ? first + kRow : first;
+    for (int g = 0; g < TILE; ++g) {
+      const __m512 weight = _mm512_set1_ps(probs[g * kKeyChunk + j + 1]);
+      for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_fmadd_ps(weight, _mm512_load_ps(second + 16 * c), sum[g][c]);
+    }
+    for (int g = 0; g < TILE; ++g) {
+      const __m512 weight = _mm512_set1_ps(probs[g * kKeyChunk + j]);
+      for (int c = 0; c < CHUNKS; ++c) sum[g][c] = _mm512_fmadd_ps(weight, _mm512_load_ps(first + 16 * c), sum[g][c]);
+    }
+  }
+  for (int g = 0; g < TILE; ++g)
+    for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(base + g * D + 16 * c, lane_mask[c], sum[g][c]);
+}
+
+// weigh_values_wide for the last `tile` (< head_tile) heads of a group.
+template <int CHUNKS, int TILE = 1>
+inline void weigh_values_wide_tail(int64_t tile, const float* probs, const float* values, int64_t n,
+                                   const __mmask16* lane_mask, const float* corrections, float* base, int64_t D) {
+  if constexpr (TILE < head_tile<CHUNKS>()) {
+    if (tile == TILE) return weigh_values_wide<TILE, CHUNKS>(probs, values, n, lane_mask, corrections, base, D);
+    return weigh_values_wide_tail<CHUNKS, TILE + 1>(tile, probs, values, n, lane_mask, corrections, base, D);
   }
 }
 
@@ -224,8 +300,13 @@ inline void update_sums(const __m512* lanes, int64_t count, const float* correct
 // this kernel's samples on those instructions); spread out, into L2, they were a small gain at
 // every batch and context size tried. Per chunk and KV head, all its query heads are scored before
 // their maxima are updated together, and all their probabilities summed before their sums are
-// (update_maxima, update_sums). CHUNKS = ceil(D / 16) (or more: the masks zero the lanes past D);
-// FULL where D = 16 · CHUNKS, whose K and V rows load unmasked (load_words32).
+// (update_maxima, update_sums). Where a task has kMinWideHeads query heads per KV head or more (a
+// row with drafts) and the CPU's FMAs outpace VDPBF16PS (bf16_dot.h), the chunk's K and V rows
+// are widened to FP32 once per KV head and the same arithmetic runs in FMAs in VDPBF16PS's order
+// (score16_wide, weigh_values_wide): the same bits, and a row with drafts' attention ~1.2-1.3x as
+// fast where the FMAs do twice VDPBF16PS's multiply-adds (docs/performance.md). CHUNKS =
+// ceil(D / 16) (or more: the masks zero the lanes past D); FULL where D = 16 · CHUNKS, whose K and
+// V rows load unmasked (load_words32).
 template <int CHUNKS, bool FULL>
 void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& keys, const PagedCache& values,
                   const int64_t* table, int64_t block_size, int64_t start, int64_t end, const int64_t* row_ends,
@@ -243,10 +324,20 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   for (int c = 0; c < CHUNKS; ++c) lane_mask[c] = tail_mask(D - 16 * c);
   // Scores in base 2 (scale · log2 e): probabilities are powers of two of them (probabilities()).
   const __m512 scale_v = _mm512_set1_ps(scale * 1.44269504088896341f);
-  std::vector<float> probs_storage(kKeyChunk * group);  // [head in group][key]
+  // [head in group][key]: scores, then (widened, below) probabilities
+  std::vector<float> probs_storage(kKeyChunk * group);
   float* probs = probs_storage.data();
   std::vector<uint32_t> pair_storage(kKeyChunk / 2 * group);  // [head in group][pair of keys], BF16 pairs
   uint32_t* pairs = pair_storage.data();
+  // With kMinWideHeads query heads or more where the CPU's FMAs outpace VDPBF16PS (bf16_dot.h): a
+  // chunk's K and V rows of one KV head widened to FP32 for score16_wide and weigh_values_wide
+  // (64-byte aligned, as they load them).
+  const bool wide = group >= kMinWideHeads && kunlun_cpu::avx512::bf16_dot_policy().load(std::memory_order_relaxed) ==
+                                                  kunlun_cpu::avx512::Bf16Dot::kFma;
+  std::vector<float> wide_storage(wide ? kKeyChunk * (PAIRS * 32 + 16 * CHUNKS) + 16 : 16);
+  float* wide_keys =
+      reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide_storage.data()) + 63) & ~uintptr_t(63));
+  float* wide_values = wide ? wide_keys + kKeyChunk * PAIRS * 32 : nullptr;
   // Per query head of a KV head: its lanes' largest score, then its probabilities' lane sums
   // (rounded up to 16 heads, the tail's lanes unused); and its correction for the chunk.
   const int64_t padded_group = (group + 15) / 16 * 16;
@@ -294,10 +385,25 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       // Every query head's scores first, then all their maxima; their probabilities, then all
       // their sums: reduced 16 heads at a time where a row has drafts (one head at a time, with a
       // scalar update and a libm exp2f each, they were a quarter of this kernel's time there).
+      if (wide) {
+        // The chunk's K rows widened once for all the KV head's query heads, the next chunk's
+        // rows of this KV head prefetched between them (as score16 does from the first head).
+        for (int64_t i = 0; i < n; ++i) {
+          if (i < next) prefetch_rows(next_key_slots[i] + key_offset, next_value_slots[i] + value_offset, row_bytes);
+          const bf16* key = key_slots[i] + key_offset;
+          for (int c = 0; c < PAIRS; ++c) {
+            const __m512i v = load_words32<FULL>(key + 32 * c, pair_mask[c]);
+            _mm512_store_ps(wide_keys + (i * PAIRS + c) * 32, even_words(v));
+            _mm512_store_ps(wide_keys + (i * PAIRS + c) * 32 + 16, odd_words(v));
+          }
+        }
+      }
       for (int64_t g = 0; g < group; ++g) {
         __m512bh qv[PAIRS];
+        __m512 q_even[PAIRS], q_odd[PAIRS];
         for (int c = 0; c < PAIRS; ++c) {
           qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + (kv * group + g) * D + 32 * c);
+          q_even[c] = even_words((__m512i)qv[c]), q_odd[c] = odd_words((__m512i)qv[c]);
         }
         float* p = probs + g * kKeyChunk;
         const int64_t keys_here = valid[g / row_heads];
@@ -306,17 +412,21 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
         // The first query head of each KV head prefetches the next chunk's rows of that KV head.
         auto ahead = [&](int64_t first) { return g == 0 ? std::clamp<int64_t>(next - first, 0, 16) : 0; };
         for (; j + 16 <= n; j += 16) {
-          const __m512 scores = score16<PAIRS, true, FULL>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
-                                                           next_key_slots + j, next_value_slots + j, value_offset,
-                                                           ahead(j), row_bytes);
+          const __m512 scores =
+              wide ? score16_wide<PAIRS, true>(q_even, q_odd, wide_keys + j * PAIRS * 32, 16, scale_v)
+                   : score16<PAIRS, true, FULL>(qv, pair_mask, key_slots + j, key_offset, 16, scale_v,
+                                                next_key_slots + j, next_value_slots + j, value_offset, ahead(j),
+                                                row_bytes);
           _mm512_storeu_ps(p + j, scores);
           max_lanes = _mm512_mask_max_ps(max_lanes, tail_mask(keys_here - j), max_lanes, scores);
         }
         if (j < n) {
           const __mmask16 mask = tail_mask(n - j);
-          const __m512 scores = score16<PAIRS, false, FULL>(qv, pair_mask, key_slots + j, key_offset, n - j,
-                                                            scale_v, next_key_slots + j, next_value_slots + j,
-                                                            value_offset, ahead(j), row_bytes);
+          const __m512 scores =
+              wide ? score16_wide<PAIRS, false>(q_even, q_odd, wide_keys + j * PAIRS * 32, n - j, scale_v)
+                   : score16<PAIRS, false, FULL>(qv, pair_mask, key_slots + j, key_offset, n - j, scale_v,
+                                                 next_key_slots + j, next_value_slots + j, value_offset, ahead(j),
+                                                 row_bytes);
           _mm512_mask_storeu_ps(p + j, mask, scores);
           max_lanes = _mm512_mask_max_ps(max_lanes, mask & tail_mask(keys_here - j), max_lanes, scores);
         }
@@ -324,7 +434,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       }
       update_maxima(head_lanes.data(), group, head_maxima, corrections.data());
       for (int64_t g = 0; g < group; ++g) {
-        const float* p = probs + g * kKeyChunk;
+        float* p = probs + g * kKeyChunk;
         const int64_t keys_here = valid[g / row_heads];
         const float new_max = head_maxima[g];
         __m512 total = _mm512_setzero_ps();
@@ -334,8 +444,13 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
           const __m512 e0 = probabilities(_mm512_maskz_loadu_ps(first, p + i), new_max, first);
           const __m512 e1 = probabilities(_mm512_maskz_loadu_ps(second, p + i + 16), new_max, second);
           total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
-          // Exact: each is a BF16 value already.
-          _mm512_storeu_si512(pair + i / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+          if (wide) {  // as FP32 in place of the scores, as the BF16 conversion makes them: denormals 0
+            const __m512 smallest = _mm512_set1_ps(FLT_MIN);
+            _mm512_storeu_ps(p + i, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e0, smallest, _CMP_GE_OQ), e0));
+            _mm512_storeu_ps(p + i + 16, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e1, smallest, _CMP_GE_OQ), e1));
+          } else {  // exact: each is a BF16 value already
+            _mm512_storeu_si512(pair + i / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+          }
         }
         head_lanes[g] = total;
       }
@@ -343,8 +458,30 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
       // P · V for this KV head's query heads g_begin .. g_end - 1 over the chunk's first `count`
       // keys, kTile at a time so the accumulators stay in registers.
       float* base = acc + kv * group * D;
+      if (wide) {  // the chunk's value rows widened once for all the KV head's query heads
+        for (int64_t i = 0; i < n; ++i) {
+          const bf16* value = value_slots[i] + value_offset;
+          for (int c = 0; c < CHUNKS; ++c) {
+            const __m256i words = FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + 16 * c))
+                                       : _mm256_maskz_loadu_epi16(lane_mask[c], value + 16 * c);
+            _mm512_store_ps(wide_values + i * 16 * CHUNKS + 16 * c,
+                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16)));
+          }
+        }
+      }
       const auto weigh = [&](int64_t g_begin, int64_t g_end, int64_t count) {
         int64_t g0 = g_begin;
+        if (wide) {
+          for (; g0 + kTile <= g_end; g0 += kTile) {
+            weigh_values_wide<kTile, CHUNKS>(probs + g0 * kKeyChunk, wide_values, count, lane_mask,
+                                             corrections.data() + g0, base + g0 * D, D);
+          }
+          if (g0 < g_end) {
+            weigh_values_wide_tail<CHUNKS>(g_end - g0, probs + g0 * kKeyChunk, wide_values, count, lane_mask,
+                                           corrections.data() + g0, base + g0 * D, D);
+          }
+          return;
+        }
         for (; g0 + kTile <= g_end; g0 += kTile) {
           weigh_values<kTile, CHUNKS, FULL>(pairs + g0 * (kKeyChunk / 2), value_slots, value_offset, count,
                                             pair_mask, lane_mask, corrections.data() + g0, base + g0 * D, D);
@@ -388,6 +525,19 @@ void attend(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedCache& 
 }  // namespace
 
 namespace kunlun_cpu {
+
+std::string bf16_dot() {
+  return avx512::bf16_dot_policy().load() == avx512::Bf16Dot::kFma ? "fma" : "dpbf16";
+}
+
+void set_bf16_dot(const std::string& method) {
+  TORCH_CHECK(method == "fma" || method == "dpbf16", "BF16 dot products must be 'fma' or 'dpbf16', not '", method,
+              "'");
+  TORCH_CHECK(method == "dpbf16" || avx512::fma_matches_dpbf16(),
+              "this CPU's VDPBF16PS rounds otherwise than FMAs in its order: 'fma' would change decode attention's "
+              "bits, so it keeps 'dpbf16'");
+  avx512::bf16_dot_policy().store(method == "fma" ? avx512::Bf16Dot::kFma : avx512::Bf16Dot::kDpbf16);
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
