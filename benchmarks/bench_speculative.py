@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import random
 import statistics
 import sys
@@ -69,6 +70,7 @@ from kunlun_runtime.models.tokenizer import Tokenizer
 # steps in which all 8 decode.
 IN_FLIGHT_REQUESTS = 8
 IN_FLIGHT_TURNS = 4  # in-flight runs per side and repetition, in turns (measure)
+CLOSED_TURNS = 4  # closed batches per side and repetition at least, in turns (measure)
 IN_FLIGHT = f"{IN_FLIGHT_REQUESTS} in flight"
 BATCHES: tuple[int | str, ...] = (1, 8, IN_FLIGHT)
 TARGETS: dict[tuple[str, int | str], float | None] = {
@@ -209,10 +211,13 @@ def measure(
     tenants come and go within seconds) falls on the sides alike rather than on whichever ran
     its batches while it lasted; in flight, ``IN_FLIGHT_TURNS`` runs of all the prompts per side,
     taking turns the same way (a run lasts seconds, and one run per side left the ratio to
-    whichever of them a busy moment fell on). A closed batch of 8 decodes until its last request
-    finishes; with drafts its requests finish apart (a copying one in a third of the steps), so
-    most of its time goes to its last few requests decoding alone: closed, a speculative engine's
-    batch 8 is mostly batch 1-7, in flight it stays 8 (as a server's does while requests queue)."""
+    whichever of them a busy moment fell on); the closed batches, as many times over as gives each
+    side ``CLOSED_TURNS`` batches at least (at batch 8 the 8 prompts were one batch a side, ~2 s
+    of free text's decoding: that cell read 0.79-1.07x from run to run while drafting nothing). A
+    closed batch of 8 decodes until its last request finishes; with drafts its requests finish
+    apart (a copying one in a third of the steps), so most of its time goes to its last few
+    requests decoding alone: closed, a speculative engine's batch 8 is mostly batch 1-7, in flight
+    it stays 8 (as a server's does while requests queue)."""
     if batch == IN_FLIGHT:
         decoded = {side: [0, 0.0, 0] for side in sides}  # tokens, seconds, requests' steps
         for turn in range(IN_FLIGHT_TURNS):
@@ -234,7 +239,8 @@ def measure(
     assert isinstance(batch, int)
     totals = {side: [0, 0.0, 0.0, 0] for side in sides}  # tokens, seconds, requests' seconds and steps
     closed = tasks[:CLOSED_TASKS]
-    for index, start in enumerate(range(0, len(closed), batch)):
+    starts = list(range(0, len(closed), batch))
+    for index, start in enumerate(starts * math.ceil(CLOSED_TURNS / len(starts))):
         for side in sides if index % 2 == 0 else sides[::-1]:
             result = run_batch(engines[side], closed[start : start + batch], max_tokens)
             total = totals[side]

@@ -62,6 +62,19 @@ def test_closed_batches_alternate_between_the_sides_in_reversed_order(bench, eng
     assert bench.yield_per_step([rates["plain"]]) == 1.0
 
 
+def test_a_closed_batch_of_eight_runs_in_turns(bench, engines):
+    # The 8 prompts make one batch of 8: each side runs it CLOSED_TURNS times, taking turns in
+    # reversed order (one batch a side left the ratio to a moment of the machine's speed).
+    llms, added = engines
+    tasks = bench.free_tasks(bench.CLOSED_TASKS)
+    lengths = [len(ids) for ids in bench.prompt_ids(llms["plain"], tasks)]
+    rates = bench.measure(llms, ["plain", "ngram"], tasks, 8, 4)
+    assert bench.CLOSED_TURNS % 2 == 0
+    order = ["plain", "ngram", "ngram", "plain"] * (bench.CLOSED_TURNS // 2)
+    assert added == [(side, length) for side in order for length in lengths]
+    assert rates["plain"].tokens == rates["plain"].request_steps == bench.CLOSED_TURNS * 8 * 3
+
+
 def test_in_flight_runs_alternate_between_the_sides(bench, engines):
     llms, added = engines
     tasks = bench.free_tasks(10)
