@@ -334,9 +334,11 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
   // (64-byte aligned, as they load them).
   const bool wide = group >= kMinWideHeads && kunlun_cpu::avx512::bf16_dot_policy().load(std::memory_order_relaxed) ==
                                                   kunlun_cpu::avx512::Bf16Dot::kFma;
-  std::vector<float> wide_storage(wide ? kKeyChunk * (PAIRS * 32 + 16 * CHUNKS) + 16 : 16);
+  // (Empty, with no allocation, for a decode row alone.)
+  std::vector<float> wide_storage(wide ? kKeyChunk * (PAIRS * 32 + 16 * CHUNKS) + 16 : 0);
   float* wide_keys =
-      reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide_storage.data()) + 63) & ~uintptr_t(63));
+      wide ? reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wide_storage.data()) + 63) & ~uintptr_t(63))
+           : nullptr;
   float* wide_values = wide ? wide_keys + kKeyChunk * PAIRS * 32 : nullptr;
   // Per query head of a KV head: its lanes' largest score, then its probabilities' lane sums
   // (rounded up to 16 heads, the tail's lanes unused); and its correction for the chunk.
@@ -403,7 +405,7 @@ void attend_split(const bf16* q, int64_t H, int64_t KVH, int64_t D, const PagedC
         __m512 q_even[PAIRS], q_odd[PAIRS];
         for (int c = 0; c < PAIRS; ++c) {
           qv[c] = (__m512bh)_mm512_maskz_loadu_epi16(pair_mask[c], q + (kv * group + g) * D + 32 * c);
-          q_even[c] = even_words((__m512i)qv[c]), q_odd[c] = odd_words((__m512i)qv[c]);
+          if (wide) q_even[c] = even_words((__m512i)qv[c]), q_odd[c] = odd_words((__m512i)qv[c]);
         }
         float* p = probs + g * kKeyChunk;
         const int64_t keys_here = valid[g / row_heads];
