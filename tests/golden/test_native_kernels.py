@@ -63,6 +63,38 @@ def test_native_decode_steps_match_fp32_reference(tiny_model_dirs, tier, name, c
     assert native.layers[-1].max_rel_err <= 2 * plain.layers[-1].max_rel_err + 1e-3
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+def test_a_prefill_in_fp32_over_widened_weights_is_as_accurate_as_the_bf16_gemm(
+    tiny_model_dirs, name, monkeypatch
+):
+    """A prefill of WIDE_FROM_ROWS rows or more: where large_batches_in_fp32 (a CPU whose FMAs
+    outrun its BF16 dot products, no AMX) the native linears run oneDNN's SGEMM over the weight
+    widened to FP32, else its BF16 GEMM; both are forced here, whatever this CPU would choose, and
+    checked layer by layer against the FP32 reference."""
+    from kunlun_runtime.layers import linear
+
+    if not cpu_kernels.load(torch.bfloat16):
+        pytest.skip(str(cpu_kernels.unavailable_reason(torch.bfloat16)))
+    tokens = [(13 * i + 5) % 300 for i in range(linear.WIDE_FROM_ROWS + 24)]
+    model_dir = tiny_model_dirs[name]
+    errors = {}
+    widened: list[int] = []
+    real = linear.widened_linear
+    monkeypatch.setattr(linear, "widened_linear", lambda *a, **k: widened.append(1) or real(*a, **k))
+    for wide in (True, False):
+        monkeypatch.setattr(linear, "large_batches_in_fp32", lambda wide=wide: wide)
+        model = load_model(model_dir, torch.bfloat16, torch.device("cpu"), 160, compute_dtype=torch.bfloat16)[
+            0
+        ]
+        convert_linears(model, backend="native", quantization=None, compute_dtype=torch.bfloat16)
+        widened.clear()
+        report = run_golden(model, model_dir, tokens, chunk_size=None)
+        assert report.passed, [(layer.name, layer.max_rel_err) for layer in report.layers]
+        assert bool(widened) == wide  # the path asked for ran (and only then)
+        errors[wide] = report.layers[-1].max_rel_err
+    assert errors[True] <= 1.5 * errors[False] + 1e-3
+
+
 @pytest.mark.parametrize("chunk", [4, None])  # decode-sized steps; one 40-token prefill
 def test_native_int8_stays_within_the_int8_bound(tiny_model_dirs, tier, chunk):
     model_dir = tiny_model_dirs["qwen2-bias"]

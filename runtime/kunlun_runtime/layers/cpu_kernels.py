@@ -241,6 +241,15 @@ def _argmax_tier() -> IsaTier:
     return IsaTier.AVX512 if load(torch.bfloat16) else IsaTier.AVX2
 
 
+def bf16_dot() -> str | None:
+    """How the AVX-512 library takes BF16 dot products where it may choose: ``fma`` (FP32 FMAs
+    over widened values, where its probe found them VDPBF16PS's bits and at least 1.5x its rate)
+    or ``dpbf16``; None where that library does not run here."""
+    if not load(torch.bfloat16):
+        return None
+    return str(_ops_for_tier(IsaTier.AVX512).bf16_dot())
+
+
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _ops(x).linear_bf16(x, weight, bias)
 

@@ -14,6 +14,7 @@ Invariant: never a backend the CPU cannot run; never a fault without its reason.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,12 +57,16 @@ class KernelChoice:
     notes: tuple[str, ...] = ()  # why it is what it is where that was asked or is the machine's limit
     fault: str | None = None  # our kernels should run here but did not build or load: why
     cost: str | None = None  # what the fault costs
+    # The arithmetic of BF16 linears past our kernels' rows (prefill): bfloat16 | float32
+    # (large_batch_dtype)
+    large_batches: str = "bfloat16"
 
     def describe(self) -> dict[str, object]:
         return {
             "backend": self.backend,
             "tier": self.tier,
             "native_layers": self.native_layers,
+            "large_batches": self.large_batches,
             "notes": list(self.notes),
             "fault": self.fault,
             "cost": self.cost,
@@ -104,6 +109,30 @@ def fallback_cost(backend: str, dtype: torch.dtype) -> str:
     return f"decode runs on {runs_on} of its speed with our kernels where measured (docs/performance.md)"
 
 
+# Why a large batch's BF16 linears run in FP32 where large_batch_dtype says so.
+WIDE_LARGE_BATCHES = (
+    "prefill linears in FP32 over BF16 weights widened chunk by chunk: this CPU's FP32 FMAs outrun "
+    "its BF16 dot products, and it has no AMX for oneDNN's BF16 GEMM"
+)
+
+
+def large_batch_dtype(bf16_dot: str | None, amx: bool) -> torch.dtype:
+    """What the BF16 linears of a batch past our kernels' rows (prefill, a large mixed step)
+    compute in (pure): FP32, by oneDNN's SGEMM over the weight widened chunk by chunk, where our
+    AVX-512 library's probe chose FP32 FMAs for its BF16 dot products (``bf16_dot`` ``fma``: at
+    least 1.5x VDPBF16PS's rate) and the CPU has no AMX, on which oneDNN runs BF16 far faster;
+    else BF16 (oneDNN's BF16 GEMM, whose dot products are VDPBF16PS). Both accumulate the exact
+    products of BF16 values in FP32 and round once; only the order of the sums differs."""
+    return torch.float32 if bf16_dot == "fma" and not amx else torch.bfloat16
+
+
+@functools.cache
+def large_batches_in_fp32() -> bool:
+    """``large_batch_dtype`` on this machine, decided once per process."""
+    amx = "amx_bf16" in cpu_capabilities().flags  # oneDNN's own dispatch: whatever tier is in force
+    return large_batch_dtype(cpu_kernels.bf16_dot(), amx) == torch.float32
+
+
 def decide(
     requested: str,
     native_kernels: bool,
@@ -112,11 +141,16 @@ def decide(
     device_type: str,
     kernels: KernelStatus | None,
     onednn_reason: str | None,
+    *,
+    wide_large_batches: bool = False,
 ) -> KernelChoice:
-    """The choice from the facts (pure). ``kernels`` is None where they were not consulted."""
+    """The choice from the facts (pure). ``kernels`` is None where they were not consulted;
+    ``wide_large_batches``: ``large_batches_in_fp32`` (what native BF16 linears past our kernels'
+    rows compute in)."""
     if device_type != "cpu":
         backend = "plain" if requested == "auto" else requested
-        return KernelChoice(backend, "none", False, (f"{device_type}: PyTorch's device kernels",))
+        device_notes = (f"{device_type}: PyTorch's device kernels",)
+        return KernelChoice(backend, "none", False, device_notes, large_batches=_name(dtype))
     loaded = kernels is not None and kernels.loaded
     if requested != "auto":
         backend = requested
@@ -139,8 +173,14 @@ def decide(
     if loaded and not native_kernels:
         notes.append("--no-native-kernels as asked")
     if kernels is not None and kernels.failed:
-        return KernelChoice(backend, tier, False, tuple(notes), kernels.reason, fallback_cost(backend, dtype))
-    return KernelChoice(backend, tier, native_layers, tuple(notes))
+        return KernelChoice(
+            backend, tier, False, tuple(notes), kernels.reason, fallback_cost(backend, dtype), _name(dtype)
+        )
+    wide = wide_large_batches and backend == "native" and dtype == weight_dtype == torch.bfloat16
+    if wide:
+        notes.append(WIDE_LARGE_BATCHES)
+    large = _name(torch.float32 if wide else dtype)
+    return KernelChoice(backend, tier, native_layers, tuple(notes), large_batches=large)
 
 
 def choose_kernels(
@@ -170,7 +210,23 @@ def choose_kernels(
     )
     kernels = kernel_status(dtype) if consult else None
     onednn_reason = onednn_bf16_reason() if on_cpu else None
-    choice = decide(requested, native_kernels, dtype, weight_dtype, device.type, kernels, onednn_reason)
+    wide = (
+        consult
+        and dtype == torch.bfloat16
+        and kernels is not None
+        and kernels.loaded
+        and large_batches_in_fp32()
+    )
+    choice = decide(
+        requested,
+        native_kernels,
+        dtype,
+        weight_dtype,
+        device.type,
+        kernels,
+        onednn_reason,
+        wide_large_batches=wide,
+    )
     if require_native and choice.fault is not None:
         raise ConfigError(
             f"require_native_kernels: the engine runs on the CPU and our CPU kernels did not load: "

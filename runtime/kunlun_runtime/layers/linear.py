@@ -7,7 +7,8 @@
   (``cpu_kernels``: the AVX-512 tier for BF16 activations, the AVX2 tier for FP32 ones; they stream
   the weight near DRAM speed, which oneDNN's GEMM, built for large batches, falls well short of at
   one row), larger ones (prefill) through ``F.linear``, or ``widened_linear`` when the activations
-  are FP32.
+  are FP32 or, from ``WIDE_FROM_ROWS`` rows, where the CPU's FP32 FMAs outrun its BF16 dot
+  products (``kernel_choice.large_batch_dtype``).
 - ``WideningLinear``: BF16 weight, FP32 activations, no kernels of ours (the plain floor of CPUs
   without native BF16): the weight is widened chunk by chunk into a small per-thread FP32
   workspace for oneDNN's SGEMM, so no FP32 copy of the model stays resident.
@@ -28,13 +29,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from kunlun_runtime.layers import cpu_kernels
-from kunlun_runtime.layers.kernel_choice import choose_kernels, require_native_backend, require_prepacked
+from kunlun_runtime.layers.kernel_choice import (
+    choose_kernels,
+    large_batches_in_fp32,
+    require_native_backend,
+    require_prepacked,
+)
 from kunlun_runtime.layers.kernel_choice import onednn_bf16_reason as onednn_bf16_reason  # re-exported
 
 LINEAR_BACKENDS = frozenset({"plain", "prepacked", "native"})
 # FP32 elements of the per-thread workspace that BF16/INT8 weights are widened into (16 MiB): a
 # weight larger than that (a vocabulary projection) is widened and multiplied in row chunks.
 WORKSPACE_ELEMENTS = 4 << 20
+# From this many rows a native BF16 linear runs in FP32 where ``large_batches_in_fp32``: on a Xeon
+# without AMX, oneDNN's SGEMM over the widened weight took 0.95x the BF16 GEMM's time at 65 rows
+# (the widening not yet paid for), 1.18x at 96, 1.5-1.6x at 512-2,048 (docs/performance.md).
+WIDE_FROM_ROWS = 96
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -121,6 +131,9 @@ class NativeLinear(nn.Module):
     # Batches of up to this many rows go through our kernels (lowered only by benchmarks that
     # measure the earlier limit beside the current one).
     max_rows: int = cpu_kernels.MAX_ROWS
+    # Batches of this many rows or more compute in FP32 where ``large_batches_in_fp32`` (None:
+    # never; benchmarks set it to measure the BF16 GEMM beside it).
+    wide_from_rows: int | None = WIDE_FROM_ROWS
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -139,7 +152,13 @@ class NativeLinear(nn.Module):
             return cpu_kernels.linear_bf16(x.contiguous(), self.weight, self.bias_fp32)
         if x.dtype != self.weight.dtype:
             return widened_linear(x, self.weight, self.bias_fp32)
+        if self._wide(x):
+            return widened_linear(x.float(), self.weight, self.bias_fp32).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def _wide(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // max(self.in_features, 1)
+        return self.wide_from_rows is not None and rows >= self.wide_from_rows and large_batches_in_fp32()
 
 
 class WideningLinear(nn.Module):

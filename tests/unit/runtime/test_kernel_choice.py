@@ -11,12 +11,15 @@ import torch
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.kernel_choice import (
+    WIDE_LARGE_BATCHES,
     KernelChoice,
     KernelStatus,
     choose_kernels,
     decide,
     fallback_cost,
     kernel_status,
+    large_batch_dtype,
+    large_batches_in_fp32,
 )
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 
@@ -37,8 +40,31 @@ def test_loaded_kernels_run_native_with_their_tier_and_no_notes() -> None:
         "native", "avx512", True
     )
     assert decide("auto", True, FP32, BF16, "cpu", LOADED_AVX2, "no oneDNN") == KernelChoice(
-        "native", "avx2", True
+        "native", "avx2", True, large_batches="float32"
     )
+
+
+def test_large_batches_compute_in_fp32_where_fmas_outrun_bf16_dot_products_and_there_is_no_amx() -> None:
+    assert large_batch_dtype("fma", amx=False) == FP32
+    assert large_batch_dtype("fma", amx=True) == BF16  # oneDNN's BF16 GEMM runs on the AMX tiles
+    assert large_batch_dtype("dpbf16", amx=False) == BF16
+    assert large_batch_dtype(None, amx=False) == BF16  # our AVX-512 library does not run here
+    wide = decide("auto", True, BF16, BF16, "cpu", LOADED_AVX512, None, wide_large_batches=True)
+    assert wide == KernelChoice("native", "avx512", True, (WIDE_LARGE_BATCHES,), large_batches="float32")
+    assert wide.describe()["large_batches"] == "float32"
+    # Only our native linears widen: oneDNN-prepacked or plain BF16 linears stay BF16.
+    for backend in ("prepacked", "plain"):
+        other = decide(backend, True, BF16, BF16, "cpu", LOADED_AVX512, None, wide_large_batches=True)
+        assert other.large_batches == "bfloat16" and WIDE_LARGE_BATCHES not in other.notes
+
+
+def test_the_choice_on_this_machine_reports_what_its_large_batches_compute_in() -> None:
+    choice = choose_kernels("auto", BF16, torch.device("cpu"))
+    if choice.backend != "native":
+        assert choice.large_batches == "bfloat16"
+    else:
+        assert choice.large_batches == ("float32" if large_batches_in_fp32() else "bfloat16")
+        assert (WIDE_LARGE_BATCHES in choice.notes) == large_batches_in_fp32()
 
 
 def test_a_build_that_failed_falls_back_with_its_reason_and_cost() -> None:
@@ -83,7 +109,11 @@ def test_what_was_asked_is_noted_and_the_tier_runs_where_any_of_our_kernels_do()
 def test_fp32_weights_and_accelerators_use_none_of_our_kernels() -> None:
     fp32 = decide("auto", True, FP32, FP32, "cpu", None, None)
     assert fp32 == KernelChoice(
-        "plain", "none", False, ("our kernels take BF16 weights; the weights are float32",)
+        "plain",
+        "none",
+        False,
+        ("our kernels take BF16 weights; the weights are float32",),
+        large_batches="float32",
     )
     cuda = decide("auto", True, BF16, BF16, "cuda", None, None)
     assert cuda == KernelChoice("plain", "none", False, ("cuda: PyTorch's device kernels",))

@@ -23,7 +23,7 @@ from kunlun_runtime.server.metrics import build_metrics
 FAULT = "building the avx2 CPU kernels failed: Command '['/bin/false', '--version']' returned non-zero exit status 1"
 FELL_BACK = RuntimeInfo(
     device="cpu",
-    kernels=KernelChoice("plain", "none", False, (), FAULT, fallback_cost("plain", torch.float32)),
+    kernels=KernelChoice("plain", "none", False, (), FAULT, fallback_cost("plain", torch.float32), "float32"),
     dtype=torch.float32,
     weight_dtype=torch.bfloat16,
     quantization="int8",
@@ -66,6 +66,7 @@ def test_version_fields_and_gauge_labels() -> None:
         "backend": "plain",
         "tier": "none",
         "native_layers": False,
+        "large_batches": "float32",
         "notes": [],
         "fault": FAULT,
         "cost": FELL_BACK.kernels.cost,
