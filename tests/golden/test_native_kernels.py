@@ -64,14 +64,13 @@ def test_native_decode_steps_match_fp32_reference(tiny_model_dirs, tier, name, c
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
-def test_a_prefill_in_fp32_over_widened_weights_is_as_accurate_as_the_bf16_gemm(
-    tiny_model_dirs, name, monkeypatch
-):
+def test_a_prefill_in_fp32_is_as_accurate_as_in_bf16(tiny_model_dirs, name, monkeypatch):
     """A prefill of WIDE_FROM_ROWS rows or more: where large_batches_in_fp32 (a CPU whose FMAs
     outrun its BF16 dot products, no AMX) the native linears run oneDNN's SGEMM over the weight
-    widened to FP32, else its BF16 GEMM; both are forced here, whatever this CPU would choose, and
-    checked layer by layer against the FP32 reference."""
-    from kunlun_runtime.layers import linear
+    widened to FP32 and the prompt's attention SDPA's FP32 kernel, else the BF16 ones; both are
+    forced here, whatever this CPU would choose, and checked layer by layer against the FP32
+    reference."""
+    from kunlun_runtime.layers import attention, linear
 
     if not cpu_kernels.load(torch.bfloat16):
         pytest.skip(str(cpu_kernels.unavailable_reason(torch.bfloat16)))
@@ -83,6 +82,7 @@ def test_a_prefill_in_fp32_over_widened_weights_is_as_accurate_as_the_bf16_gemm(
     monkeypatch.setattr(linear, "widened_linear", lambda *a, **k: widened.append(1) or real(*a, **k))
     for wide in (True, False):
         monkeypatch.setattr(linear, "large_batches_in_fp32", lambda wide=wide: wide)
+        monkeypatch.setattr(attention, "large_batches_in_fp32", lambda wide=wide: wide)
         model = load_model(model_dir, torch.bfloat16, torch.device("cpu"), 160, compute_dtype=torch.bfloat16)[
             0
         ]

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kunlun_runtime.layers.kernel_choice import large_batches_in_fp32
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -269,10 +271,24 @@ def as_stored(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def fresh_prompt_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    enable_gqa: bool,
+    in_fp32: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of one prompt over its own keys, q [T, H, D], k/v [T, KVH, D] → [T, H * D]:
-    plain causal SDPA, which takes its flash path (the long-prompt TTFT case)."""
+    plain causal SDPA, which takes its flash path (the long-prompt TTFT case). BF16 on a CPU
+    computes in FP32 where ``large_batches_in_fp32`` (FMAs outrun the BF16 dot products and no
+    AMX), q/k/v widened and the output rounded back (SDPA's FP32 kernel took 0.70-0.81 of its
+    BF16 one's time there, the casts included); ``in_fp32`` overrides that (benchmarks time the
+    kernel HF calls)."""
+    dtype = q.dtype
+    if in_fp32 is None:
+        in_fp32 = dtype == torch.bfloat16 and q.device.type == "cpu" and large_batches_in_fp32()
+    if in_fp32:
+        q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -281,7 +297,7 @@ def fresh_prompt_attention(
         scale=scale,
         enable_gqa=enable_gqa,
     )
-    return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], q.shape[1] * q.shape[2])
+    return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], q.shape[1] * q.shape[2]).to(dtype)
 
 
 def _unfused_attention(

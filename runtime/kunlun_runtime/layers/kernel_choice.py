@@ -111,8 +111,8 @@ def fallback_cost(backend: str, dtype: torch.dtype) -> str:
 
 # Why a large batch's BF16 linears run in FP32 where large_batch_dtype says so.
 WIDE_LARGE_BATCHES = (
-    "prefill linears in FP32 over BF16 weights widened chunk by chunk: this CPU's FP32 FMAs outrun "
-    "its BF16 dot products, and it has no AMX for oneDNN's BF16 GEMM"
+    "prefill in FP32 (linears over BF16 weights widened chunk by chunk, a prompt's attention): this "
+    "CPU's FP32 FMAs outrun its BF16 dot products, and it has no AMX for oneDNN's BF16 GEMM"
 )
 
 
@@ -122,7 +122,8 @@ def large_batch_dtype(bf16_dot: str | None, amx: bool) -> torch.dtype:
     AVX-512 library's probe chose FP32 FMAs for its BF16 dot products (``bf16_dot`` ``fma``: at
     least 1.5x VDPBF16PS's rate) and the CPU has no AMX, on which oneDNN runs BF16 far faster;
     else BF16 (oneDNN's BF16 GEMM, whose dot products are VDPBF16PS). Both accumulate the exact
-    products of BF16 values in FP32 and round once; only the order of the sums differs."""
+    products of BF16 values in FP32 and round once; only the order of the sums differs. A prompt's
+    own attention follows the same choice (``attention.fresh_prompt_attention``)."""
     return torch.float32 if bf16_dot == "fma" and not amx else torch.bfloat16
 
 

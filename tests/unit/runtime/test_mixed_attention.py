@@ -166,3 +166,34 @@ def test_native_mixed_step_matches_the_reference_and_its_decodes_match_a_decode_
         decode_meta.block_tables, decode_meta.context_lens, HEAD_DIM**-0.5, window or 0,
     )  # fmt: skip
     assert torch.equal(out[rows], alone)
+
+
+def test_a_fresh_prompt_attends_in_fp32_where_asked_and_returns_its_own_dtype() -> None:
+    """``fresh_prompt_attention`` in FP32 (where large batches compute in FP32, or asked): BF16
+    q/k/v widened, SDPA's FP32 kernel, the output rounded back once; in BF16 otherwise. Both
+    within BF16's rounding of an FP64 reference."""
+    from kunlun_runtime.layers.attention import fresh_prompt_attention
+
+    generator = torch.Generator().manual_seed(3)
+    tokens = 37
+    q, k, v = (
+        torch.randn(tokens, h, HEAD_DIM, generator=generator).bfloat16() for h in (HEADS, KV_HEADS, KV_HEADS)
+    )
+    scale = HEAD_DIM**-0.5
+    groups = HEADS // KV_HEADS
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double().repeat_interleave(groups, 1)) * scale
+    scores = scores.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
+    reference = torch.einsum("hts,shd->thd", scores.softmax(-1), v.double().repeat_interleave(groups, 1))
+    reference = reference.reshape(tokens, HEADS * HEAD_DIM)
+    wide = fresh_prompt_attention(q, k, v, scale, True, in_fp32=True)
+    narrow = fresh_prompt_attention(q, k, v, scale, True, in_fp32=False)
+    assert wide.dtype == narrow.dtype == torch.bfloat16
+    widened = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float().transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    assert torch.equal(wide, widened.squeeze(0).transpose(0, 1).reshape(tokens, -1).bfloat16())
+    for out in (wide, narrow):
+        assert (out.double() - reference).abs().max() <= 2**-7 * reference.abs().max()
