@@ -132,7 +132,7 @@ class PrefillKernels:
             torch.nn.functional.linear(inputs[weight.shape[1]], weight)
         middle = time.perf_counter()
         for _ in range(config.num_layers):
-            fresh_prompt_attention(q, k, v, scale, gqa, in_fp32=False)  # SDPA as HF calls it
+            fresh_prompt_attention(q, k, v, scale, gqa)
         return middle - start, time.perf_counter() - middle
 
 

@@ -74,7 +74,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """The engine's fresh-prompt attention (SDPA's causal flash kernel, as HF's prefill calls it)."""
-    return fresh_prompt_attention(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1], in_fp32=False)
+    return fresh_prompt_attention(q, k, v, scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -70,27 +70,34 @@ def test_a_prefill_in_fp32_is_as_accurate_as_in_bf16(tiny_model_dirs, name, monk
     widened to FP32 and the prompt's attention SDPA's FP32 kernel, else the BF16 ones; both are
     forced here, whatever this CPU would choose, and checked layer by layer against the FP32
     reference."""
-    from kunlun_runtime.layers import attention, linear
+    from kunlun_runtime.layers import attention, attention_backend, linear
 
     if not cpu_kernels.load(torch.bfloat16):
         pytest.skip(str(cpu_kernels.unavailable_reason(torch.bfloat16)))
     tokens = [(13 * i + 5) % 300 for i in range(linear.WIDE_FROM_ROWS + 24)]
     model_dir = tiny_model_dirs[name]
     errors = {}
-    widened: list[int] = []
-    real = linear.widened_linear
-    monkeypatch.setattr(linear, "widened_linear", lambda *a, **k: widened.append(1) or real(*a, **k))
+    widened: list[int] = []  # widened linears
+    prompts: list[bool] = []  # fresh prompts' attention: in FP32 or not
+    real_linear, real_attention = linear.widened_linear, attention.fresh_prompt_attention
+    monkeypatch.setattr(linear, "widened_linear", lambda *a, **k: widened.append(1) or real_linear(*a, **k))
+    monkeypatch.setattr(
+        attention,
+        "fresh_prompt_attention",
+        lambda *a, **k: prompts.append(k.get("in_fp32", False)) or real_attention(*a, **k),
+    )
     for wide in (True, False):
         monkeypatch.setattr(linear, "large_batches_in_fp32", lambda wide=wide: wide)
-        monkeypatch.setattr(attention, "large_batches_in_fp32", lambda wide=wide: wide)
-        model = load_model(model_dir, torch.bfloat16, torch.device("cpu"), 160, compute_dtype=torch.bfloat16)[
-            0
-        ]
-        convert_linears(model, backend="native", quantization=None, compute_dtype=torch.bfloat16)
+        monkeypatch.setattr(attention_backend, "large_batches_in_fp32", lambda wide=wide: wide)
+        model = load_model(model_dir, torch.bfloat16, torch.device("cpu"), 160, compute_dtype=torch.bfloat16)
+        convert_linears(model[0], backend="native", quantization=None, compute_dtype=torch.bfloat16)
+        assert model[0].enable_native_kernels()
         widened.clear()
-        report = run_golden(model, model_dir, tokens, chunk_size=None)
+        prompts.clear()
+        report = run_golden(model[0], model_dir, tokens, chunk_size=None)
         assert report.passed, [(layer.name, layer.max_rel_err) for layer in report.layers]
-        assert bool(widened) == wide  # the path asked for ran (and only then)
+        # The paths asked for ran, and only then: every layer's prompt attention in FP32 or none.
+        assert bool(widened) == wide and prompts and set(prompts) == {wide}
         errors[wide] = report.layers[-1].max_rel_err
     assert errors[True] <= 1.5 * errors[False] + 1e-3
 

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kunlun_runtime.layers.kernel_choice import large_batches_in_fp32
-
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -198,9 +196,11 @@ def paged_attention(
     fused: bool = True,
     enable_gqa: bool | None = None,
     kv_written: bool = False,
+    prompt_in_fp32: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] → attention output [T, H * D]; stores k/v in the pool unless
-    ``kv_written`` says the caller already has.
+    ``kv_written`` says the caller already has. ``prompt_in_fp32``: a fresh prompt's attention
+    computes in FP32 (``fresh_prompt_attention``).
 
     ``fused=False`` is the unfused reference path (QKᵀ, mask, softmax, ·V as separate ops with
     the full score matrix materialised), kept for the benchmark's ablation table.
@@ -233,7 +233,8 @@ def paged_attention(
     if fused and meta.is_fresh_single_prefill:
         # One prompt from position 0: its own K/V are the whole context, so attend to them as they
         # are (no gather from the pool; the pool holds the same values, once rounded to its dtype).
-        return fresh_prompt_attention(q, as_stored(k, k_blocks), as_stored(v, v_blocks), scale, gqa)
+        k, v = as_stored(k, k_blocks), as_stored(v, v_blocks)
+        return fresh_prompt_attention(q, k, v, scale, gqa, in_fp32=prompt_in_fp32)
 
     num_seqs, max_blocks = meta.block_tables.shape
     # index_select on the flattened table copies whole blocks, far cheaper than advanced indexing.
@@ -276,17 +277,14 @@ def fresh_prompt_attention(
     v: torch.Tensor,
     scale: float,
     enable_gqa: bool,
-    in_fp32: bool | None = None,
+    in_fp32: bool = False,
 ) -> torch.Tensor:
     """Causal attention of one prompt over its own keys, q [T, H, D], k/v [T, KVH, D] → [T, H * D]:
-    plain causal SDPA, which takes its flash path (the long-prompt TTFT case). BF16 on a CPU
-    computes in FP32 where ``large_batches_in_fp32`` (FMAs outrun the BF16 dot products and no
-    AMX), q/k/v widened and the output rounded back (SDPA's FP32 kernel took 0.70-0.81 of its
-    BF16 one's time there, the casts included); ``in_fp32`` overrides that (benchmarks time the
-    kernel HF calls)."""
+    plain causal SDPA, which takes its flash path (the long-prompt TTFT case). ``in_fp32``: q/k/v
+    widened to FP32 and the output rounded back to their dtype (where the native backend's
+    ``large_batches_in_fp32``: SDPA's FP32 kernel took 0.70-0.81 of its BF16 one's time on a CPU
+    whose FMAs outrun its BF16 dot products, the casts included)."""
     dtype = q.dtype
-    if in_fp32 is None:
-        in_fp32 = dtype == torch.bfloat16 and q.device.type == "cpu" and large_batches_in_fp32()
     if in_fp32:
         q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(

@@ -26,6 +26,7 @@ import torch
 
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.attention import AttentionMetadata, MixedSplit, paged_attention
+from kunlun_runtime.layers.kernel_choice import large_batches_in_fp32
 from kunlun_runtime.layers.rotary import apply_rotary
 
 # The KV cache dtypes each kernel tier reads, by the activation dtype it computes in.
@@ -81,10 +82,21 @@ class PagedAttention:
         q, k = cpu_kernels.rotary_kv_write(
             q, k, v, cos, sin, k_blocks, v_blocks, meta.slot_block_ids, meta.slot_offsets
         )
-        return self._sdpa(q, k, v, k_blocks, v_blocks, meta, kv_written=True)
+        # A fresh prompt in FP32 where the native linears compute large batches so (same rule).
+        wide = q.dtype == torch.bfloat16 and large_batches_in_fp32()
+        return self._sdpa(q, k, v, k_blocks, v_blocks, meta, kv_written=True, prompt_in_fp32=wide)
 
     def _sdpa(
-        self, q, k, v, k_blocks, v_blocks, meta: AttentionMetadata, *, kv_written: bool
+        self,
+        q,
+        k,
+        v,
+        k_blocks,
+        v_blocks,
+        meta: AttentionMetadata,
+        *,
+        kv_written: bool,
+        prompt_in_fp32: bool = False,
     ) -> torch.Tensor:
         return paged_attention(
             q,
@@ -97,6 +109,7 @@ class PagedAttention:
             fused=self.fused,
             enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
             kv_written=kv_written,
+            prompt_in_fp32=prompt_in_fp32,
         )
 
     def _decode(self, q, k, v, cos, sin, k_blocks, v_blocks, meta: AttentionMetadata) -> torch.Tensor:

@@ -109,11 +109,19 @@ def fallback_cost(backend: str, dtype: torch.dtype) -> str:
     return f"decode runs on {runs_on} of its speed with our kernels where measured (docs/performance.md)"
 
 
-# Why a large batch's BF16 linears run in FP32 where large_batch_dtype says so.
+# Why a prefill computes in FP32 where large_batch_dtype says so: "{what}" is what does.
 WIDE_LARGE_BATCHES = (
-    "prefill in FP32 (linears over BF16 weights widened chunk by chunk, a prompt's attention): this "
-    "CPU's FP32 FMAs outrun its BF16 dot products, and it has no AMX for oneDNN's BF16 GEMM"
+    "prefill in FP32 ({what}): this CPU's FP32 FMAs outrun its BF16 dot products, and it has no AMX "
+    "for oneDNN's BF16 GEMM"
 )
+WIDE_LINEARS = "linears over BF16 weights widened chunk by chunk"
+WIDE_ATTENTION = "a prompt's attention"
+
+
+def wide_note(linears: bool, attention: bool) -> str:
+    """The start line's note on what of a prefill computes in FP32 (at least one of the two)."""
+    what = [name for name, wide in ((WIDE_LINEARS, linears), (WIDE_ATTENTION, attention)) if wide]
+    return WIDE_LARGE_BATCHES.format(what=", ".join(what))
 
 
 def large_batch_dtype(bf16_dot: str | None, amx: bool) -> torch.dtype:
@@ -123,7 +131,7 @@ def large_batch_dtype(bf16_dot: str | None, amx: bool) -> torch.dtype:
     least 1.5x VDPBF16PS's rate) and the CPU has no AMX, on which oneDNN runs BF16 far faster;
     else BF16 (oneDNN's BF16 GEMM, whose dot products are VDPBF16PS). Both accumulate the exact
     products of BF16 values in FP32 and round once; only the order of the sums differs. A prompt's
-    own attention follows the same choice (``attention.fresh_prompt_attention``)."""
+    own attention, in our native attention path, follows the same choice (``attention_backend``)."""
     return torch.float32 if bf16_dot == "fma" and not amx else torch.bfloat16
 
 
@@ -146,8 +154,8 @@ def decide(
     wide_large_batches: bool = False,
 ) -> KernelChoice:
     """The choice from the facts (pure). ``kernels`` is None where they were not consulted;
-    ``wide_large_batches``: ``large_batches_in_fp32`` (what native BF16 linears past our kernels'
-    rows compute in)."""
+    ``wide_large_batches``: ``large_batches_in_fp32``, which our native linears (past their own
+    kernels' rows) and our native attention (a fresh prompt's) follow."""
     if device_type != "cpu":
         backend = "plain" if requested == "auto" else requested
         device_notes = (f"{device_type}: PyTorch's device kernels",)
@@ -177,10 +185,11 @@ def decide(
         return KernelChoice(
             backend, tier, False, tuple(notes), kernels.reason, fallback_cost(backend, dtype), _name(dtype)
         )
-    wide = wide_large_batches and backend == "native" and dtype == weight_dtype == torch.bfloat16
-    if wide:
-        notes.append(WIDE_LARGE_BATCHES)
-    large = _name(torch.float32 if wide else dtype)
+    wide = wide_large_batches and dtype == weight_dtype == torch.bfloat16
+    wide_linears, wide_attention = wide and backend == "native", wide and native_layers
+    if wide_linears or wide_attention:
+        notes.append(wide_note(wide_linears, wide_attention))
+    large = _name(torch.float32 if wide_linears else dtype)
     return KernelChoice(backend, tier, native_layers, tuple(notes), large_batches=large)
 
 

@@ -11,7 +11,8 @@ import torch
 from kunlun_runtime.errors import ConfigError
 from kunlun_runtime.layers import cpu_kernels
 from kunlun_runtime.layers.kernel_choice import (
-    WIDE_LARGE_BATCHES,
+    WIDE_ATTENTION,
+    WIDE_LINEARS,
     KernelChoice,
     KernelStatus,
     choose_kernels,
@@ -20,6 +21,7 @@ from kunlun_runtime.layers.kernel_choice import (
     kernel_status,
     large_batch_dtype,
     large_batches_in_fp32,
+    wide_note,
 )
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 
@@ -50,12 +52,20 @@ def test_large_batches_compute_in_fp32_where_fmas_outrun_bf16_dot_products_and_t
     assert large_batch_dtype("dpbf16", amx=False) == BF16
     assert large_batch_dtype(None, amx=False) == BF16  # our AVX-512 library does not run here
     wide = decide("auto", True, BF16, BF16, "cpu", LOADED_AVX512, None, wide_large_batches=True)
-    assert wide == KernelChoice("native", "avx512", True, (WIDE_LARGE_BATCHES,), large_batches="float32")
+    assert wide == KernelChoice("native", "avx512", True, (wide_note(True, True),), large_batches="float32")
     assert wide.describe()["large_batches"] == "float32"
-    # Only our native linears widen: oneDNN-prepacked or plain BF16 linears stay BF16.
-    for backend in ("prepacked", "plain"):
-        other = decide(backend, True, BF16, BF16, "cpu", LOADED_AVX512, None, wide_large_batches=True)
-        assert other.large_batches == "bfloat16" and WIDE_LARGE_BATCHES not in other.notes
+    assert WIDE_LINEARS in wide.notes[0] and WIDE_ATTENTION in wide.notes[0]
+    # Only our own linears and attention widen: oneDNN-prepacked or plain BF16 linears stay BF16,
+    # and without our native layers a prompt's attention does too.
+    plain = decide("plain", True, BF16, BF16, "cpu", LOADED_AVX512, None, wide_large_batches=True)
+    assert plain.large_batches == "bfloat16" and plain.notes[-1] == wide_note(False, True)
+    assert WIDE_LINEARS not in plain.notes[-1]
+    neither = decide("prepacked", False, BF16, BF16, "cpu", LOADED_AVX512, None, wide_large_batches=True)
+    assert neither.large_batches == "bfloat16" and not any("FP32" in note for note in neither.notes)
+    assert decide("auto", False, BF16, BF16, "cpu", LOADED_AVX512, None, wide_large_batches=True).notes == (
+        "--no-native-kernels as asked",
+        wide_note(True, False),
+    )
 
 
 def test_the_choice_on_this_machine_reports_what_its_large_batches_compute_in() -> None:
@@ -64,7 +74,7 @@ def test_the_choice_on_this_machine_reports_what_its_large_batches_compute_in() 
         assert choice.large_batches == "bfloat16"
     else:
         assert choice.large_batches == ("float32" if large_batches_in_fp32() else "bfloat16")
-        assert (WIDE_LARGE_BATCHES in choice.notes) == large_batches_in_fp32()
+        assert (wide_note(True, True) in choice.notes) == large_batches_in_fp32()
 
 
 def test_a_build_that_failed_falls_back_with_its_reason_and_cost() -> None:
