@@ -42,7 +42,7 @@ LINEAR_BACKENDS = frozenset({"plain", "prepacked", "native"})
 # weight larger than that (a vocabulary projection) is widened and multiplied in row chunks.
 WORKSPACE_ELEMENTS = 4 << 20
 # From this many rows a native BF16 linear runs in FP32 where ``large_batches_in_fp32``: on a Xeon
-# without AMX, oneDNN's SGEMM over the widened weight took 0.95x the BF16 GEMM's time at 65 rows
+# without AMX, oneDNN's SGEMM over the widened weight ran at 0.95x the BF16 GEMM's speed at 65 rows
 # (the widening not yet paid for), 1.18x at 96, 1.5-1.6x at 512-2,048 (docs/performance.md).
 WIDE_FROM_ROWS = 96
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
@@ -132,7 +132,7 @@ class NativeLinear(nn.Module):
     # measure the earlier limit beside the current one).
     max_rows: int = cpu_kernels.MAX_ROWS
     # Batches of this many rows or more compute in FP32 where ``large_batches_in_fp32`` (None:
-    # never; benchmarks set it to measure the BF16 GEMM beside it).
+    # never, to time the BF16 GEMM beside it in one process).
     wide_from_rows: int | None = WIDE_FROM_ROWS
 
     def __init__(self, linear: nn.Linear) -> None:
