@@ -57,8 +57,8 @@ class KernelChoice:
     notes: tuple[str, ...] = ()  # why it is what it is where that was asked or is the machine's limit
     fault: str | None = None  # our kernels should run here but did not build or load: why
     cost: str | None = None  # what the fault costs
-    # The arithmetic of BF16 linears past our kernels' rows (prefill): bfloat16 | float32
-    # (large_batch_dtype)
+    # What our native BF16 linears of a large batch (a prefill: linear.WIDE_FROM_ROWS rows or
+    # more) compute in: bfloat16 | float32 (large_batch_dtype)
     large_batches: str = "bfloat16"
 
     def describe(self) -> dict[str, object]:
