@@ -150,6 +150,24 @@ from=(--build-arg "COMMON_IMAGE=$common_image" --build-arg "PACKAGE_IMAGE=$packa
 # The local CPU torch wheel, when there is one; without it the lock's URL is used.
 [ -d "$wheels" ] && from+=(-v "$wheels:/wheels:ro")
 
+# The operator and the device plugin build beside the runtime (their pip installs mostly wait on
+# the network while the runtime's kernels compile): each into a log of its own, printed when done.
+side_logs=$(mktemp -d)
+side_builds=()
+beside() {  # beside NAME COMMAND...: run in the background, output to NAME's log
+    local name=$1
+    shift
+    "$@" > "$side_logs/$name.log" 2>&1 &
+    side_builds+=("$name:$!")
+}
+if wanted operator; then
+    beside operator timed operator podman build "${common[@]}" "${from[@]}" \
+        -f operator/Dockerfile -t localhost/kunlun-operator:dev .
+fi
+if wanted device-plugin; then
+    beside device-plugin timed device-plugin podman build "${common[@]}" "${from[@]}" \
+        -f device-plugin/Dockerfile --target host-xpu-smi -t localhost/kunlun-device-plugin:dev .
+fi
 if wanted cpu; then
     timed runtime:cpu podman build "${common[@]}" "${from[@]}" \
         -f runtime/Dockerfile --target cpu -t localhost/kunlun-runtime:cpu .
@@ -164,12 +182,17 @@ if wanted kunlun; then
         --build-arg "KUNLUN_DRIVER_VERSION=$(stack_value driver)" \
         -f runtime/Dockerfile --target kunlun "${tags[@]}" .
 fi
-if wanted operator; then
-    timed operator podman build "${common[@]}" "${from[@]}" \
-        -f operator/Dockerfile -t localhost/kunlun-operator:dev .
-fi
-if wanted device-plugin; then
-    timed device-plugin podman build "${common[@]}" "${from[@]}" \
-        -f device-plugin/Dockerfile --target host-xpu-smi -t localhost/kunlun-device-plugin:dev .
+failed=""
+for build in "${side_builds[@]}"; do
+    name=${build%%:*}
+    status=0
+    wait "${build#*:}" || status=$?
+    cat "$side_logs/$name.log"
+    [ "$status" = 0 ] || failed="$failed $name"
+done
+rm -rf "$side_logs"
+if [ -n "$failed" ]; then
+    echo "build-images: failed:$failed" >&2
+    exit 1
 fi
 echo "build-images: version $version done"
