@@ -21,6 +21,13 @@
 # Environment: PYTHON (a Python with PyYAML, default .venv/bin/python), WHEELS (a folder holding
 # the CPU torch wheel, default the first entry of PIP_FIND_LINKS, else /opt/wheels), DEBIAN_MIRROR.
 set -euo pipefail
+# One build at a time per checkout (flock, where there is one): CI starts the build in the
+# background, and the image tests, which build what they need from the layer cache, wait for it.
+if [ -z "${KUNLUN_IMAGES_LOCKED:-}" ] && command -v flock >/dev/null; then
+    lock_dir="$(cd "$(dirname "$0")/.." && pwd)/.tools"
+    mkdir -p "$lock_dir"
+    exec env KUNLUN_IMAGES_LOCKED=1 flock "$lock_dir/build-images.lock" bash "$0" "$@"
+fi
 caller=$PWD
 absolute() { case "$1" in /*|"") echo "$1" ;; *) echo "$caller/$1" ;; esac; }
 cd "$(dirname "$0")/.."

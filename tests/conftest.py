@@ -4,15 +4,26 @@ fetches (or a package it installs) is missing is reported as failed, naming it
 
 Other skips (another CPU tier, no GPU, no cluster) stay skips; pytest's ``-ra`` (pyproject's
 addopts) lists their reasons at the end of the run.
+
+The image tests (tests/images) run last: CI builds the images in the background while the other
+tests run (.ci/run), and the image tests wait for that build (scripts/build-images.sh takes a lock).
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 
 from tests.support.prerequisites import REQUIRE_ENV, missing_tool_named, tools_required
+
+IMAGE_TESTS = Path(__file__).parent / "images"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The image tests last, each group in its collected order."""
+    items.sort(key=lambda item: item.path.is_relative_to(IMAGE_TESTS))  # a stable sort
 
 
 def skip_reason(report: pytest.TestReport) -> str:

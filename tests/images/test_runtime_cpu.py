@@ -143,6 +143,17 @@ def test_our_kernels_load_in_the_container_and_every_report_says_so(server: Serv
     assert f"backend=native tier={HOST_TIER} " in logs.stdout + logs.stderr
 
 
+def test_the_image_holds_every_tiers_kernels_whatever_cpu_built_it(
+    podman: Podman, runtime_cpu_image: str
+) -> None:
+    # The image's build step compiles each tier's library without loading it (cpu_kernels
+    # --build-to), also a tier the build host cannot run, so the image serves any x86-64 CPU.
+    from kunlun_runtime.layers.cpu_kernels import TIERS
+
+    listed = podman("run", "--rm", "--network", "none", "--entrypoint", "ls", runtime_cpu_image, PREBUILT)
+    assert sorted(listed.stdout.split()) == sorted(f"{tier.namespace}.so" for tier in TIERS.values())
+
+
 def test_kernels_that_do_not_load_stop_the_container_naming_why(
     podman: Podman, runtime_cpu_image: str, tmp_path: Path
 ) -> None:
