@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kunlun_runtime.layers.cpu_kernels import TIERS
 from kunlun_runtime.platforms.cpu_features import IsaTier, cpu_capabilities
 from tests.images.conftest import REPO, Podman, free_port
 from tests.support import waiting
@@ -148,8 +149,6 @@ def test_the_image_holds_every_tiers_kernels_whatever_cpu_built_it(
 ) -> None:
     # The image's build step compiles each tier's library without loading it (cpu_kernels
     # --build-to), also a tier the build host cannot run, so the image serves any x86-64 CPU.
-    from kunlun_runtime.layers.cpu_kernels import TIERS
-
     listed = podman("run", "--rm", "--network", "none", "--entrypoint", "ls", runtime_cpu_image, PREBUILT)
     assert sorted(listed.stdout.split()) == sorted(f"{tier.namespace}.so" for tier in TIERS.values())
 
